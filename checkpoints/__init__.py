@@ -1,0 +1,1 @@
+"""Data package: pretrained policies (NAME.zip with NAME.json)."""

@@ -1,0 +1,1 @@
+"""Data package: hardware profiles, model sizes and PPO settings (YAML)."""

@@ -1,0 +1,360 @@
+"""Profile one real training step into a Trace, through ``saved_tensors_hooks`` (DESIGN.md "Trace").
+
+``profile(model, inputs, loss_fn)`` runs the step twice on a real device: first a *structure*
+pass under a dispatch mode that names the aten op behind each saved tensor and a
+``FlopCounterMode`` that counts FLOPs per gap, then a *timing* pass with nothing but light hooks
+(``perf_counter`` on the CPU; one CUDA event per hook on a GPU, read after a single synchronize).
+Gradients, RNG and buffers are restored between the passes, so after ``profile`` the model holds
+exactly the gradients of one plain training step. On the ``meta`` device only the structure pass
+runs and the gaps are timed by roofline for a target :class:`~swapsched.hardware.Hardware`.
+
+Identity (R2): one tensor per storage, keyed by the address of the C++ ``StorageImpl``
+(``untyped_storage()._cdata``), which is unique while the storage lives even on ``meta``, where data
+pointers are all zero. The recorder holds each storage until the step ends so no address is reused.
+Parameters (leaves that require grad, and views of them) and buffers are not saved tensors: they
+are counted in ``static_bytes`` together with gradients and optimizer state.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack
+from dataclasses import replace
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from swapsched.hardware import Hardware, load_hardware
+from swapsched.trace import Event, TensorInfo, Trace
+
+__all__ = ["profile", "ProfileError", "TraceRecorder", "is_parameter", "storage_key", "static_bytes_of"]
+
+
+class ProfileError(RuntimeError):
+    """The step could not be profiled (no saved tensors, or two passes disagree)."""
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of a tensor's storage; valid on every device including ``meta`` (R2)."""
+    return t.untyped_storage()._cdata
+
+
+def is_parameter(t: torch.Tensor) -> bool:
+    """A parameter or a view of one: a leaf that requires grad, directly or through ``_base``."""
+    root = t._base if t._base is not None else t
+    return bool(root.is_leaf and root.requires_grad)
+
+
+class _OpNames(TorchDispatchMode):
+    """Names the aten op that saved each tensor.
+
+    Autograd saves an op's *inputs* before it dispatches the op and its *outputs* after, and a
+    dispatch mode runs below autograd. So a packed tensor that is an output of the op dispatched
+    last was saved by that op; any other packed tensor is an input of the op dispatched next.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last = ""
+        self.last_outputs: set[int] = set()
+        self.waiting: list[Callable[[str], None]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        name = func.overloadpacket.__name__
+        for assign in self.waiting:
+            assign(name)
+        self.waiting.clear()
+        out = func(*args, **(kwargs or {}))
+        self.last = name
+        flat = out if isinstance(out, (tuple, list)) else (out,)
+        self.last_outputs = {storage_key(x) for x in flat if isinstance(x, torch.Tensor)}
+        return out
+
+    def name_saver(self, t: torch.Tensor, assign: Callable[[str], None]) -> None:
+        if storage_key(t) in self.last_outputs:
+            assign(self.last)
+        else:
+            self.waiting.append(assign)
+
+
+class _ModulePath:
+    """Tracks the module path of the forward code running now (global module hooks)."""
+
+    def __init__(self, model: nn.Module):
+        self.names = {id(m): n for n, m in model.named_modules()}
+        self.stack: list[str] = []
+
+    def __enter__(self) -> "_ModulePath":
+        reg = torch.nn.modules.module
+        self._handles = [reg.register_module_forward_pre_hook(self._enter), reg.register_module_forward_hook(self._leave)]
+        return self
+
+    # both hooks must return None: a value returned would replace the module's input or output
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        self.stack.append(self.names.get(id(module), type(module).__name__))
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.stack:
+            self.stack.pop()
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+
+    @property
+    def current(self) -> str:
+        return self.stack[-1] if self.stack else ""
+
+
+class TraceRecorder:
+    """Turns a stream of pack/unpack hook calls into trace events (shared with the live runtime).
+
+    ``pack`` returns the trace tensor id for a saved tensor, or ``None`` for a parameter. Gap
+    times come from ``clock``: ``"cpu"`` (perf_counter, hook cost excluded), ``"cuda"`` (one
+    event recorded per hook, resolved in :meth:`finish`), or ``None`` (no timing: meta).
+    """
+
+    def __init__(self, clock: str | None, ops: _OpNames | None = None, flops: FlopCounterMode | None = None,
+                 modules: _ModulePath | None = None):
+        self.clock, self.ops, self.flops, self.modules = clock, ops, flops, modules
+        self.ids: dict[int, int] = {}
+        self.keepalive: list[Any] = []  # storages held until the step ends, so keys stay unique
+        self.tensors: list[TensorInfo] = []
+        self.op_names: list[str] = []
+        self.kinds: list[str] = []
+        self.tensor_of: list[int] = []
+        self.gaps: list[float] = []
+        self.flop_marks: list[float] = []
+        self.cuda_marks: list[Any] = []
+        self.hook_s = 0.0
+        self._last = 0.0
+
+    def start(self) -> None:
+        if self.clock == "cuda":
+            self._start_event = torch.cuda.Event(enable_timing=True)
+            self._start_event.record()
+        self._last = time.perf_counter()
+
+    def _mark(self, t0: float) -> None:
+        if self.clock == "cpu":
+            self.gaps.append(t0 - self._last)
+        elif self.clock == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.cuda_marks.append(ev)
+        if self.flops is not None:
+            self.flop_marks.append(float(self.flops.get_total_flops()))
+
+    def pack(self, t: torch.Tensor) -> int | None:
+        t0 = time.perf_counter()
+        if is_parameter(t):
+            return None
+        key = storage_key(t)
+        tid = self.ids.get(key)
+        if tid is None:
+            tid = self.ids[key] = len(self.tensors)
+            st = t.untyped_storage()
+            self.keepalive.append(st)
+            self.tensors.append(
+                TensorInfo(
+                    id=tid, bytes=int(st.nbytes()), shape=tuple(t.shape), dtype=str(t.dtype).replace("torch.", ""),
+                    module=self.modules.current if self.modules else "",
+                )
+            )
+            self.op_names.append("")
+            if self.ops is not None:
+                self.ops.name_saver(t, lambda name, i=tid: self.op_names.__setitem__(i, name))
+        self._mark(t0)
+        self.kinds.append("pack")
+        self.tensor_of.append(tid)
+        self._end_hook(t0)
+        return tid
+
+    def unpack(self, tid: int | None) -> None:
+        if tid is None:
+            return
+        t0 = time.perf_counter()
+        self._mark(t0)
+        self.kinds.append("unpack")
+        self.tensor_of.append(tid)
+        self._end_hook(t0)
+
+    def _end_hook(self, t0: float) -> None:
+        self._last = time.perf_counter()
+        self.hook_s += self._last - t0
+
+    def finish(self, name: str, device: str, static: int, timing: str) -> Trace:
+        """Build the Trace. Tensors never unpacked are dropped; their gaps merge into the next event's."""
+        end = time.perf_counter()
+        n = len(self.kinds)
+        if self.clock == "cuda":
+            end_ev = torch.cuda.Event(enable_timing=True)
+            end_ev.record()
+            torch.cuda.synchronize()
+            marks = [self._start_event, *self.cuda_marks, end_ev]
+            times = [a.elapsed_time(b) / 1e3 for a, b in zip(marks[:-1], marks[1:])]
+            gaps, tail = times[:n], times[n]
+        elif self.clock == "cpu":
+            gaps, tail = self.gaps, end - self._last
+        else:
+            gaps, tail = [0.0] * n, 0.0
+        total_flops = float(self.flops.get_total_flops()) if self.flops is not None else None
+        marks_f = [0.0, *self.flop_marks] if self.flops is not None else None
+        unpacked = {self.tensor_of[i] for i in range(n) if self.kinds[i] == "unpack"}
+        keep = sorted(unpacked)
+        remap = {old: new for new, old in enumerate(keep)}
+        events: list[Event] = []
+        carry_s, carry_f = 0.0, 0.0
+        for i in range(n):
+            g = gaps[i]
+            f = (marks_f[i + 1] - marks_f[i]) if marks_f else None
+            if self.tensor_of[i] not in remap:
+                carry_s += g
+                carry_f += f or 0.0
+                continue
+            events.append(Event(self.kinds[i], remap[self.tensor_of[i]], g + carry_s,
+                                None if f is None else f + carry_f))
+            carry_s, carry_f = 0.0, 0.0
+        tensors = tuple(replace(self.tensors[old], id=new, op=self.op_names[old]) for new, old in enumerate(keep))
+        if not events:
+            raise ProfileError(f"{name}: the step saved no tensors for backward; there is nothing to swap")
+        tail_flops = (total_flops - marks_f[-1] + carry_f) if marks_f else 0.0
+        return Trace(
+            name=name, timing=timing, device=device, static_bytes=int(static), tail_compute_s=float(tail + carry_s),
+            tensors=tensors, events=tuple(events),
+            meta={"tail_flops": tail_flops, "hook_s_per_event": self.hook_s / max(n, 1), "dropped_never_unpacked": len(self.tensors) - len(keep)},
+        )
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        def pack(t: torch.Tensor) -> Any:
+            tid = self.pack(t)
+            return (tid, t)
+
+        def unpack(packed: Any) -> torch.Tensor:
+            tid, t = packed
+            self.unpack(tid)
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def _optimizer_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    if optimizer is None:
+        return 0
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    if state:
+        return sum(v.numel() * v.element_size() for v in state)
+    # state is created lazily at the first step: count what it will hold
+    per_param = {torch.optim.Adam: 2, torch.optim.AdamW: 2, torch.optim.RMSprop: 1, torch.optim.Adagrad: 1}
+    mult = per_param.get(type(optimizer), 0)
+    if isinstance(optimizer, torch.optim.SGD):
+        mult = 1 if any(g.get("momentum", 0) for g in optimizer.param_groups) else 0
+    return mult * sum(p.numel() * p.element_size() for g in optimizer.param_groups for p in g["params"])
+
+
+def static_bytes_of(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Parameters + their gradients + buffers + optimizer state, each storage once."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        k = storage_key(p)
+        if k in seen:
+            continue
+        seen.add(k)
+        nb = p.untyped_storage().nbytes()
+        total += nb * (2 if p.requires_grad else 1)
+    for b in model.buffers():
+        k = storage_key(b)
+        if k not in seen:
+            seen.add(k)
+            total += b.untyped_storage().nbytes()
+    return total + _optimizer_state_bytes(model, optimizer)
+
+
+def _snapshot(model: nn.Module) -> tuple[Any, ...]:
+    grads = [(p, None if p.grad is None else p.grad.clone()) for p in model.parameters()]
+    buffers = [(b, b.clone()) for b in model.buffers()]
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return grads, buffers, torch.get_rng_state(), cuda_rng
+
+
+def _restore(snap: tuple[Any, ...]) -> None:
+    grads, buffers, rng, cuda_rng = snap
+    with torch.no_grad():
+        for p, g in grads:
+            p.grad = g
+        for b, v in buffers:
+            b.copy_(v)
+    torch.set_rng_state(rng)
+    if cuda_rng is not None:
+        torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def profile(
+    model: nn.Module,
+    inputs: tuple[Any, ...] | Any,
+    loss_fn: Callable[[Any], torch.Tensor] = lambda out: out.sum(),
+    optimizer: torch.optim.Optimizer | None = None,
+    device: str | torch.device | None = None,
+    *,
+    name: str = "model",
+    hardware: Hardware | str | None = None,
+) -> Trace:
+    """One training step of ``loss_fn(model(*inputs)).backward()`` as a Trace.
+
+    ``device`` defaults to where the model's parameters are. On ``meta`` the trace is timed by
+    roofline for ``hardware`` (default ``h100-pcie5``); elsewhere gaps are measured, and a
+    ``hardware`` argument retimes the measured trace by roofline afterwards.
+    """
+    if not isinstance(inputs, (tuple, list)):
+        inputs = (inputs,)
+    params = list(model.parameters())
+    dev = torch.device(device) if device is not None else (params[0].device if params else torch.device("cpu"))
+    if params and params[0].device.type != dev.type:
+        raise ProfileError(f"{name}: the model is on {params[0].device} but profiling was asked on {dev}; move it first")
+    static = static_bytes_of(model, optimizer)
+    model.train()
+
+    def run(rec: TraceRecorder) -> None:
+        rec.start()
+        with rec.hooks():
+            loss = loss_fn(model(*inputs))
+            loss.backward()
+
+    # structure pass: op names, FLOPs per gap, module paths
+    snap = _snapshot(model) if dev.type != "meta" else None
+    ops, flops = _OpNames(), FlopCounterMode(display=False)
+    with ExitStack() as stack:
+        mp = stack.enter_context(_ModulePath(model))
+        stack.enter_context(flops)
+        stack.enter_context(ops)
+        structure = TraceRecorder(None, ops=ops, flops=flops, modules=mp)
+        run(structure)
+    structural = structure.finish(name, str(dev), static, "roofline")
+
+    if dev.type == "meta":
+        hw = load_hardware(hardware or "h100-pcie5")
+        return replace(structural.retimed(hw), device=f"meta->{hw.name}")
+
+    _restore(snap)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    timing = TraceRecorder("cuda" if dev.type == "cuda" else "cpu")
+    run(timing)
+    measured = timing.finish(name, str(dev), static, "measured")
+    if [(e.kind, e.tensor) for e in measured.events] != [(e.kind, e.tensor) for e in structural.events]:
+        raise ProfileError(
+            f"{name}: two runs of the same step saved different tensors (data-dependent control flow?); "
+            "profile a step whose saved tensors do not depend on the data"
+        )
+    events = tuple(replace(m, flops=s.flops) for m, s in zip(measured.events, structural.events))
+    trace = replace(
+        measured, tensors=structural.tensors, events=events,
+        meta={**measured.meta, "tail_flops": structural.meta["tail_flops"]},
+    )
+    if hardware is not None:
+        trace = trace.retimed(load_hardware(hardware))
+    return trace

@@ -1,0 +1,72 @@
+"""Budgets: "6GiB", "6e9" (whole-device bytes) or "60%" of the activation peak (DESIGN.md)."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from swapsched.trace import Trace
+
+__all__ = ["BudgetError", "parse_budget", "format_bytes"]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_RE = re.compile(r"^\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-z%]*)\s*$")
+
+
+class BudgetError(ValueError):
+    """A budget string is malformed, out of range, or below what any plan can meet."""
+
+
+def parse_budget(spec: "str | int | float", trace: "Trace | None" = None, *, check_feasible: bool = True) -> int:
+    """Device-memory budget in bytes.
+
+    ``"60%"`` is ``static_bytes`` + 60% of the no-swap peak above ``static_bytes`` (needs ``trace``);
+    ``"100%"`` is exactly the no-swap peak. With ``trace`` and ``check_feasible``, a budget below
+    the smallest any plan can meet raises :class:`BudgetError` stating that smallest budget.
+    """
+    if isinstance(spec, bool):
+        raise BudgetError(f"budget must be bytes or a percentage, got {spec!r}")
+    if isinstance(spec, (int, float)):
+        number, unit = float(spec), ""
+    else:
+        m = _RE.match(str(spec))
+        if not m:
+            raise BudgetError(f"budget {spec!r} not understood; use bytes like '6GiB' or '6e9', or a percentage like '60%'")
+        number, unit = float(m.group(1)), m.group(2).lower()
+    if not math.isfinite(number) or number <= 0:
+        raise BudgetError(f"budget {spec!r} must be a positive amount")
+    if unit == "%":
+        if number > 100:
+            raise BudgetError(f"budget {spec!r} is over 100%; 100% is already the no-swap peak")
+        if trace is None:
+            raise BudgetError(f"budget {spec!r} is relative and needs a trace to resolve against")
+        above = trace.peak_bytes_no_swap - trace.static_bytes
+        out = int(trace.static_bytes + math.floor(above * number / 100.0))
+    elif unit in _UNITS:
+        out = int(number * _UNITS[unit])
+        if out <= 0:
+            raise BudgetError(f"budget {spec!r} is less than one byte")
+    else:
+        raise BudgetError(f"budget {spec!r}: unknown unit {unit!r}; use B, KB, MB, GB, KiB, MiB, GiB or %")
+    if trace is not None and check_feasible and out < trace.min_feasible_bytes:
+        need = trace.min_feasible_bytes
+        above = trace.peak_bytes_no_swap - trace.static_bytes
+        pct = 100.0 * (need - trace.static_bytes) / above if above > 0 else 100.0
+        raise BudgetError(
+            f"budget {spec!r} = {format_bytes(out)} is below what any plan can meet for {trace.name!r}: "
+            f"the smallest feasible budget is {format_bytes(need)} ({need} bytes, {pct:.1f}%)"
+        )
+    return out
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"

@@ -1,0 +1,124 @@
+"""Hardware: the device a plan is made for (DESIGN.md "Hardware").
+
+Profiles live in ``configs/hardware/NAME.yaml``; ``load_hardware`` takes a name or a path.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from swapsched._paths import config_dir
+
+__all__ = ["Hardware", "HardwareError", "load_hardware", "hardware_names"]
+
+
+class HardwareError(ValueError):
+    """A hardware profile is missing, malformed or has an impossible value."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Copy engines and compute peaks of one device (R6, roofline timing)."""
+
+    name: str
+    d2h_bytes_per_s: float
+    h2d_bytes_per_s: float
+    copy_latency_s: float
+    device_memory_bytes: int
+    peak_flops: float
+    memory_bytes_per_s: float
+    # Host-side cost of one saved-tensor hook call on the live runtime; the simulator adds it to
+    # every gap so that predictions include what the hooks themselves cost (0 for pure models).
+    hook_cost_s: float = 0.0
+
+    def d2h_time(self, nbytes: float) -> float:
+        return self.copy_latency_s + nbytes / self.d2h_bytes_per_s
+
+    def h2d_time(self, nbytes: float) -> float:
+        return self.copy_latency_s + nbytes / self.h2d_bytes_per_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def save(self, path: str | Path, comments: dict[str, str] | None = None) -> Path:
+        """Write YAML, each number with its source as a comment when given."""
+        comments = comments or {}
+        lines = []
+        for k, v in self.to_dict().items():
+            val = repr(v) if isinstance(v, str) else (f"{v:.6e}" if isinstance(v, float) else str(v))
+            line = f"{k}: {val}"
+            if k in comments:
+                line += f"  # {comments[k]}"
+            lines.append(line)
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text("\n".join(lines) + "\n")
+        return p
+
+
+_REQUIRED = ("d2h_bytes_per_s", "h2d_bytes_per_s", "copy_latency_s", "device_memory_bytes", "peak_flops", "memory_bytes_per_s")
+_POSITIVE = ("d2h_bytes_per_s", "h2d_bytes_per_s", "device_memory_bytes", "peak_flops", "memory_bytes_per_s")
+_NUMBER_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
+
+
+def _as_number(value: Any, where: str) -> float:
+    # PyYAML (YAML 1.1) reads "1.0e10" as a string; accept a plain numeric string, reject the rest.
+    if isinstance(value, bool):
+        raise HardwareError(f"{where}: expected a number, got {value!r}")
+    if isinstance(value, (int, float)):
+        out = float(value)
+    elif isinstance(value, str) and _NUMBER_RE.match(value.strip()):
+        out = float(value.strip())
+    else:
+        raise HardwareError(f"{where}: expected a number, got {value!r}")
+    if not math.isfinite(out) or out < 0:
+        raise HardwareError(f"{where}: must be a finite number >= 0, got {value!r}")
+    return out
+
+
+def hardware_from_dict(data: Any, source: str) -> Hardware:
+    if not isinstance(data, dict):
+        raise HardwareError(f"{source}: expected a mapping of fields, got {type(data).__name__}")
+    unknown = set(data) - set(Hardware.__dataclass_fields__)
+    if unknown:
+        raise HardwareError(f"{source}: unknown field(s) {sorted(unknown)}; known: {list(Hardware.__dataclass_fields__)}")
+    for k in ("name", *_REQUIRED):
+        if k not in data:
+            raise HardwareError(f"{source}: field {k}: missing")
+    if not isinstance(data["name"], str) or not data["name"]:
+        raise HardwareError(f"{source}: field name: expected a non-empty string, got {data['name']!r}")
+    vals = {k: _as_number(data[k], f"{source}: field {k}") for k in (*_REQUIRED, "hook_cost_s") if k in data}
+    for k in _POSITIVE:
+        if vals[k] <= 0:
+            raise HardwareError(f"{source}: field {k}: must be > 0, got {data[k]!r}")
+    vals["device_memory_bytes"] = int(vals["device_memory_bytes"])
+    return Hardware(name=data["name"], **vals)
+
+
+def hardware_names() -> list[str]:
+    return sorted(p.stem for p in (config_dir() / "hardware").glob("*.yaml"))
+
+
+def load_hardware(spec: "str | Path | Hardware") -> Hardware:
+    """A profile by name (``h100-pcie5``) or by YAML path."""
+    if isinstance(spec, Hardware):
+        return spec
+    spec_s = str(spec)
+    path = Path(spec_s)
+    if not (spec_s.endswith((".yaml", ".yml")) or path.is_file()):
+        path = config_dir() / "hardware" / f"{spec_s}.yaml"
+        if not path.is_file():
+            raise HardwareError(f"unknown hardware {spec_s!r}; known: {', '.join(hardware_names())}, or a path to a YAML file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise HardwareError(f"{path}: no such file") from None
+    except yaml.YAMLError as exc:
+        raise HardwareError(f"{path}: not valid YAML ({exc})") from None
+    return hardware_from_dict(data, str(path))

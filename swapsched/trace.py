@@ -1,0 +1,480 @@
+"""The Trace: one measured training step, as the saved-tensor hooks saw it (DESIGN.md, R1/R2).
+
+A trace is an ordered list of events (``pack`` in forward, ``unpack`` in backward), the compute
+time in the gap before each event, every saved tensor's size and provenance, and the memory that
+cannot be swapped (``static_bytes``: parameters, gradients, optimizer state). It is the only thing
+policies and the simulator know about a model.
+
+On disk it is versioned JSON (``.json`` or ``.json.gz``); :func:`load_trace` validates everything
+and raises :class:`TraceError` naming the file, the field and the offending value.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from swapsched.hardware import Hardware
+
+__all__ = ["TensorInfo", "Event", "Trace", "TraceError", "load_trace", "save_trace", "open_json", "write_json"]
+
+FORMAT = "swapsched.trace"
+VERSION = 1
+TIMINGS = ("measured", "roofline")
+
+
+class TraceError(ValueError):
+    """A trace file or trace object is malformed. The message names the file, field and value."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One saved tensor (one storage, R2)."""
+
+    id: int
+    bytes: int
+    shape: tuple[int, ...] = ()
+    dtype: str = "float32"
+    op: str = ""  # the aten op whose backward saved it (the op that packed it first)
+    module: str = ""  # module path active when it was first packed
+
+
+@dataclass(frozen=True)
+class Event:
+    """One saved-tensor hook call. ``compute_s`` is the compute in the gap just before it (R1)."""
+
+    kind: str  # "pack" | "unpack"
+    tensor: int
+    compute_s: float
+    flops: float | None = None
+    other_bytes: int | None = None  # non-saved device memory live during the gap before it (R3)
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One training step: tensors, events and static memory (DESIGN.md "Trace")."""
+
+    name: str
+    timing: str
+    device: str
+    static_bytes: int
+    tail_compute_s: float
+    tensors: tuple[TensorInfo, ...]
+    events: tuple[Event, ...]
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        _validate(self, source="<trace object>")
+
+    # ---------------------------------------------------------------- derived tables (cached)
+    @property
+    def n_tensors(self) -> int:
+        return len(self.tensors)
+
+    @property
+    def n_events(self) -> int:
+        return len(self.events)
+
+    @cached_property
+    def tensor_bytes(self) -> np.ndarray:
+        return np.array([t.bytes for t in self.tensors], dtype=np.int64)
+
+    @cached_property
+    def event_kind_is_unpack(self) -> np.ndarray:
+        return np.array([e.kind == "unpack" for e in self.events], dtype=bool)
+
+    @cached_property
+    def event_tensor(self) -> np.ndarray:
+        return np.array([e.tensor for e in self.events], dtype=np.int64)
+
+    @cached_property
+    def gaps(self) -> np.ndarray:
+        """Compute time before each event, seconds (R1)."""
+        return np.array([e.compute_s for e in self.events], dtype=np.float64)
+
+    @cached_property
+    def other_bytes(self) -> np.ndarray:
+        return np.array([e.other_bytes or 0 for e in self.events], dtype=np.int64)
+
+    @cached_property
+    def event_times(self) -> np.ndarray:
+        """Ideal time of each event (no stalls, R1): the sum of the gaps up to and including its own."""
+        return np.cumsum(self.gaps)
+
+    @cached_property
+    def ideal_s(self) -> float:
+        """Ideal step time with infinite memory (R1)."""
+        return float(self.gaps.sum() + self.tail_compute_s)
+
+    @cached_property
+    def first_pack(self) -> np.ndarray:
+        return self._first_event("pack")
+
+    @cached_property
+    def first_unpack(self) -> np.ndarray:
+        return self._first_event("unpack")
+
+    @cached_property
+    def last_unpack(self) -> np.ndarray:
+        out = np.full(self.n_tensors, -1, dtype=np.int64)
+        for i, e in enumerate(self.events):
+            if e.kind == "unpack":
+                out[e.tensor] = i
+        return out
+
+    @cached_property
+    def last_forward_pack(self) -> np.ndarray:
+        """The last pack of each tensor before its first unpack: the earliest event at which
+        evicting it actually frees it (every forward reference has been handed to autograd)."""
+        out = self.first_pack.copy()
+        fu = self.first_unpack
+        for i, e in enumerate(self.events):
+            if e.kind == "pack" and i < fu[e.tensor]:
+                out[e.tensor] = i
+        return out
+
+    @cached_property
+    def backward_start(self) -> int:
+        """Index of the first unpack: events before it are forward, the rest backward."""
+        idx = np.flatnonzero(self.event_kind_is_unpack)
+        return int(idx[0]) if idx.size else self.n_events
+
+    def _first_event(self, kind: str) -> np.ndarray:
+        out = np.full(self.n_tensors, -1, dtype=np.int64)
+        for i, e in enumerate(self.events):
+            if e.kind == kind and out[e.tensor] < 0:
+                out[e.tensor] = i
+        return out
+
+    @cached_property
+    def resident_bytes_no_swap(self) -> np.ndarray:
+        """Saved bytes resident during the gap before each event with nothing evicted (R2):
+        a tensor counts from the gap of its first pack through the gap of its last unpack."""
+        delta = np.zeros(self.n_events + 1, dtype=np.int64)
+        np.add.at(delta, self.first_pack, self.tensor_bytes)
+        np.add.at(delta, self.last_unpack + 1, -self.tensor_bytes)
+        return np.cumsum(delta)[:-1]
+
+    @cached_property
+    def must_resident_bytes(self) -> np.ndarray:
+        """Saved bytes that every plan must hold during the gap before each event: a tensor
+        being produced (gap of its first pack) and a tensor between first and last unpack (R7)."""
+        delta = np.zeros(self.n_events + 1, dtype=np.int64)
+        b = self.tensor_bytes
+        np.add.at(delta, self.first_pack, b)
+        np.add.at(delta, self.first_pack + 1, -b)
+        np.add.at(delta, self.first_unpack, b)
+        np.add.at(delta, self.last_unpack + 1, -b)
+        return np.cumsum(delta)[:-1]
+
+    @cached_property
+    def peak_bytes_no_swap(self) -> int:
+        """Device peak with nothing evicted: static + max over gaps of (other + resident saved)."""
+        if self.n_events == 0:
+            return int(self.static_bytes)
+        return int(self.static_bytes + (self.other_bytes + self.resident_bytes_no_swap).max())
+
+    @cached_property
+    def saved_bytes_peak(self) -> int:
+        """Peak of saved-tensor bytes alone with nothing evicted."""
+        return int(self.resident_bytes_no_swap.max()) if self.n_events else 0
+
+    @cached_property
+    def min_feasible_bytes(self) -> int:
+        """The smallest budget any plan can meet: what must be resident at the worst gap (R4/R7)."""
+        if self.n_events == 0:
+            return int(self.static_bytes)
+        return int(self.static_bytes + (self.other_bytes + self.must_resident_bytes).max())
+
+    @property
+    def forward_compute_s(self) -> float:
+        return float(self.gaps[: self.backward_start].sum())
+
+    @property
+    def backward_compute_s(self) -> float:
+        return float(self.gaps[self.backward_start :].sum() + self.tail_compute_s)
+
+    # ---------------------------------------------------------------- views
+    def summary(self) -> dict[str, Any]:
+        """The numbers ``swapsched inspect`` prints."""
+        return {
+            "name": self.name,
+            "tensors": self.n_tensors,
+            "events": self.n_events,
+            "saved_bytes_peak": self.saved_bytes_peak,
+            "static_bytes": int(self.static_bytes),
+            "peak_bytes_no_swap": self.peak_bytes_no_swap,
+            "min_feasible_bytes": self.min_feasible_bytes,
+            "compute_s": {
+                "forward": self.forward_compute_s,
+                "backward": self.backward_compute_s,
+                "total": self.ideal_s,
+            },
+            "timing": self.timing,
+            "device": self.device,
+        }
+
+    def retimed(self, hardware: "Hardware") -> "Trace":
+        """This trace with every gap re-timed by roofline for ``hardware``.
+
+        A gap's time is ``max(flops / peak_flops, traffic / memory_bytes_per_s)``, where traffic is
+        a lower bound on the bytes the gap's compute touches: a pack gap writes the tensors it
+        produces and reads them once (2 x bytes of tensors first packed there); an unpack gap
+        reads the tensor and writes its gradient (2 x bytes). The tail keeps its share of the
+        measured time scaled by the same ratio as the whole step's FLOPs.
+        """
+        if any(e.flops is None for e in self.events):
+            raise TraceError(
+                f"trace {self.name!r}: retiming needs 'flops' on every event; re-profile with "
+                "swapsched profile (it counts FLOPs per gap)"
+            )
+        fp = self.first_pack
+        new_events = []
+        for i, e in enumerate(self.events):
+            if e.kind == "pack":
+                traffic = 2.0 * self.tensors[e.tensor].bytes if fp[e.tensor] == i else 0.0
+            else:
+                traffic = 2.0 * self.tensors[e.tensor].bytes
+            t = max(float(e.flops) / hardware.peak_flops, traffic / hardware.memory_bytes_per_s)
+            new_events.append(replace(e, compute_s=t))
+        tail_flops = float(self.meta.get("tail_flops", 0.0))
+        tail = tail_flops / hardware.peak_flops
+        return replace(
+            self,
+            timing="roofline",
+            device=hardware.name,
+            tail_compute_s=tail,
+            events=tuple(new_events),
+            meta={**self.meta, "retimed_from": self.device},
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        def ev(e: Event) -> dict[str, Any]:
+            d: dict[str, Any] = {"kind": e.kind, "tensor": e.tensor, "compute_s": e.compute_s}
+            if e.flops is not None:
+                d["flops"] = e.flops
+            if e.other_bytes is not None:
+                d["other_bytes"] = e.other_bytes
+            return d
+
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "name": self.name,
+            "timing": self.timing,
+            "device": self.device,
+            "static_bytes": int(self.static_bytes),
+            "tail_compute_s": float(self.tail_compute_s),
+            "meta": self.meta,
+            "tensors": [
+                {"id": t.id, "bytes": t.bytes, "shape": list(t.shape), "dtype": t.dtype, "op": t.op, "module": t.module}
+                for t in self.tensors
+            ],
+            "events": [ev(e) for e in self.events],
+        }
+
+    def save(self, path: str | Path) -> Path:
+        return save_trace(self, path)
+
+
+# -------------------------------------------------------------------- JSON I/O shared with plans
+
+
+def open_json(path: str | Path, error: type[ValueError]) -> Any:
+    """Read JSON or gzip'd JSON, turning I/O and syntax problems into ``error`` naming the file."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        raise error(f"{p}: no such file") from None
+    except OSError as exc:
+        raise error(f"{p}: cannot read ({exc.strerror})") from None
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            raw = gzip.decompress(raw)
+        except OSError as exc:
+            raise error(f"{p}: not valid gzip ({exc})") from None
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise error(f"{p}: not valid JSON ({exc})") from None
+
+
+def write_json(data: Any, path: str | Path) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(data, separators=(",", ":"))
+    if p.name.endswith(".gz"):
+        # mtime=0 so that rebuilding the corpus gives byte-identical files
+        p.write_bytes(gzip.compress(text.encode(), mtime=0))
+    else:
+        p.write_text(text)
+    return p
+
+
+def save_trace(trace: Trace, path: str | Path) -> Path:
+    return write_json(trace.to_dict(), path)
+
+
+class _Fields:
+    """Typed field access that raises ``error`` naming the source, the field and the value."""
+
+    def __init__(self, source: str, error: type[ValueError]):
+        self.source, self.error = source, error
+
+    def fail(self, where: str, msg: str) -> None:
+        raise self.error(f"{self.source}: field {where}: {msg}")
+
+    def get(self, obj: Any, key: str, where: str, types: type | tuple[type, ...], *, optional: bool = False) -> Any:
+        if not isinstance(obj, dict):
+            self.fail(where.rsplit(".", 1)[0] or where, f"expected an object, got {type(obj).__name__}")
+        if key not in obj:
+            if optional:
+                return None
+            self.fail(where, "missing")
+        value = obj[key]
+        if value is None and optional:
+            return None
+        # bool is an int subclass; never accept it for a number
+        if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+            self.fail(where, f"expected {_tname(types)}, got {value!r}")
+        if not isinstance(value, types):
+            self.fail(where, f"expected {_tname(types)}, got {value!r}")
+        return value
+
+    def number(self, obj: Any, key: str, where: str, *, optional: bool = False, integer: bool = False) -> Any:
+        types: tuple[type, ...] = (int,) if integer else (int, float)
+        v = self.get(obj, key, where, types, optional=optional)
+        if v is None:
+            return None
+        if isinstance(v, float) and not math.isfinite(v):
+            self.fail(where, f"must be finite, got {v!r}")
+        if v < 0:
+            self.fail(where, f"must be >= 0, got {v!r}")
+        return v
+
+
+def _tname(types: type | tuple[type, ...]) -> str:
+    ts = types if isinstance(types, tuple) else (types,)
+    names = {"int": "an integer", "float": "a number", "str": "a string", "list": "a list", "dict": "an object"}
+    return " or ".join(dict.fromkeys(names.get(t.__name__, t.__name__) for t in ts))
+
+
+def trace_from_dict(data: Any, source: str = "<dict>") -> Trace:
+    f = _Fields(source, TraceError)
+    if not isinstance(data, dict):
+        raise TraceError(f"{source}: expected a JSON object at the top level, got {type(data).__name__}")
+    fmt = data.get("format")
+    if fmt != FORMAT:
+        raise TraceError(f"{source}: field format: expected {FORMAT!r}, got {fmt!r} (is this a swapsched trace?)")
+    ver = data.get("version")
+    if ver != VERSION:
+        raise TraceError(f"{source}: field version: this swapsched reads version {VERSION}, got {ver!r}")
+    name = f.get(data, "name", "name", str)
+    timing = f.get(data, "timing", "timing", str)
+    if timing not in TIMINGS:
+        f.fail("timing", f"expected one of {list(TIMINGS)}, got {timing!r}")
+    device = f.get(data, "device", "device", str)
+    static = f.number(data, "static_bytes", "static_bytes", integer=True)
+    tail = f.number(data, "tail_compute_s", "tail_compute_s")
+    meta = f.get(data, "meta", "meta", dict, optional=True) or {}
+    raw_tensors = f.get(data, "tensors", "tensors", list)
+    tensors = []
+    for k, t in enumerate(raw_tensors):
+        w = f"tensors[{k}]"
+        tid = f.number(t, "id", f"{w}.id", integer=True)
+        if tid != k:
+            f.fail(f"{w}.id", f"tensor ids must be 0..n-1 in order, got {tid!r} at position {k}")
+        shape = f.get(t, "shape", f"{w}.shape", list, optional=True) or []
+        if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+            f.fail(f"{w}.shape", f"expected a list of non-negative integers, got {shape!r}")
+        tensors.append(
+            TensorInfo(
+                id=tid,
+                bytes=f.number(t, "bytes", f"{w}.bytes", integer=True),
+                shape=tuple(shape),
+                dtype=f.get(t, "dtype", f"{w}.dtype", str, optional=True) or "",
+                op=f.get(t, "op", f"{w}.op", str, optional=True) or "",
+                module=f.get(t, "module", f"{w}.module", str, optional=True) or "",
+            )
+        )
+    raw_events = f.get(data, "events", "events", list)
+    events = []
+    for i, e in enumerate(raw_events):
+        w = f"events[{i}]"
+        kind = f.get(e, "kind", f"{w}.kind", str)
+        if kind not in ("pack", "unpack"):
+            f.fail(f"{w}.kind", f"expected 'pack' or 'unpack', got {kind!r}")
+        events.append(
+            Event(
+                kind=kind,
+                tensor=f.number(e, "tensor", f"{w}.tensor", integer=True),
+                compute_s=float(f.number(e, "compute_s", f"{w}.compute_s")),
+                flops=f.number(e, "flops", f"{w}.flops", optional=True),
+                other_bytes=f.number(e, "other_bytes", f"{w}.other_bytes", optional=True, integer=True),
+            )
+        )
+    trace = object.__new__(Trace)
+    fields = dict(
+        name=name, timing=timing, device=device, static_bytes=static, tail_compute_s=float(tail),
+        tensors=tuple(tensors), events=tuple(events), meta=meta,
+    )
+    for k, v in fields.items():
+        object.__setattr__(trace, k, v)
+    _validate(trace, source)
+    return trace
+
+
+def _validate(trace: Trace, source: str) -> None:
+    """Structural checks shared by files and in-memory construction (R1/R2 preconditions)."""
+
+    def fail(where: str, msg: str) -> None:
+        raise TraceError(f"{source}: field {where}: {msg}")
+
+    if trace.timing not in TIMINGS:
+        fail("timing", f"expected one of {list(TIMINGS)}, got {trace.timing!r}")
+    if trace.static_bytes < 0:
+        fail("static_bytes", f"must be >= 0, got {trace.static_bytes!r}")
+    if not (trace.tail_compute_s >= 0 and math.isfinite(trace.tail_compute_s)):
+        fail("tail_compute_s", f"must be a finite number >= 0, got {trace.tail_compute_s!r}")
+    n = len(trace.tensors)
+    for k, t in enumerate(trace.tensors):
+        if t.id != k:
+            fail(f"tensors[{k}].id", f"tensor ids must be 0..n-1 in order, got {t.id!r}")
+        if t.bytes < 0:
+            fail(f"tensors[{k}].bytes", f"must be >= 0, got {t.bytes!r}")
+    packed = [False] * n
+    unpacked = [False] * n
+    for i, e in enumerate(trace.events):
+        if e.kind not in ("pack", "unpack"):
+            fail(f"events[{i}].kind", f"expected 'pack' or 'unpack', got {e.kind!r}")
+        if not 0 <= e.tensor < n:
+            fail(f"events[{i}].tensor", f"tensor id {e.tensor!r} out of range: the trace has {n} tensors")
+        if not (e.compute_s >= 0 and math.isfinite(e.compute_s)):
+            fail(f"events[{i}].compute_s", f"must be a finite number >= 0, got {e.compute_s!r}")
+        if e.other_bytes is not None and e.other_bytes < 0:
+            fail(f"events[{i}].other_bytes", f"must be >= 0, got {e.other_bytes!r}")
+        if e.kind == "pack":
+            packed[e.tensor] = True
+        else:
+            if not packed[e.tensor]:
+                fail(f"events[{i}]", f"unpack of tensor {e.tensor} before its pack")
+            unpacked[e.tensor] = True
+    for k in range(n):
+        if not packed[k]:
+            fail(f"tensors[{k}]", "never packed: every tensor needs a pack event")
+        if not unpacked[k]:
+            fail(f"tensors[{k}]", "never unpacked: every saved tensor needs an unpack event")
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Load and validate a trace file (``.json`` or ``.json.gz``)."""
+    return trace_from_dict(open_json(path, TraceError), source=str(path))
