@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
+import numpy as np
+
 from swapsched.trace import _Fields, open_json, write_json
 
 if TYPE_CHECKING:
+    from swapsched.hardware import Hardware
     from swapsched.trace import Trace
 
-__all__ = ["Eviction", "SwapPlan", "PlanError", "load_plan", "save_plan"]
+__all__ = [
+    "Eviction", "SwapPlan", "PlanError", "load_plan", "save_plan",
+    "LEADS", "swap_out_event", "prefetch_event", "lead_eviction",
+]
 
 FORMAT = "swapsched.plan"
 VERSION = 1
@@ -125,3 +132,35 @@ def load_plan(path: str | Path, trace: "Trace | None" = None) -> SwapPlan:
 
 def save_plan(plan: SwapPlan, path: str | Path) -> Path:
     return write_json(plan.to_dict(), path)
+
+
+# ---------------------------------------------------------------------------- placing evictions
+#: Prefetch leads, in transfer times of the tensor itself: 0 is on demand, inf as early as possible
+#: (right after the swap-out is issued). The Env's action space and the genetic search share them.
+LEADS: tuple[float, ...] = (0.0, 1.0, 2.0, 4.0, 8.0, math.inf)
+
+
+def swap_out_event(trace: "Trace", tensor: int) -> int:
+    """Where evicting a tensor first pays off: its last pack before its first unpack (R7)."""
+    return int(trace.last_forward_pack[tensor])
+
+
+def prefetch_event(trace: "Trace", tensor: int, lead_s: float, swap_out_at: int | None = None) -> int:
+    """The latest event whose ideal time is at least ``lead_s`` before the tensor's first unpack,
+    clamped to R7's window ``[swap_out_at, first_unpack]``."""
+    so = swap_out_event(trace, tensor) if swap_out_at is None else swap_out_at
+    fu = int(trace.first_unpack[tensor])
+    if lead_s <= 0:
+        return fu
+    if math.isinf(lead_s):
+        return so
+    times = trace.event_times
+    e = int(np.searchsorted(times, times[fu] - lead_s, side="right")) - 1
+    return min(max(e, so), fu)
+
+
+def lead_eviction(trace: "Trace", tensor: int, lead_index: int, hardware: "Hardware") -> Eviction:
+    """Evict ``tensor`` at its last forward pack, prefetching ``LEADS[lead_index]`` transfers ahead."""
+    lead = LEADS[lead_index] * hardware.h2d_time(trace.tensors[tensor].bytes)
+    so = swap_out_event(trace, tensor)
+    return Eviction(tensor, so, prefetch_event(trace, tensor, lead, so))

@@ -1,0 +1,242 @@
+"""Heuristic schedulers from the memory-swapping literature, each a policy
+``plan(trace, budget, hardware) -> SwapPlan`` (DESIGN.md "Where this sits in the field").
+
+All of them issue a tensor's swap-out at its last forward pack (R7's earliest point that frees it)
+and differ in *which* tensors they evict and *when* they prefetch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from swapsched.env.simulator import simulate
+from swapsched.hardware import Hardware
+from swapsched.plan import LEADS, Eviction, SwapPlan, prefetch_event, swap_out_event
+from swapsched.trace import Trace
+
+__all__ = ["NoSwap", "SwapAll", "VDNN", "Belady", "Capuchin", "planned_demand", "HEAVY_OPS"]
+
+#: Ops vDNN-conv treats as layers whose compute can hide a copy of their inputs.
+HEAVY_OPS = frozenset({"convolution", "_convolution", "cudnn_convolution", "mkldnn_convolution", "conv2d",
+                       "mm", "addmm", "bmm", "matmul", "baddbmm", "linear"})
+
+
+def planned_demand(trace: Trace, evictions: list[Eviction] | tuple[Eviction, ...], hardware: Hardware) -> np.ndarray:
+    """Device bytes at the end of each gap if the plan ran without stalls (a planning estimate).
+
+    A tensor counts from the gap of its first pack to the gap of its last unpack (R2), except, if
+    evicted, from the first gap that starts after its swap-out would finish to the gap before its
+    prefetch event (the swap-in allocates at that event, R6).
+    """
+    n = trace.n_events
+    b = trace.tensor_bytes
+    delta = np.zeros(n + 1, dtype=np.int64)
+    np.add.at(delta, trace.first_pack, b)
+    np.add.at(delta, trace.last_unpack + 1, -b)
+    starts = trace.event_times - trace.gaps
+    for e in evictions:
+        rel = _release_gap(trace, starts, e.tensor, e.swap_out_at, hardware)
+        if rel < e.prefetch_at:
+            delta[rel] -= b[e.tensor]
+            delta[e.prefetch_at] += b[e.tensor]
+    return trace.static_bytes + trace.other_bytes + np.cumsum(delta)[:-1]
+
+
+def _release_gap(trace: Trace, starts: np.ndarray, k: int, so: int, hw: Hardware) -> int:
+    done = trace.event_times[so] + hw.d2h_time(int(trace.tensor_bytes[k]))
+    return max(so + 1, int(np.searchsorted(starts, done, side="left")))
+
+
+@dataclass(frozen=True)
+class NoSwap:
+    """Keep every saved tensor on the device. Infeasible below the activation peak (OOM, reported)."""
+
+    name: str = "no-swap"
+
+    def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
+        return SwapPlan.of(trace, self.name, [])
+
+
+@dataclass(frozen=True)
+class SwapAll:
+    """PyTorch's ``torch.autograd.graph.save_on_cpu``: every saved tensor goes to the host when it
+    is packed and comes back on demand when it is unpacked; no prefetch."""
+
+    name: str = "swap-all"
+
+    def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
+        evs = [Eviction(k, swap_out_event(trace, k), int(trace.first_unpack[k])) for k in range(trace.n_tensors)]
+        return SwapPlan.of(trace, self.name, evs)
+
+
+@dataclass(frozen=True)
+class VDNN:
+    """vDNN (Rhu et al., "vDNN: Virtualized Deep Neural Networks for Scalable, Memory-Efficient
+    Neural Network Design", MICRO 2016).
+
+    ``vdnn-all`` offloads the feature maps of every layer; ``vdnn-conv`` only the inputs of
+    convolution and heavy matmul layers (the tensors those ops save), whose long compute hides the
+    copy. During backward of layer *n* it prefetches what layer *n-1* needs. Departures: a "layer" is
+    a module path of the trace; the budget is ignored, as in the paper (vDNN's static policies do not
+    look at it), so a budget it cannot meet is an OOM in the simulation, not a silent fix.
+    """
+
+    conv_only: bool = False
+
+    @property
+    def name(self) -> str:
+        return "vdnn-conv" if self.conv_only else "vdnn-all"
+
+    def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
+        fu = trace.first_unpack
+        chosen = [k for k in range(trace.n_tensors) if not self.conv_only or trace.tensors[k].op in HEAVY_OPS]
+        # layers in backward order, each starting at its first unpack
+        layer_start: dict[str, int] = {}
+        for k in np.argsort(fu, kind="stable"):
+            layer_start.setdefault(trace.tensors[k].module, int(fu[k]))
+        starts = sorted(layer_start.values())
+        evs = []
+        for k in chosen:
+            so = swap_out_event(trace, k)
+            mine = layer_start[trace.tensors[k].module]
+            pos = starts.index(mine)
+            pf = starts[pos - 1] if pos > 0 else int(fu[k])  # prefetch during the layer before
+            evs.append(Eviction(k, so, min(max(pf, so), int(fu[k]))))
+        return SwapPlan.of(trace, self.name, evs)
+
+
+def _release_gaps(trace: Trace, hw: Hardware) -> np.ndarray:
+    """For each tensor, the first gap it is off the device if swapped out at its last forward pack."""
+    starts = trace.event_times - trace.gaps
+    return np.array([_release_gap(trace, starts, k, swap_out_event(trace, k), hw) for k in range(trace.n_tensors)],
+                    dtype=np.int64)
+
+
+def _removable(trace: Trace, release: np.ndarray, gap: int, evicted: np.ndarray) -> np.ndarray:
+    """Tensors whose eviction would lower the demand of ``gap``: resident there, released by then
+    if swapped out at their last forward pack, and not needed until after it."""
+    ok = ~evicted & (trace.first_pack < gap) & (gap < trace.first_unpack) & (release <= gap)
+    return np.flatnonzero(ok)
+
+
+def _place_prefetches(trace: Trace, budget: int, hw: Hardware, evicted: list[int], demand: np.ndarray) -> list[Eviction]:
+    """Prefetch each evicted tensor as early as the planned memory allows (nearest use first)."""
+    fu = trace.first_unpack
+    evs = []
+    for k in sorted(evicted, key=lambda k: (fu[k], k)):
+        so, f = swap_out_event(trace, k), int(fu[k])
+        b = int(trace.tensor_bytes[k])
+        pf = f
+        while pf - 1 > so and demand[pf - 1] + b <= budget:
+            pf -= 1
+        demand[pf:f] += b
+        evs.append(Eviction(k, so, pf))
+    return evs
+
+
+@dataclass(frozen=True)
+class Belady:
+    """Belady-style MIN (Belady, "A study of replacement algorithms for a virtual-storage computer",
+    IBM Systems Journal 1966), as swap schedulers use it: when the next production would not fit
+    the budget, evict the resident tensor whose next use is farthest; prefetch each as early as
+    memory allows. Departure: the swap-out is issued at the tensor's last forward use rather than
+    at the moment of need, because a copy is not instantaneous."""
+
+    name: str = "min"
+
+    def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
+        release = _release_gaps(trace, hardware)
+        fu = trace.first_unpack
+        demand = planned_demand(trace, [], hardware)
+        evicted: list[int] = []
+        chosen = np.zeros(trace.n_tensors, dtype=bool)
+        for g in np.flatnonzero(demand > budget):
+            while demand[g] > budget:
+                cands = _removable(trace, release, g, chosen)
+                if not cands.size:
+                    break  # nothing can help this gap: the simulation will report the OOM
+                k = int(cands[np.argmax(fu[cands])])  # farthest next use (ties: lowest id)
+                chosen[k] = True
+                evicted.append(k)
+                demand[release[k] : fu[k]] -= trace.tensor_bytes[k]
+        return SwapPlan.of(trace, self.name, _place_prefetches(trace, budget, hardware, evicted, demand))
+
+
+@dataclass(frozen=True)
+class Capuchin:
+    """Capuchin (Peng et al., "Capuchin: Tensor-based GPU Memory Management for Deep Learning",
+    ASPLOS 2020), its swap half.
+
+    From the measured step, rank tensors by free time (time between the use before eviction and the
+    reuse, less the round-trip copy), evict the best until the budget holds, and place each prefetch
+    to finish just before its use; then its feedback loop: simulate, and move the prefetch of each
+    tensor whose reuse stalled one lead class earlier, for up to ``rounds`` rounds, keeping the best.
+    Departures: no recomputation (Capuchin mixes both; swapsched only swaps), and the feedback runs
+    on the simulator rather than on a second real iteration.
+    """
+
+    rounds: int = 6
+    name: str = "capuchin"
+
+    def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
+        release = _release_gaps(trace, hardware)
+        times = trace.event_times
+        fu = trace.first_unpack
+        b = trace.tensor_bytes
+        lfp = trace.last_forward_pack
+        free_time = (times[fu] - times[lfp]
+                     - 2 * hardware.copy_latency_s - b / hardware.d2h_bytes_per_s - b / hardware.h2d_bytes_per_s)
+        demand = planned_demand(trace, [], hardware)
+        chosen = np.zeros(trace.n_tensors, dtype=bool)
+        lead_idx: dict[int, int] = {}
+        for g in np.flatnonzero(demand > budget):
+            while demand[g] > budget:
+                cands = _removable(trace, release, g, chosen)
+                if not cands.size:
+                    break  # nothing can help this gap: the simulation will report the OOM
+                k = int(cands[np.argmax(free_time[cands])])  # longest free time (ties: lowest id)
+                ev = self._eviction(trace, k, 1, hardware, after=int(g))
+                chosen[k] = True
+                lead_idx[k] = 1
+                demand[release[k] : ev.prefetch_at] -= b[k]
+        if not lead_idx:
+            return SwapPlan.of(trace, self.name, [])
+        guard = {k: self._first_needed_gap(trace, k, demand, budget) for k in lead_idx}
+        best_plan, best_t = None, math.inf
+        for _ in range(self.rounds + 1):
+            evs = [self._eviction(trace, k, li, hardware, after=guard[k]) for k, li in lead_idx.items()]
+            plan = SwapPlan.of(trace, self.name, evs)
+            res = simulate(trace, plan, hardware, budget, record=True, validate=False)
+            if res.iteration_s < best_t:
+                best_plan, best_t = plan, res.iteration_s
+            stalled = {ev for _, _, ev in res.timeline.stalls} if res.timeline else set()
+            moved = False
+            for k in lead_idx:
+                if int(fu[k]) in stalled and lead_idx[k] < len(LEADS) - 1:
+                    lead_idx[k] += 1
+                    moved = True
+            if res.oom or not moved:
+                break
+        assert best_plan is not None
+        return best_plan
+
+    @staticmethod
+    def _first_needed_gap(trace: Trace, k: int, demand: np.ndarray, budget: int) -> int:
+        """The last gap before its reuse where bringing ``k`` back would break the planned budget:
+        its prefetch must come after it."""
+        g = int(trace.first_unpack[k]) - 1
+        bk = int(trace.tensor_bytes[k])
+        while g > swap_out_event(trace, k) and demand[g] + bk <= budget:
+            g -= 1
+        return g
+
+    @staticmethod
+    def _eviction(trace: Trace, k: int, lead_index: int, hw: Hardware, after: int) -> Eviction:
+        so = swap_out_event(trace, k)
+        lead = LEADS[lead_index] * hw.h2d_time(int(trace.tensor_bytes[k]))
+        pf = prefetch_event(trace, k, lead, so)
+        f = int(trace.first_unpack[k])
+        return Eviction(k, so, min(max(pf, after + 1 if after >= so else so), f))

@@ -1,0 +1,71 @@
+"""Every policy by name. A policy is anything with ``plan(trace, budget, hardware) -> SwapPlan``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Protocol, runtime_checkable
+
+from swapsched.hardware import Hardware
+from swapsched.plan import SwapPlan
+from swapsched.trace import Trace
+
+__all__ = ["Policy", "get_policy", "policy_names", "expand_policies", "PolicyError"]
+
+
+class PolicyError(ValueError):
+    """Unknown policy name."""
+
+
+@runtime_checkable
+class Policy(Protocol):
+    name: str
+
+    def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan: ...
+
+
+def _factories() -> dict[str, Callable[..., Policy]]:
+    from swapsched.agents.heuristics import VDNN, Belady, Capuchin, NoSwap, SwapAll
+    from swapsched.agents.learned import LearnedPolicy
+    from swapsched.agents.optimal import Optimal
+    from swapsched.agents.search import SwapAdvisor
+
+    return {
+        "no-swap": lambda **kw: NoSwap(),
+        "swap-all": lambda **kw: SwapAll(),
+        "vdnn-all": lambda **kw: VDNN(conv_only=False),
+        "vdnn-conv": lambda **kw: VDNN(conv_only=True),
+        "min": lambda **kw: Belady(),
+        "capuchin": lambda **kw: Capuchin(),
+        "swapadvisor": lambda seed=0, search_seconds=10.0, **kw: SwapAdvisor(seed=seed, search_seconds=search_seconds),
+        "optimal": lambda **kw: Optimal(),
+        "default": lambda **kw: LearnedPolicy("default"),
+    }
+
+
+def policy_names() -> list[str]:
+    return list(_factories())
+
+
+def get_policy(name: str, **options: Any) -> Policy:
+    """A policy by registry name, or a learned policy from a checkpoint path (``*.zip``).
+
+    ``options`` (``seed``, ``search_seconds``) reach the policies that take them."""
+    facts = _factories()
+    if name in facts:
+        return facts[name](**options)
+    if name.endswith(".zip") or Path(name).is_file() or name.startswith("learned:"):
+        from swapsched.agents.learned import LearnedPolicy
+
+        return LearnedPolicy(name.removeprefix("learned:"))
+    raise PolicyError(f"unknown policy {name!r}; known: {', '.join(facts)}, or a checkpoint .zip")
+
+
+def expand_policies(spec: str) -> list[str]:
+    """``all`` or a comma list, checked against the registry."""
+    names = policy_names() if spec.strip() == "all" else [s.strip() for s in spec.split(",") if s.strip()]
+    if not names:
+        raise PolicyError("no policies given; use 'all' or a comma list like 'capuchin,min'")
+    for n in names:
+        if n not in policy_names() and not (n.endswith(".zip") or n.startswith("learned:")):
+            raise PolicyError(f"unknown policy {n!r}; known: {', '.join(policy_names())}, or a checkpoint .zip")
+    return names
