@@ -17,7 +17,7 @@ from swapsched.hardware import Hardware
 from swapsched.plan import LEADS, Eviction, SwapPlan, prefetch_event, swap_out_event
 from swapsched.trace import Trace
 
-__all__ = ["NoSwap", "SwapAll", "VDNN", "Belady", "Capuchin", "planned_demand", "HEAVY_OPS"]
+__all__ = ["NoSwap", "SwapAll", "VDNN", "Belady", "Capuchin", "planned_demand", "repair", "HEAVY_OPS"]
 
 #: Ops vDNN-conv treats as layers whose compute can hide a copy of their inputs.
 HEAVY_OPS = frozenset({"convolution", "_convolution", "cudnn_convolution", "mkldnn_convolution", "conv2d",
@@ -137,13 +137,45 @@ def _place_prefetches(trace: Trace, budget: int, hw: Hardware, evicted: list[int
     return evs
 
 
+def repair(trace: Trace, plan: SwapPlan, budget: int, hardware: Hardware, rounds: int = 50) -> SwapPlan:
+    """Make a planned schedule survive the simulation's timing.
+
+    A plan made on ideal times can prefetch a tensor so early that, once stalls shift compute, it
+    holds memory a later production needs: an OOM (R4/R6). Until the simulation is clean, each round
+    delays to the OOM event the prefetches that hold memory there (issued before it, needed after
+    it); if none does, it evicts one more tensor there by the MIN rule (farthest next use).
+    """
+    fu = trace.first_unpack
+    evs = {e.tensor: e for e in plan.evictions}
+    release = _release_gaps(trace, hardware)
+    for _ in range(rounds):
+        res = simulate(trace, SwapPlan.of(trace, plan.policy, evs.values()), hardware, budget, validate=False)
+        if not res.oom:
+            break
+        e = int(res.oom_event)
+        early = [k for k, ev in evs.items() if ev.prefetch_at < e < fu[k]]
+        if early:
+            for k in early:
+                evs[k] = Eviction(k, evs[k].swap_out_at, min(e, int(fu[k])))
+            continue
+        evicted = np.zeros(trace.n_tensors, dtype=bool)
+        evicted[list(evs)] = True
+        cands = _removable(trace, np.minimum(release, e), e, evicted)
+        if not cands.size:
+            break  # nothing left to move: the OOM is reported, never hidden
+        k = int(cands[np.argmax(fu[cands])])
+        evs[k] = Eviction(k, swap_out_event(trace, k), int(fu[k]))
+    return SwapPlan.of(trace, plan.policy, evs.values(), **plan.meta)
+
+
 @dataclass(frozen=True)
 class Belady:
     """Belady-style MIN (Belady, "A study of replacement algorithms for a virtual-storage computer",
     IBM Systems Journal 1966), as swap schedulers use it: when the next production would not fit
     the budget, evict the resident tensor whose next use is farthest; prefetch each as early as
-    memory allows. Departure: the swap-out is issued at the tensor's last forward use rather than
-    at the moment of need, because a copy is not instantaneous."""
+    memory allows. Departures: the swap-out is issued at the tensor's last forward use rather than
+    at the moment of need, because a copy is not instantaneous; and the plan is then checked on the
+    simulator and :func:`repair`\ ed where stalls made an early prefetch crowd out a production."""
 
     name: str = "min"
 
@@ -162,7 +194,8 @@ class Belady:
                 chosen[k] = True
                 evicted.append(k)
                 demand[release[k] : fu[k]] -= trace.tensor_bytes[k]
-        return SwapPlan.of(trace, self.name, _place_prefetches(trace, budget, hardware, evicted, demand))
+        plan = SwapPlan.of(trace, self.name, _place_prefetches(trace, budget, hardware, evicted, demand))
+        return repair(trace, plan, budget, hardware)
 
 
 @dataclass(frozen=True)
@@ -174,8 +207,8 @@ class Capuchin:
     reuse, less the round-trip copy), evict the best until the budget holds, and place each prefetch
     to finish just before its use; then its feedback loop: simulate, and move the prefetch of each
     tensor whose reuse stalled one lead class earlier, for up to ``rounds`` rounds, keeping the best.
-    Departures: no recomputation (Capuchin mixes both; swapsched only swaps), and the feedback runs
-    on the simulator rather than on a second real iteration.
+    Departures: no recomputation (Capuchin mixes both; swapsched only swaps); the feedback runs
+    on the simulator rather than on a second real iteration, and ends with :func:`repair`.
     """
 
     rounds: int = 6
@@ -210,7 +243,7 @@ class Capuchin:
             evs = [self._eviction(trace, k, li, hardware, after=guard[k]) for k, li in lead_idx.items()]
             plan = SwapPlan.of(trace, self.name, evs)
             res = simulate(trace, plan, hardware, budget, record=True, validate=False)
-            if res.iteration_s < best_t:
+            if best_plan is None or res.iteration_s < best_t:
                 best_plan, best_t = plan, res.iteration_s
             stalled = {ev for _, _, ev in res.timeline.stalls} if res.timeline else set()
             moved = False
@@ -221,7 +254,7 @@ class Capuchin:
             if res.oom or not moved:
                 break
         assert best_plan is not None
-        return best_plan
+        return repair(trace, best_plan, budget, hardware)
 
     @staticmethod
     def _first_needed_gap(trace: Trace, k: int, demand: np.ndarray, budget: int) -> int:

@@ -7,6 +7,8 @@ on the given trace, budget and hardware; its decisions are the plan. A checkpoin
 
 from __future__ import annotations
 
+from swapsched.errors import UserError
+
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +22,7 @@ from swapsched.trace import Trace
 __all__ = ["LearnedPolicy", "CheckpointError", "resolve_checkpoint"]
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint is missing or unreadable."""
 
 

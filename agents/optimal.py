@@ -13,6 +13,8 @@ larger trace is refused with :class:`TooLargeError` rather than answered approxi
 
 from __future__ import annotations
 
+from swapsched.errors import UserError
+
 import itertools
 import math
 from dataclasses import dataclass
@@ -25,7 +27,7 @@ from swapsched.trace import Trace
 __all__ = ["Optimal", "TooLargeError", "plan_space_size"]
 
 
-class TooLargeError(ValueError):
+class TooLargeError(UserError):
     """The trace's plan space is too large to enumerate exactly."""
 
 

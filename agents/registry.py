@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from swapsched.errors import UserError
+
 from pathlib import Path
 from typing import Any, Callable, Protocol, runtime_checkable
 
@@ -12,7 +14,7 @@ from swapsched.trace import Trace
 __all__ = ["Policy", "get_policy", "policy_names", "expand_policies", "PolicyError"]
 
 
-class PolicyError(ValueError):
+class PolicyError(UserError):
     """Unknown policy name."""
 
 

@@ -1,0 +1,1 @@
+"""The live side: profile a real step into a Trace, and execute a SwapPlan in real training."""

@@ -27,13 +27,14 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from swapsched.errors import UserError
 from swapsched.hardware import Hardware, load_hardware
 from swapsched.trace import Event, TensorInfo, Trace
 
 __all__ = ["profile", "ProfileError", "TraceRecorder", "is_parameter", "storage_key", "static_bytes_of"]
 
 
-class ProfileError(RuntimeError):
+class ProfileError(UserError):
     """The step could not be profiled (no saved tensors, or two passes disagree)."""
 
 

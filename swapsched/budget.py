@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from swapsched.errors import UserError
+
 import math
 import re
 from typing import TYPE_CHECKING
@@ -19,7 +21,7 @@ _UNITS = {
 _RE = re.compile(r"^\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-z%]*)\s*$")
 
 
-class BudgetError(ValueError):
+class BudgetError(UserError):
     """A budget string is malformed, out of range, or below what any plan can meet."""
 
 

@@ -5,6 +5,8 @@ Profiles live in ``configs/hardware/NAME.yaml``; ``load_hardware`` takes a name 
 
 from __future__ import annotations
 
+from swapsched.errors import UserError
+
 import math
 import re
 from dataclasses import asdict, dataclass
@@ -18,7 +20,7 @@ from swapsched._paths import config_dir
 __all__ = ["Hardware", "HardwareError", "load_hardware", "hardware_names"]
 
 
-class HardwareError(ValueError):
+class HardwareError(UserError):
     """A hardware profile is missing, malformed or has an impossible value."""
 
 

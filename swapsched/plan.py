@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from swapsched.errors import UserError
+
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +26,7 @@ FORMAT = "swapsched.plan"
 VERSION = 1
 
 
-class PlanError(ValueError):
+class PlanError(UserError):
     """A plan file is malformed or breaks R7 for its trace."""
 
 

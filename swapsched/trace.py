@@ -11,6 +11,8 @@ and raises :class:`TraceError` naming the file, the field and the offending valu
 
 from __future__ import annotations
 
+from swapsched.errors import UserError
+
 import gzip
 import json
 import math
@@ -31,7 +33,7 @@ VERSION = 1
 TIMINGS = ("measured", "roofline")
 
 
-class TraceError(ValueError):
+class TraceError(UserError):
     """A trace file or trace object is malformed. The message names the file, field and value."""
 
 
@@ -165,12 +167,14 @@ class Trace:
 
     @cached_property
     def must_resident_bytes(self) -> np.ndarray:
-        """Saved bytes that every plan must hold during the gap before each event: a tensor
-        being produced (gap of its first pack) and a tensor between first and last unpack (R7)."""
+        """Saved bytes that every plan must hold during the gap before each event (R4/R7): a tensor
+        from the gap of its first pack through its last forward pack (code that packs it again is
+        still holding it, so evicting it earlier frees nothing in a real step), and from its first
+        unpack through its last."""
         delta = np.zeros(self.n_events + 1, dtype=np.int64)
         b = self.tensor_bytes
         np.add.at(delta, self.first_pack, b)
-        np.add.at(delta, self.first_pack + 1, -b)
+        np.add.at(delta, self.last_forward_pack + 1, -b)
         np.add.at(delta, self.first_unpack, b)
         np.add.at(delta, self.last_unpack + 1, -b)
         return np.cumsum(delta)[:-1]

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+from swapsched.errors import UserError
+
 import importlib
 import inspect
 import math
@@ -27,7 +29,7 @@ from swapsched._paths import config_dir
 __all__ = ["ModelCase", "ZooError", "build_model", "model_families", "family_sizes"]
 
 
-class ZooError(ValueError):
+class ZooError(UserError):
     """Unknown model name or size, or a factory that does not return a model."""
 
 

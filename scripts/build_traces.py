@@ -1,0 +1,68 @@
+#!/usr/bin/env python
+"""Build the shipped trace corpus: python scripts/build_traces.py [--out env/traces]
+
+Every zoo family at three sizes is profiled on this machine's CPU (``timing: measured``), and the
+same models plus a few large ones are profiled on the ``meta`` device with roofline timing for a
+GPU (``timing: roofline``): the CPU traces teach the policy real measured gap structure, the
+roofline ones GPU-like ratios of compute to copy time. The U-Net family and the largest models are
+held out (``split: test``) so that evaluation covers architectures the policy never trained on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from swapsched.runtime.profiler import profile
+from swapsched.zoo import build_model
+
+MEASURED = [(f, s) for f in ("mlp", "vgg", "resnet", "gpt", "bert", "unet") for s in ("tiny", "small", "medium")]
+# (family, size, batch size, sequence length, target hardware): batches large enough that a GPU
+# step takes milliseconds, as in real training, so compute and copy times have realistic ratios.
+ROOFLINE = [
+    ("mlp", "large", 8192, None, "h100-pcie5"), ("mlp", "medium", 16384, None, "a100-pcie4"),
+    ("vgg", "medium", 256, None, "h100-pcie5"), ("vgg", "large", 64, None, "v100-pcie3"),
+    ("resnet", "medium", 256, None, "h100-pcie5"), ("resnet", "large", 64, None, "a100-pcie4"),
+    ("resnet", "large", 128, None, "rtx4090-pcie4"),
+    ("gpt", "medium", 64, 512, "h100-pcie5"), ("gpt", "large", 32, 256, "rtx4090-pcie4"),
+    ("gpt", "350m", 8, 1024, "h100-pcie5"), ("gpt", "350m", 16, 1024, "a100-pcie4"),
+    ("bert", "medium", 64, 512, "a100-pcie4"), ("bert", "base", 16, 512, "h100-pcie5"),
+    ("unet", "medium", 64, None, "h100-pcie5"), ("unet", "large", 16, None, "a100-pcie4"),
+    ("gpt", "1.3b", 8, 1024, "h200-pcie5"), ("gpt", "1.3b", 4, 2048, "gh200-c2c"),
+]
+HELD_OUT_FAMILIES = {"unet"}
+HELD_OUT_SIZES = {("gpt", "1.3b"), ("bert", "base")}  # larger than anything trained on
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "env" / "traces"))
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    jobs = [(f, s, None, None, "cpu", None) for f, s in MEASURED]
+    jobs += [(f, s, b, t, "meta", hw) for f, s, b, t, hw in ROOFLINE]
+    index = []
+    for family, size, batch, seq, device, hw in tqdm(jobs, desc="profiling", unit="model"):
+        case = build_model(family, size, batch_size=batch, seq_len=seq, device=device)
+        name = f"{family}-{size}-cpu" if device == "cpu" else f"{family}-{size}-b{batch}-{hw}"
+        trace = profile(case.model, case.inputs, case.loss_fn, device=device, name=name, hardware=hw)
+        file = f"{name}.json.gz"
+        trace.save(out / file)
+        split = "test" if family in HELD_OUT_FAMILIES or (family, size) in HELD_OUT_SIZES else "train"
+        index.append({"file": file, "name": name, "family": family, "size": size, "batch_size": batch, "timing": trace.timing,
+                      "device": trace.device, "tensors": trace.n_tensors, "events": trace.n_events, "split": split})
+    (out / "index.json").write_text(json.dumps({"traces": index}, indent=1) + "\n")
+    total = sum((out / r["file"]).stat().st_size for r in index)
+    print(f"{len(index)} traces, {total / 1e6:.2f} MB in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""The ``swapsched`` command. Every sub-command has ``--help``; bad input exits 2 with one line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from swapsched.errors import UserError
+
+__all__ = ["main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad argument as one line (no usage dump) and exits 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _csv(value: str) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("expected a comma-separated list")
+    return items
+
+
+def _positive_int(value: str) -> int:
+    try:
+        v = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return v
+
+
+def _positive_float(value: str) -> float:
+    try:
+        v = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
+    return v
+
+
+def _write_json(data: Any, path: str) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(data, indent=2, default=float) + "\n")
+    print(f"wrote {p}", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- profile / inspect
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from swapsched.runtime.profiler import profile
+    from swapsched.zoo import build_model
+
+    device = args.device
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError("--device cuda: no CUDA device is available here; use --device cpu or meta")
+    case = build_model(args.model, args.size, batch_size=args.batch_size, seq_len=args.seq_len, device=device)
+    trace = profile(case.model, case.inputs, case.loss_fn, device=device, name=case.name, hardware=args.hardware)
+    out = args.out or f"{case.name}.json.gz"
+    trace.save(out)
+    _print_summary(trace.summary())
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    from swapsched.budget import format_bytes
+
+    c = s["compute_s"]
+    print(f"trace        {s['name']}  ({s['timing']} on {s['device']})")
+    print(f"tensors      {s['tensors']}   events {s['events']}")
+    print(f"saved peak   {format_bytes(s['saved_bytes_peak'])}  (nothing evicted)")
+    print(f"static       {format_bytes(s['static_bytes'])}  (params, grads, optimizer state)")
+    print(f"device peak  {format_bytes(s['peak_bytes_no_swap'])}  (no swap; 100%)   smallest feasible {format_bytes(s['min_feasible_bytes'])}")
+    print(f"compute      forward {1e3 * c['forward']:.3f} ms   backward {1e3 * c['backward']:.3f} ms   step {1e3 * c['total']:.3f} ms")
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from swapsched.trace import load_trace
+
+    s = load_trace(args.trace).summary()
+    if args.json:
+        print(json.dumps(s, indent=2))
+    else:
+        _print_summary(s)
+    return 0
+
+
+# ----------------------------------------------------------------------------- simulate / plan
+
+
+def _load_case(trace_path: str, hardware: str, budget: str) -> tuple[Any, Any, int]:
+    from swapsched.budget import parse_budget
+    from swapsched.hardware import load_hardware
+    from swapsched.trace import load_trace
+
+    trace = load_trace(trace_path)
+    return trace, load_hardware(hardware), parse_budget(budget, trace)
+
+
+def _print_result(r: dict[str, Any]) -> None:
+    from swapsched.budget import format_bytes
+
+    if r["oom"]:
+        print(f"OOM at event {r['oom_event']}: the plan does not fit {format_bytes(r['budget_bytes'])}")
+    else:
+        print(f"step {1e3 * r['iteration_s']:.3f} ms   ideal {1e3 * r['ideal_s']:.3f} ms   overhead {100 * r['overhead']:+.2f}%"
+              f"   stall {1e3 * r['stall_s']:.3f} ms")
+    print(f"peak {format_bytes(r['peak_bytes'])} of budget {format_bytes(r['budget_bytes'])}   "
+          f"moved d2h {format_bytes(r['d2h_bytes'])}  h2d {format_bytes(r['h2d_bytes'])}")
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from swapsched.env.simulator import simulate
+    from swapsched.plan import load_plan
+
+    trace, hw, budget = _load_case(args.trace, args.hardware, args.budget)
+    plan = load_plan(args.plan, trace)
+    res = simulate(trace, plan, hw, budget, record=bool(args.plot), validate=False)
+    d = res.to_dict()
+    _print_result(d)
+    if args.json:
+        _write_json(d, args.json)
+    if args.plot:
+        from swapsched.plots import plot_timelines
+
+        plot_timelines([(plan.policy, res)], budget, args.plot, title=f"{trace.name} on {hw.name}")
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from swapsched.agents.registry import get_policy
+    from swapsched.compare import run_policy
+
+    trace, hw, budget = _load_case(args.trace, args.hardware, args.budget)
+    policy = get_policy(args.policy, seed=args.seed, search_seconds=args.search_seconds)
+    plan, res, plan_s = run_policy(policy, trace, budget, hw)
+    plan.save(args.out)
+    print(f"{policy.name}: {len(plan.evictions)} of {trace.n_tensors} tensors evicted, planned in {plan_s:.3f} s")
+    _print_result(res.to_dict())
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+# ----------------------------------------------------------------------------- compare
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from swapsched.agents.registry import expand_policies
+    from swapsched.compare import compare, format_summary, format_table, run_policy, summarize
+    from swapsched.env.corpus import load_corpus
+    from swapsched.hardware import load_hardware
+    from swapsched.trace import load_trace
+
+    traces = [load_trace(t) for t in args.traces] if args.traces else load_corpus()
+    hws = [load_hardware(h) for h in args.hardware]
+    policies = expand_policies(args.policies)
+    rows = compare(traces, args.budgets, hws, policies, seed=args.seed, search_seconds=args.search_seconds,
+                   progress=not args.no_progress)
+    print(format_table(rows, policies))
+    print()
+    summary = summarize(rows, policies)
+    print(format_summary(summary))
+    if args.json:
+        _write_json({"rows": rows, "summary": summary}, args.json)
+    if args.plot:
+        from swapsched.agents.registry import get_policy
+        from swapsched.budget import parse_budget
+        from swapsched.plots import plot_compare, plot_timelines
+
+        plot_compare(rows, policies, args.plot)
+        # one case in detail: the first trace at the first budget, every policy's memory timeline
+        tr, hw = traces[0], hws[0]
+        b = parse_budget(args.budgets[0], tr, check_feasible=False)
+        detail = []
+        for name in policies:
+            ok = [r for r in rows if r["trace"] == tr.name and r["budget"] == args.budgets[0] and r["policy"] == name]
+            if ok and not ok[0].get("skipped"):
+                _, res, _ = run_policy(get_policy(name, seed=args.seed, search_seconds=args.search_seconds), tr, b, hw, record=True)
+                detail.append((name, res))
+        stem = Path(args.plot)
+        timeline_path = stem.with_name(stem.stem + "-timeline" + stem.suffix)
+        plot_timelines(detail, b, timeline_path, title=f"{tr.name} at {args.budgets[0]} on {hw.name}")
+        print(f"wrote {args.plot} and {timeline_path}", file=sys.stderr)
+    return 0
+
+
+# ----------------------------------------------------------------------------- the parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="swapsched", description="Learned and heuristic activation-swap scheduling for PyTorch training.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
+
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help)
+        sp.set_defaults(fn=fn)
+        return sp
+
+    sp = add("profile", cmd_profile, "Profile one training step of a zoo model into a trace.")
+    sp.add_argument("model", help="zoo family (mlp, vgg, resnet, gpt, bert, unet), hf:MODEL_TYPE, or package.module:function")
+    sp.add_argument("--size", help="size from configs/models/FAMILY.yaml (default: small)")
+    sp.add_argument("--batch-size", type=_positive_int)
+    sp.add_argument("--seq-len", type=_positive_int, help="sequence length (gpt, bert, hf:)")
+    sp.add_argument("--device", choices=["cpu", "cuda", "meta"], default="cpu",
+                    help="meta: no memory, no data; roofline timing for --hardware (default h100-pcie5)")
+    sp.add_argument("--hardware", help="retime by roofline for this hardware (name or YAML path)")
+    sp.add_argument("--out", help="output trace (.json or .json.gz; default MODEL-SIZE.json.gz)")
+
+    sp = add("inspect", cmd_inspect, "Summarize a trace.")
+    sp.add_argument("trace")
+    sp.add_argument("--json", action="store_true", help="print JSON")
+
+    sp = add("simulate", cmd_simulate, "Simulate a plan on a trace (rules R1-R8).")
+    sp.add_argument("--trace", required=True)
+    sp.add_argument("--plan", required=True)
+    sp.add_argument("--hardware", required=True, help="name (configs/hardware) or YAML path")
+    sp.add_argument("--budget", required=True, help="'6GiB', '6e9' or '60%%' of the activation peak")
+    sp.add_argument("--json", metavar="OUT", help="write the result as JSON")
+    sp.add_argument("--plot", metavar="PNG", help="draw memory over time and the three streams")
+
+    sp = add("plan", cmd_plan, "Make a plan with a policy and write it as JSON.")
+    sp.add_argument("--trace", required=True)
+    sp.add_argument("--policy", required=True, help="registry name (see compare --help) or a checkpoint .zip")
+    sp.add_argument("--hardware", required=True)
+    sp.add_argument("--budget", required=True)
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--search-seconds", type=_positive_float, default=10.0, help="time box of swapadvisor")
+
+    sp = add("compare", cmd_compare, "Compare policies on traces x budgets x hardware in one table.")
+    sp.add_argument("--traces", nargs="+", metavar="T", help="trace files (default: the shipped corpus)")
+    sp.add_argument("--budgets", type=_csv, default=["30%", "50%", "70%"], help="comma list (default 30%%,50%%,70%%)")
+    sp.add_argument("--hardware", type=_csv, default=["h100-pcie5"], help="comma list of names or YAML paths")
+    sp.add_argument("--policies", default="all",
+                    help="'all' or a comma list of: no-swap, swap-all, vdnn-all, vdnn-conv, min, capuchin, swapadvisor, optimal, default")
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--search-seconds", type=_positive_float, default=2.0, help="time box of swapadvisor per case")
+    sp.add_argument("--json", metavar="OUT")
+    sp.add_argument("--plot", metavar="PNG", help="bar chart of overheads (+ PNG-timeline for the first case)")
+    sp.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except UserError as exc:
+        print(f"swapsched {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
