@@ -115,10 +115,11 @@ def _release_gaps(trace: Trace, hw: Hardware) -> np.ndarray:
                     dtype=np.int64)
 
 
-def _removable(trace: Trace, release: np.ndarray, gap: int, evicted: np.ndarray) -> np.ndarray:
-    """Tensors whose eviction would lower the demand of ``gap``: resident there, released by then
-    if swapped out at their last forward pack, and not needed until after it."""
-    ok = ~evicted & (trace.first_pack < gap) & (gap < trace.first_unpack) & (release <= gap)
+def _removable(trace: Trace, gap: int, evicted: np.ndarray) -> np.ndarray:
+    """Tensors whose eviction can lower the demand of ``gap``: swapped out (at their last forward
+    pack) before the gap starts and not needed until after it. If the copy has not finished by
+    then, compute waits for it (R4): a stall, not an OOM."""
+    ok = ~evicted & (trace.last_forward_pack < gap) & (gap < trace.first_unpack)
     return np.flatnonzero(ok)
 
 
@@ -147,7 +148,6 @@ def repair(trace: Trace, plan: SwapPlan, budget: int, hardware: Hardware, rounds
     """
     fu = trace.first_unpack
     evs = {e.tensor: e for e in plan.evictions}
-    release = _release_gaps(trace, hardware)
     for _ in range(rounds):
         res = simulate(trace, SwapPlan.of(trace, plan.policy, evs.values()), hardware, budget, validate=False)
         if not res.oom:
@@ -160,7 +160,7 @@ def repair(trace: Trace, plan: SwapPlan, budget: int, hardware: Hardware, rounds
             continue
         evicted = np.zeros(trace.n_tensors, dtype=bool)
         evicted[list(evs)] = True
-        cands = _removable(trace, np.minimum(release, e), e, evicted)
+        cands = _removable(trace, e, evicted)
         if not cands.size:
             break  # nothing left to move: the OOM is reported, never hidden
         k = int(cands[np.argmax(fu[cands])])
@@ -175,7 +175,7 @@ class Belady:
     the budget, evict the resident tensor whose next use is farthest; prefetch each as early as
     memory allows. Departures: the swap-out is issued at the tensor's last forward use rather than
     at the moment of need, because a copy is not instantaneous; and the plan is then checked on the
-    simulator and :func:`repair`\ ed where stalls made an early prefetch crowd out a production."""
+    simulator and repaired (:func:`repair`) where stalls made an early prefetch crowd out a production."""
 
     name: str = "min"
 
@@ -187,13 +187,13 @@ class Belady:
         chosen = np.zeros(trace.n_tensors, dtype=bool)
         for g in np.flatnonzero(demand > budget):
             while demand[g] > budget:
-                cands = _removable(trace, release, g, chosen)
+                cands = _removable(trace, g, chosen)
                 if not cands.size:
                     break  # nothing can help this gap: the simulation will report the OOM
                 k = int(cands[np.argmax(fu[cands])])  # farthest next use (ties: lowest id)
                 chosen[k] = True
                 evicted.append(k)
-                demand[release[k] : fu[k]] -= trace.tensor_bytes[k]
+                demand[min(release[k], g) : fu[k]] -= trace.tensor_bytes[k]
         plan = SwapPlan.of(trace, self.name, _place_prefetches(trace, budget, hardware, evicted, demand))
         return repair(trace, plan, budget, hardware)
 
@@ -225,19 +225,21 @@ class Capuchin:
         demand = planned_demand(trace, [], hardware)
         chosen = np.zeros(trace.n_tensors, dtype=bool)
         lead_idx: dict[int, int] = {}
+        planned_pf: dict[int, int] = {}
         for g in np.flatnonzero(demand > budget):
             while demand[g] > budget:
-                cands = _removable(trace, release, g, chosen)
+                cands = _removable(trace, g, chosen)
                 if not cands.size:
                     break  # nothing can help this gap: the simulation will report the OOM
                 k = int(cands[np.argmax(free_time[cands])])  # longest free time (ties: lowest id)
                 ev = self._eviction(trace, k, 1, hardware, after=int(g))
                 chosen[k] = True
                 lead_idx[k] = 1
-                demand[release[k] : ev.prefetch_at] -= b[k]
+                planned_pf[k] = ev.prefetch_at
+                demand[min(release[k], g) : ev.prefetch_at] -= b[k]
         if not lead_idx:
             return SwapPlan.of(trace, self.name, [])
-        guard = {k: self._first_needed_gap(trace, k, demand, budget) for k in lead_idx}
+        guard = {k: self._first_needed_gap(trace, k, planned_pf[k], demand, budget) for k in lead_idx}
         best_plan, best_t = None, math.inf
         for _ in range(self.rounds + 1):
             evs = [self._eviction(trace, k, li, hardware, after=guard[k]) for k, li in lead_idx.items()]
@@ -257,12 +259,12 @@ class Capuchin:
         return repair(trace, best_plan, budget, hardware)
 
     @staticmethod
-    def _first_needed_gap(trace: Trace, k: int, demand: np.ndarray, budget: int) -> int:
+    def _first_needed_gap(trace: Trace, k: int, pf: int, demand: np.ndarray, budget: int) -> int:
         """The last gap before its reuse where bringing ``k`` back would break the planned budget:
-        its prefetch must come after it."""
+        its prefetch must come after it. (``demand`` already holds ``k`` from gap ``pf`` on.)"""
         g = int(trace.first_unpack[k]) - 1
         bk = int(trace.tensor_bytes[k])
-        while g > swap_out_event(trace, k) and demand[g] + bk <= budget:
+        while g > swap_out_event(trace, k) and demand[g] + (bk if g < pf else 0) <= budget:
             g -= 1
         return g
 

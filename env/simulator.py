@@ -362,10 +362,19 @@ def simulate(trace: Trace, plan: SwapPlan | list[Eviction], hardware: Hardware, 
 
 
 def analytic_floor(trace: Trace, budget: int, hardware: Hardware) -> float:
-    """R8 lower bound on the step time: the bytes above the budget must leave during forward and
-    come back during backward, each no faster than its link."""
+    """R8's lower bound on the step time, split at the gap where it binds.
+
+    At gap *j* at least ``must_j`` = demand_j - budget bytes are off the device, so they finished
+    their swap-out before the gap started and start their swap-in after it: the step takes at least
+    ``max(compute before j, must_j / B_d2h) + max(compute from j on, must_j / B_h2d)``. The bound is
+    the largest over all gaps (R8 states it with *j* at the forward/backward boundary).
+    """
+    if trace.n_events == 0:
+        return trace.ideal_s
+    gaps = trace.gaps + hardware.hook_cost_s
+    before = np.concatenate(([0.0], np.cumsum(gaps)[:-1]))
+    after = gaps.sum() + trace.tail_compute_s - before
     demand = trace.static_bytes + trace.other_bytes + trace.resident_bytes_no_swap
-    must = float(np.maximum(demand - budget, 0).max()) if trace.n_events else 0.0
-    fwd = max(trace.forward_compute_s, must / hardware.d2h_bytes_per_s)
-    bwd = max(trace.backward_compute_s, must / hardware.h2d_bytes_per_s)
-    return fwd + bwd + hardware.hook_cost_s * trace.n_events
+    must = np.maximum(demand - budget, 0).astype(np.float64)
+    bound = np.maximum(before, must / hardware.d2h_bytes_per_s) + np.maximum(after, must / hardware.h2d_bytes_per_s)
+    return float(bound.max())

@@ -166,9 +166,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from swapsched.hardware import load_hardware
     from swapsched.trace import load_trace
 
-    traces = [load_trace(t) for t in args.traces] if args.traces else load_corpus()
-    hws = [load_hardware(h) for h in args.hardware]
     policies = expand_policies(args.policies)
+    hws = [load_hardware(h) for h in args.hardware]
+    traces = [load_trace(t) for t in args.traces] if args.traces else load_corpus()
     rows = compare(traces, args.budgets, hws, policies, seed=args.seed, search_seconds=args.search_seconds,
                    progress=not args.no_progress)
     print(format_table(rows, policies))
@@ -183,19 +183,23 @@ def cmd_compare(args: argparse.Namespace) -> int:
         from swapsched.plots import plot_compare, plot_timelines
 
         plot_compare(rows, policies, args.plot)
-        # one case in detail: the first trace at the first budget, every policy's memory timeline
-        tr, hw = traces[0], hws[0]
-        b = parse_budget(args.budgets[0], tr, check_feasible=False)
-        detail = []
-        for name in policies:
-            ok = [r for r in rows if r["trace"] == tr.name and r["budget"] == args.budgets[0] and r["policy"] == name]
-            if ok and not ok[0].get("skipped"):
-                _, res, _ = run_policy(get_policy(name, seed=args.seed, search_seconds=args.search_seconds), tr, b, hw, record=True)
-                detail.append((name, res))
-        stem = Path(args.plot)
-        timeline_path = stem.with_name(stem.stem + "-timeline" + stem.suffix)
-        plot_timelines(detail, b, timeline_path, title=f"{tr.name} at {args.budgets[0]} on {hw.name}")
-        print(f"wrote {args.plot} and {timeline_path}", file=sys.stderr)
+        print(f"wrote {args.plot}", file=sys.stderr)
+        # one case in detail: the first that some policy solved, every policy's memory timeline
+        solved = [r for r in rows if not r.get("skipped") and not r["oom"]]
+        if solved:
+            first = solved[0]
+            tr = next(t for t in traces if t.name == first["trace"])
+            hw = next(h for h in hws if h.name == first["hardware"])
+            b = parse_budget(first["budget"], tr)
+            detail = []
+            for r in rows:
+                if (r["trace"], r["budget"], r["hardware"]) == (tr.name, first["budget"], hw.name) and not r.get("skipped"):
+                    pol = get_policy(r["policy"], seed=args.seed, search_seconds=args.search_seconds)
+                    detail.append((r["policy"], run_policy(pol, tr, b, hw, record=True)[1]))
+            stem = Path(args.plot)
+            timeline_path = stem.with_name(stem.stem + "-timeline" + stem.suffix)
+            plot_timelines(detail, b, timeline_path, title=f"{tr.name} at {first['budget']} on {hw.name}")
+            print(f"wrote {timeline_path}", file=sys.stderr)
     return 0
 
 

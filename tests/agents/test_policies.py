@@ -1,0 +1,79 @@
+"""Properties over every policy: R7, feasibility against the exact optimum, optimality, determinism."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from swapsched.agents import get_policy
+from swapsched.agents.optimal import Optimal, TooLargeError
+from swapsched.agents.search import SwapAdvisor
+from swapsched.env.corpus import load_corpus
+from swapsched.env.simulator import simulate
+from swapsched.hardware import load_hardware
+from tests.conftest import make_hw, make_trace
+
+BUDGET_AWARE = ["swap-all", "min", "capuchin", "swapadvisor"]
+ALL_HEURISTICS = ["no-swap", "swap-all", "vdnn-all", "vdnn-conv", "min", "capuchin", "swapadvisor"]
+
+
+@st.composite
+def small_cases(draw):
+    n = draw(st.integers(1, 3))
+    sizes = draw(st.lists(st.integers(10, 300), min_size=n, max_size=n))
+    gap = st.floats(0.1, 2.0)
+    fwd = [("pack", k, draw(gap)) for k in range(n)]
+    bwd = [("unpack", k, draw(gap)) for k in draw(st.permutations(list(range(n))))]
+    ops = [draw(st.sampled_from(["convolution", "relu", "addmm"])) for _ in range(n)]
+    tr = make_trace(sizes, fwd + bwd, tail=draw(gap), ops=ops)
+    hw = make_hw(d2h=draw(st.floats(50, 500)), h2d=draw(st.floats(50, 500)), latency=draw(st.floats(0, 0.2)))
+    budget = draw(st.integers(tr.min_feasible_bytes, tr.peak_bytes_no_swap))
+    return tr, hw, budget
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_cases())
+def test_optimal_is_never_worse_and_budget_aware_policies_are_feasible(case):
+    tr, hw, budget = case
+    best = Optimal().plan(tr, budget, hw)
+    opt = simulate(tr, best, hw, budget)
+    assert best.meta["feasible"] and not opt.oom  # a budget >= the smallest feasible is feasible
+    for name in ALL_HEURISTICS:
+        plan = get_policy(name, search_seconds=5.0).plan(tr, budget, hw)
+        plan.validate(tr)  # R7
+        r = simulate(tr, plan, hw, budget)
+        if name in BUDGET_AWARE:
+            assert not r.oom, name
+        if not r.oom:
+            assert opt.iteration_s <= r.iteration_s + 1e-9, name
+
+
+def test_optimal_refuses_large_traces():
+    tr = load_corpus(names=["gpt-small-cpu"])[0]
+    with pytest.raises(TooLargeError, match="plans"):
+        Optimal().plan(tr, tr.peak_bytes_no_swap, make_hw())
+
+
+def test_genetic_search_is_reproducible_for_a_seed():
+    tr = load_corpus(names=["resnet-tiny-cpu"])[0]
+    hw = load_hardware("cpu-emulated")
+    budget = tr.static_bytes + (tr.peak_bytes_no_swap - tr.static_bytes) // 2
+    a = SwapAdvisor(seed=3, generations=5, search_seconds=1e9).plan(tr, budget, hw)
+    b = SwapAdvisor(seed=3, generations=5, search_seconds=1e9).plan(tr, budget, hw)
+    c = SwapAdvisor(seed=4, generations=5, search_seconds=1e9).plan(tr, budget, hw)
+    assert a == b and a.meta["generations"] == 5
+    assert simulate(tr, a, hw, budget).iteration_s <= simulate(tr, get_policy("capuchin").plan(tr, budget, hw), hw, budget).iteration_s
+    assert c.meta["seed"] == 4
+
+
+@pytest.mark.parametrize("name", BUDGET_AWARE)
+def test_budget_aware_policies_fit_corpus_cases(name):
+    hw = load_hardware("h100-pcie5")
+    for tr in load_corpus(names=["gpt-small-cpu", "resnet-tiny-cpu", "unet-large-b16-a100-pcie4"]):
+        budget = tr.static_bytes + (tr.peak_bytes_no_swap - tr.static_bytes) * 3 // 10
+        budget = max(budget, tr.min_feasible_bytes)
+        plan = get_policy(name, search_seconds=1.0).plan(tr, budget, hw)
+        plan.validate(tr)
+        r = simulate(tr, plan, hw, budget)
+        assert not r.oom and r.peak_bytes <= budget, (name, tr.name)

@@ -1,0 +1,31 @@
+"""Shared fixtures: tiny hand-made traces and a round-number hardware profile."""
+
+from __future__ import annotations
+
+import pytest
+
+from swapsched.hardware import Hardware
+from swapsched.trace import Event, TensorInfo, Trace
+
+
+def make_trace(sizes: list[int], events: list[tuple[str, int, float]], tail: float = 0.0, static: int = 0,
+               name: str = "hand", ops: list[str] | None = None, other: list[int] | None = None) -> Trace:
+    tensors = tuple(TensorInfo(i, b, (b // 4,), "float32", (ops or [""] * len(sizes))[i], f"layer{i}") for i, b in enumerate(sizes))
+    evs = tuple(Event(k, t, g, other_bytes=(other[i] if other else None)) for i, (k, t, g) in enumerate(events))
+    return Trace(name=name, timing="measured", device="cpu", static_bytes=static, tail_compute_s=tail, tensors=tensors, events=evs)
+
+
+def make_hw(d2h: float = 100.0, h2d: float = 100.0, latency: float = 0.0) -> Hardware:
+    return Hardware(name="hand", d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d, copy_latency_s=latency,
+                    device_memory_bytes=10**9, peak_flops=1e12, memory_bytes_per_s=1e11)
+
+
+@pytest.fixture
+def two_tensors() -> Trace:
+    """T0, T1 of 100 B. e0 pack0 @1, e1 pack1 @2, e2 unpack1 @4, e3 unpack0 @5 (ideal 5 s)."""
+    return make_trace([100, 100], [("pack", 0, 1.0), ("pack", 1, 1.0), ("unpack", 1, 2.0), ("unpack", 0, 1.0)])
+
+
+@pytest.fixture
+def hw() -> Hardware:
+    return make_hw()

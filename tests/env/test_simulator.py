@@ -1,0 +1,183 @@
+"""env/simulator.py: hand-computed cases (the arithmetic is in each test) and properties."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from swapsched.env.simulator import Simulation, analytic_floor, simulate
+from swapsched.plan import Eviction, PlanError, SwapPlan
+from tests.conftest import make_hw, make_trace
+
+
+def test_keep_all_is_ideal(two_tensors, hw):
+    r = simulate(two_tensors, [], hw, 200)
+    assert r.iteration_s == 5.0 and r.ideal_s == 5.0 and r.overhead == 0.0
+    assert r.peak_bytes == 200 and r.d2h_bytes == r.h2d_bytes == 0 and not r.oom
+
+
+def test_prefetch_arrives_in_time(two_tensors, hw):
+    # T0 out at e0: d2h 1 -> 2. Prefetch at e2 (t=4): h2d 4 -> 5; e3 is at t=5: no stall.
+    r = simulate(two_tensors, [Eviction(0, 0, 2)], hw, 200, record=True)
+    assert r.iteration_s == 5.0 and r.stall_s == 0.0
+    assert r.timeline.d2h == ((1.0, 2.0, 0),) and r.timeline.h2d == ((4.0, 5.0, 0),)
+    assert r.d2h_bytes == r.h2d_bytes == 100
+
+
+def test_on_demand_stalls_one_transfer(two_tensors, hw):
+    # prefetch_at == first unpack (3) means on demand: at e3 (t=5) copy 5 -> 6, stall 1 s in backward.
+    r = simulate(two_tensors, [Eviction(0, 0, 3)], hw, 200)
+    assert r.iteration_s == 6.0 and r.stall_s == 1.0 and r.stall_bwd_s == 1.0 and r.stall_fwd_s == 0.0
+
+
+def test_allocation_waits_for_swap_out(two_tensors, hw):
+    # Budget 100: T0's swap-out runs 1 -> 2, T1 (gap of e1, from t=1) needs its 100 B: wait 1 s (R4).
+    # e1 at 3, e2 at 5 frees T1, prefetch of T0 issued at e2: 5 -> 6; e3 at 6: no further stall.
+    r = simulate(two_tensors, [Eviction(0, 0, 2)], hw, 100)
+    assert r.stall_fwd_s == 1.0 and r.stall_bwd_s == 0.0 and r.iteration_s == 6.0
+    assert r.peak_bytes == 100
+
+
+def test_prefetch_waits_for_room(hw):
+    # T0,T1,T2 of 100 B, 1 s gaps, budget 200. T0 out 1 -> 2. T2 allocated at t=2 (used 200).
+    # Prefetch of T0 issued at e2 (t=3) finds no room; e3 (t=4) frees T2, the prefetch starts then:
+    # h2d 4 -> 5; e5 at t=6 finds T0 resident. No stall, peak 200.
+    tr = make_trace([100, 100, 100], [("pack", 0, 1), ("pack", 1, 1), ("pack", 2, 1),
+                                      ("unpack", 2, 1), ("unpack", 1, 1), ("unpack", 0, 1)])
+    r = simulate(tr, [Eviction(0, 0, 2)], hw, 200, record=True)
+    assert r.timeline.h2d == ((4.0, 5.0, 0),)
+    assert r.iteration_s == 6.0 and r.stall_s == 0.0 and r.peak_bytes == 200
+
+
+def test_oom_is_reported_with_its_event(two_tensors, hw):
+    # Keep all under 150 B: T1 needs 100 B at e1 with 100 B resident and nothing in flight.
+    r = simulate(two_tensors, [], hw, 150)
+    assert r.oom and r.oom_event == 1 and math.isinf(r.iteration_s) and math.isinf(r.overhead)
+    assert r.to_dict()["iteration_s"] is None
+
+
+def test_asymmetric_bandwidth(two_tensors):
+    # h2d at 50 B/s: the on-demand copy of 100 B takes 2 s -> stall 2, step 7.
+    r = simulate(two_tensors, [Eviction(0, 0, 3)], make_hw(d2h=100, h2d=50), 200)
+    assert r.stall_s == 2.0 and r.iteration_s == 7.0
+
+
+def test_copy_latency(two_tensors):
+    # latency 0.5 s per copy: on demand at t=5 -> 5 + 0.5 + 1 = 6.5 -> stall 1.5.
+    r = simulate(two_tensors, [Eviction(0, 0, 3)], make_hw(latency=0.5), 200)
+    assert r.stall_s == pytest.approx(1.5) and r.iteration_s == pytest.approx(6.5)
+
+
+def test_copy_engines_run_one_copy_at_a_time(hw):
+    # Two 100 B swap-outs issued together at e1 (t=2): the d2h engine runs them 2 -> 3 and 3 -> 4.
+    tr = make_trace([100, 100], [("pack", 0, 1), ("pack", 1, 1), ("unpack", 1, 5), ("unpack", 0, 1)])
+    r = simulate(tr, [Eviction(0, 1, 3), Eviction(1, 1, 2)], hw, 200, record=True)
+    assert [(a, b) for a, b, _ in r.timeline.d2h] == [(2.0, 3.0), (3.0, 4.0)]
+
+
+def test_other_bytes_count_against_the_budget(hw):
+    # 50 B of workspace in the gap of e1 on top of two resident tensors: 250 B > 200 -> OOM at e1.
+    tr = make_trace([100, 100], [("pack", 0, 1), ("pack", 1, 1), ("unpack", 1, 1), ("unpack", 0, 1)], other=[0, 50, 0, 0])
+    assert simulate(tr, [], hw, 250).peak_bytes == 250
+    assert simulate(tr, [], hw, 200).oom_event == 1
+
+
+def test_hook_cost_is_added_to_every_gap(two_tensors):
+    hw = make_hw()
+    hw = type(hw)(**{**hw.to_dict(), "hook_cost_s": 0.25})
+    r = simulate(two_tensors, [], hw, 200)
+    assert r.iteration_s == pytest.approx(6.0) and r.ideal_s == pytest.approx(6.0)
+
+
+def test_plan_breaking_r7_is_rejected(two_tensors, hw):
+    with pytest.raises(PlanError, match="R7"):
+        simulate(two_tensors, [Eviction(0, 3, 3)], hw, 200)
+    with pytest.raises(PlanError, match="R7"):
+        simulate(two_tensors, [Eviction(0, 1, 0)], hw, 200)
+
+
+def test_incremental_equals_whole(two_tensors, hw):
+    whole = simulate(two_tensors, [Eviction(0, 0, 2)], hw, 200)
+    sim = Simulation(two_tensors, hw, 200)
+    sim.run_until(0)
+    sim.schedule(0, 0, 2)
+    sim.run_until(2)
+    assert sim.finish() == whole
+
+
+def test_floor_hand_computed(two_tensors, hw):
+    # Budget 100: demand is 200 in the gaps of e1 and e2, so 100 B must be off the device there.
+    # j = 1: max(1, 100/100) + max(4, 100/100) = 5; j = 2: max(2, 1) + max(3, 1) = 5 -> floor 5.
+    assert analytic_floor(two_tensors, 100, hw) == 5.0
+    slow = make_hw(d2h=25, h2d=25)  # 4 s each way: j=1: max(1,4) + max(4,4) = 8
+    assert analytic_floor(two_tensors, 100, slow) == 8.0
+
+
+# ---------------------------------------------------------------------------- properties
+
+
+@st.composite
+def traces_and_plans(draw):
+    n = draw(st.integers(1, 5))
+    sizes = draw(st.lists(st.integers(1, 400), min_size=n, max_size=n))
+    gap = st.floats(0.0, 3.0, allow_nan=False)
+    fwd = [("pack", k, draw(gap)) for k in range(n)]
+    fwd += [("pack", draw(st.integers(0, n - 1)), draw(gap)) for _ in range(draw(st.integers(0, 3)))]
+    bwd_order = draw(st.permutations(list(range(n))))
+    bwd = [("unpack", k, draw(gap)) for k in bwd_order]
+    bwd += [("unpack", draw(st.sampled_from(bwd_order)), draw(gap)) for _ in range(draw(st.integers(0, 3)))]
+    # extra unpacks must come after the first unpack of their tensor: append at the end
+    tr = make_trace(sizes, fwd + bwd, tail=draw(gap))
+    fp, fu = tr.first_pack, tr.first_unpack
+    evs = []
+    for k in range(n):
+        if draw(st.booleans()):
+            so = draw(st.integers(int(fp[k]), int(fu[k]) - 1))
+            evs.append(Eviction(k, so, draw(st.integers(so, int(fu[k])))))
+    hw = make_hw(d2h=draw(st.floats(10, 1000)), h2d=draw(st.floats(10, 1000)), latency=draw(st.floats(0, 0.5)))
+    lo, hi = tr.min_feasible_bytes, tr.peak_bytes_no_swap
+    budget = draw(st.integers(lo, hi + 100))
+    return tr, SwapPlan.of(tr, "random", evs), hw, budget
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces_and_plans())
+def test_properties_of_any_valid_plan(case):
+    tr, plan, hw, budget = case
+    r = simulate(tr, plan, hw, budget)
+    a = simulate(tr, plan, hw, budget)
+    assert a == r  # deterministic
+    if r.oom:
+        assert r.oom_event is not None and 0 <= r.oom_event < tr.n_events
+        return
+    assert r.peak_bytes <= budget
+    assert r.iteration_s >= r.ideal_s - 1e-9
+    assert r.iteration_s >= analytic_floor(tr, budget, hw) - 1e-9
+    assert r.stall_s == pytest.approx(r.iteration_s - r.ideal_s, abs=1e-9)
+    moved = sum(tr.tensors[e.tensor].bytes for e in plan.evictions)
+    assert r.d2h_bytes == r.h2d_bytes == moved
+
+
+@settings(max_examples=100, deadline=None)
+@given(traces_and_plans())
+def test_keep_all_equals_ideal_when_it_fits(case):
+    tr, _, hw, _ = case
+    r = simulate(tr, [], hw, tr.peak_bytes_no_swap)
+    assert not r.oom and r.iteration_s == pytest.approx(tr.ideal_s) and r.d2h_bytes == r.h2d_bytes == 0
+    assert r.peak_bytes == tr.peak_bytes_no_swap
+    assert simulate(tr, [], hw, tr.peak_bytes_no_swap - 1).oom
+
+
+def test_swap_all_on_the_largest_corpus_trace_completes():
+    from swapsched.env.corpus import load_corpus
+    from swapsched.hardware import load_hardware
+
+    tr = max(load_corpus(), key=lambda t: t.n_events)
+    hw = load_hardware("h100-pcie5")
+    evs = [Eviction(k, int(tr.last_forward_pack[k]), int(tr.first_unpack[k])) for k in range(tr.n_tensors)]
+    r = simulate(tr, evs, hw, tr.peak_bytes_no_swap)
+    assert not r.oom and np.isfinite(r.iteration_s)

@@ -1,0 +1,118 @@
+"""env/swap_env.py: the gymnasium adapter over the simulator."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env as gym_check_env
+
+from swapsched.budget import BudgetError
+from swapsched.env.corpus import load_corpus
+from swapsched.env.simulator import simulate
+from swapsched.env.swap_env import N_FEATURES, SwapEnv
+from swapsched.plan import SwapPlan
+from tests.conftest import make_hw, make_trace
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus(split="train")
+
+
+def test_gymnasium_check_env(corpus):
+    gym_check_env(SwapEnv(traces=corpus[:6]), skip_render_check=True)
+
+
+def test_sb3_check_env(corpus):
+    from stable_baselines3.common.env_checker import check_env
+
+    check_env(SwapEnv(traces=corpus[:6]), warn=True)
+
+
+def test_registered_id():
+    env = gym.make("swapsched/Swap-v0", traces=load_corpus(split="train")[:2])
+    obs, _ = env.reset(seed=1)
+    assert obs.shape == (N_FEATURES,)
+
+
+def test_seeded_resets_are_reproducible(corpus):
+    a, b = SwapEnv(traces=corpus), SwapEnv(traces=corpus)
+    for seed in range(5):
+        oa, ia = a.reset(seed=seed)
+        ob, ib = b.reset(seed=seed)
+        assert ia == ib and np.array_equal(oa, ob)
+
+
+def _rollout(env, choose, seed=0, options=None):
+    obs, info = env.reset(seed=seed, options=options)
+    total, done = 0.0, False
+    while not done:
+        mask = env.action_masks()
+        a = choose(mask, obs)
+        assert mask[a], "agent chose a masked action"
+        obs, r, term, trunc, info = env.step(a)
+        assert env.observation_space.contains(obs)
+        total += r
+        done = term or trunc
+    return total, info
+
+
+def test_return_is_minus_overhead_and_matches_simulate(corpus):
+    env = SwapEnv(traces=corpus)
+    rng = np.random.default_rng(0)
+    for seed in range(10):
+        total, info = _rollout(env, lambda m, o: int(rng.choice(np.flatnonzero(m))), seed=seed)
+        plan = SwapPlan.of(env.trace, "env", env.evictions)
+        r = simulate(env.trace, plan, env.hw, env.budget)
+        if r.oom:
+            assert total <= -env.oom_penalty + 1e-9 and "oom_event" in info
+        else:
+            assert total == pytest.approx(-r.overhead, abs=1e-9) and info["overhead"] == pytest.approx(r.overhead)
+
+
+def test_masked_ppo_never_picks_a_masked_action(corpus):
+    from sb3_contrib import MaskablePPO
+
+    env = SwapEnv(traces=corpus[:4], budget_range=(0.3, 0.4))
+    model = MaskablePPO("MlpPolicy", env, n_steps=64, batch_size=32, seed=0, device="cpu")
+    for seed in range(5):
+        obs, _ = env.reset(seed=seed)
+        done = False
+        while not done:
+            mask = env.action_masks()
+            a, _ = model.predict(obs, action_masks=mask, deterministic=False)
+            assert mask[int(a)]
+            obs, _, term, trunc, _ = env.step(int(a))
+            done = term or trunc
+
+
+def test_keep_is_masked_exactly_when_it_makes_oom_certain():
+    # Two 100 B tensors alive together, budget 150: keeping T0 leaves no room for T1 (certain OOM).
+    tr = make_trace([100, 100], [("pack", 0, 1), ("pack", 1, 1), ("unpack", 1, 1), ("unpack", 0, 1)])
+    env = SwapEnv(traces=[tr], hardware=[make_hw()])
+    env.reset(options={"trace": 0, "hardware": 0, "budget_bytes": 150})
+    assert env.tensor == 0 and not env.action_masks()[0]
+    env.reset(options={"trace": 0, "hardware": 0, "budget_bytes": 200})
+    assert env.action_masks().all()
+
+
+def test_following_the_mask_with_on_demand_evictions_never_ooms(corpus):
+    """Keep whenever allowed, else evict on demand: the mask's bound is sound, so no OOM."""
+    env = SwapEnv(traces=corpus, budget_range=(0.01, 0.3))
+    for seed in range(20):
+        total, info = _rollout(env, lambda m, o: 0 if m[0] else 1, seed=seed)
+        assert "oom_event" not in info, (env.trace.name, env.budget)
+
+
+def test_budget_below_feasible_is_an_error(corpus):
+    env = SwapEnv(traces=corpus[:1])
+    with pytest.raises(BudgetError, match="smallest feasible"):
+        env.reset(options={"trace": 0, "budget_bytes": 1})
+
+
+def test_bad_action_is_rejected(corpus):
+    env = SwapEnv(traces=corpus[:1])
+    env.reset(seed=0)
+    with pytest.raises(ValueError, match="outside"):
+        env.step(99)

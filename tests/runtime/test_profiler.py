@@ -1,0 +1,108 @@
+"""runtime/profiler.py: tensors and bytes against an independent count, order, gradients, meta."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+from swapsched.runtime.profiler import ProfileError, profile, static_bytes_of
+from swapsched.zoo import build_model
+
+
+def _independent(model, inputs, loss_fn):
+    """Count saved storages with plain hooks: (kind, storage ptr) per call, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seq = []
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seq.append(("pack", ptr, t.untyped_storage().nbytes()))
+        return t
+
+    def unpack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seq.append(("unpack", ptr, t.untyped_storage().nbytes()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        loss_fn(model(*inputs)).backward()
+    model.zero_grad(set_to_none=True)
+    ids = {}
+    for _, ptr, _ in seq:
+        ids.setdefault(ptr, len(ids))
+    return [(k, ids[p]) for k, p, _ in seq], {ids[p]: b for _, p, b in seq}
+
+
+def test_hand_counted_mlp():
+    # Linear(8,16) saves x (2x8 fp32 = 64 B); ReLU saves its output (2x16 = 128 B), which Linear(16,4)
+    # saves too: one storage, one tensor (R2). Weights are parameters. sum() saves nothing.
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    tr = profile(m, (torch.randn(2, 8),), lambda y: y.sum())
+    assert [t.bytes for t in tr.tensors] == [64, 128]
+    assert [(e.kind, e.tensor) for e in tr.events] == [("pack", 0), ("pack", 1), ("pack", 1), ("unpack", 1), ("unpack", 1), ("unpack", 0)]
+    assert tr.static_bytes == 2 * 4 * (8 * 16 + 16 + 16 * 4 + 4)  # params + grads
+    assert tr.timing == "measured" and all(e.compute_s >= 0 for e in tr.events)
+    assert tr.tensors[1].op == "relu" and tr.tensors[0].op == "addmm"
+
+
+@pytest.mark.parametrize("family", ["mlp", "vgg", "resnet", "gpt", "bert", "unet"])
+def test_zoo_models_match_independent_count_and_order(family):
+    case = build_model(family, "tiny")
+    order, sizes = _independent(case.model, case.inputs, case.loss_fn)
+    tr = profile(case.model, case.inputs, case.loss_fn, name=case.name)
+    assert tr.n_tensors == len(sizes)
+    assert sorted(t.bytes for t in tr.tensors) == sorted(sizes.values())
+    assert [(e.kind, e.tensor) for e in tr.events] == order
+
+
+@pytest.mark.parametrize("family", ["mlp", "resnet", "gpt"])
+def test_gradients_unchanged_by_profiling(family):
+    a = build_model(family, "tiny", seed=3)
+    b = build_model(family, "tiny", seed=3)
+    if family == "gpt":  # dropout-free zoo; add randomness to check the RNG is restored
+        a.model.blocks[0].mlp.insert(1, nn.Dropout(0.5))
+        b.model.blocks[0].mlp.insert(1, nn.Dropout(0.5))
+    torch.manual_seed(7)
+    profile(a.model, a.inputs, a.loss_fn)
+    torch.manual_seed(7)
+    b.loss().backward()
+    for (n, pa), pb in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(pa.grad, pb.grad), n
+    for ba, bb in zip(a.model.buffers(), b.model.buffers()):  # BatchNorm statistics: one step's worth
+        assert torch.equal(ba, bb)
+
+
+def test_optimizer_state_counts_in_static_bytes():
+    m = nn.Linear(10, 10)
+    p_bytes = 4 * (100 + 10)
+    assert static_bytes_of(m) == 2 * p_bytes
+    assert static_bytes_of(m, torch.optim.Adam(m.parameters())) == 4 * p_bytes
+    assert static_bytes_of(m, torch.optim.SGD(m.parameters(), lr=0.1)) == 2 * p_bytes
+
+
+def test_meta_profile_of_a_1b_gpt_is_fast_and_roofline():
+    t0 = time.perf_counter()
+    case = build_model("gpt", "1.3b", device="meta")
+    assert sum(p.numel() for p in case.model.parameters()) > 1e9
+    tr = profile(case.model, case.inputs, case.loss_fn, device="meta", name=case.name, hardware="h100-pcie5")
+    assert time.perf_counter() - t0 < 60
+    assert tr.timing == "roofline" and tr.saved_bytes_peak > 10 * 2**30 and tr.ideal_s > 0
+    assert all(e.flops is not None for e in tr.events)
+
+
+def test_cpu_trace_retimed_for_a_gpu():
+    case = build_model("mlp", "tiny")
+    tr = profile(case.model, case.inputs, case.loss_fn, hardware="a100-pcie4")
+    assert tr.timing == "roofline" and tr.device == "a100-pcie4" and tr.ideal_s < 1e-3
+
+
+def test_step_without_saved_tensors_is_an_error():
+    m = nn.Linear(4, 4)
+    with pytest.raises(ProfileError, match="saved no tensors"):
+        profile(m, (torch.randn(2, 4),), lambda y: y.detach().sum() + m.bias.sum())

@@ -1,0 +1,46 @@
+"""swapsched/budget.py: bytes, percentages, and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from swapsched.budget import BudgetError, parse_budget
+from tests.conftest import make_trace
+
+
+@pytest.fixture
+def trace():
+    # static 1000, no-swap peak 1000 + 200; smallest feasible 1000 + 100
+    return make_trace([100, 100], [("pack", 0, 1), ("pack", 1, 1), ("unpack", 1, 1), ("unpack", 0, 1)], static=1000)
+
+
+def test_absolute():
+    assert parse_budget("6GiB") == 6 * 2**30
+    assert parse_budget("6e9") == 6_000_000_000
+    assert parse_budget("1.5 MB") == 1_500_000
+    assert parse_budget(4096) == 4096
+
+
+def test_percent_of_activation_peak(trace):
+    assert parse_budget("100%", trace) == 1200
+    assert parse_budget("50%", trace) == 1100
+    assert parse_budget("75%", trace) == 1150
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("-1GiB", "must be a positive amount"), ("0", "must be a positive amount"),
+    ("lots", "not understood"), ("150%", "over 100%"), ("5 parsecs", "unknown unit"),
+])
+def test_bad_budgets(trace, spec, message):
+    with pytest.raises(BudgetError, match=message):
+        parse_budget(spec, trace)
+
+
+def test_infeasible_budget_states_the_smallest(trace):
+    with pytest.raises(BudgetError, match=r"smallest feasible budget is .*1100 bytes, 50.0%"):
+        parse_budget("40%", trace)
+
+
+def test_percent_needs_a_trace():
+    with pytest.raises(BudgetError, match="needs a trace"):
+        parse_budget("50%")

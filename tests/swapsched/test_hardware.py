@@ -1,0 +1,59 @@
+"""swapsched/hardware.py: shipped profiles, YAML pitfalls, validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from swapsched.hardware import HardwareError, hardware_names, load_hardware
+
+REQUIRED = {"v100-pcie3", "a100-pcie4", "h100-pcie5", "h200-pcie5", "gh200-c2c", "rtx4090-pcie4", "cpu-emulated"}
+
+
+def test_shipped_profiles_load_and_are_numbers():
+    assert REQUIRED <= set(hardware_names())
+    for name in hardware_names():
+        hw = load_hardware(name)
+        assert hw.name == name
+        for v in (hw.d2h_bytes_per_s, hw.h2d_bytes_per_s, hw.peak_flops, hw.memory_bytes_per_s):
+            assert isinstance(v, float) and v > 0
+
+
+def test_every_number_has_a_source_comment():
+    from swapsched._paths import config_dir
+
+    for p in (config_dir() / "hardware").glob("*.yaml"):
+        for line in p.read_text().splitlines():
+            if ":" in line and not line.startswith("#") and not line.startswith("name"):
+                assert "#" in line, f"{p.name}: {line!r} has no source comment"
+
+
+def test_yaml_11_exponent_strings_are_accepted(tmp_path):
+    p = tmp_path / "x.yaml"
+    p.write_text("name: x\nd2h_bytes_per_s: 1.0e10\nh2d_bytes_per_s: 2e9\ncopy_latency_s: 1e-5\n"
+                 "device_memory_bytes: 1e9\npeak_flops: 1e12\nmemory_bytes_per_s: 1e11\n")
+    hw = load_hardware(p)
+    assert hw.d2h_bytes_per_s == 1e10 and hw.h2d_bytes_per_s == 2e9 and hw.device_memory_bytes == 10**9
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("name: x\n", "field d2h_bytes_per_s: missing"),
+        ("name: x\nd2h_bytes_per_s: fast\nh2d_bytes_per_s: 1\ncopy_latency_s: 0\ndevice_memory_bytes: 1\npeak_flops: 1\n"
+         "memory_bytes_per_s: 1\n", "field d2h_bytes_per_s: expected a number, got 'fast'"),
+        ("name: x\nd2h_bytes_per_s: 0\nh2d_bytes_per_s: 1\ncopy_latency_s: 0\ndevice_memory_bytes: 1\npeak_flops: 1\n"
+         "memory_bytes_per_s: 1\n", "field d2h_bytes_per_s: must be > 0"),
+        ("name: x\nspeed: 1\n", "unknown field"),
+        ("[1, 2", "not valid YAML"),
+    ],
+)
+def test_bad_profiles(tmp_path, body, message):
+    p = tmp_path / "bad.yaml"
+    p.write_text(body)
+    with pytest.raises(HardwareError, match=message):
+        load_hardware(p)
+
+
+def test_unknown_name_lists_known():
+    with pytest.raises(HardwareError, match="unknown hardware 'tpu'; known: .*h100-pcie5"):
+        load_hardware("tpu")

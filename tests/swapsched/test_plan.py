@@ -1,0 +1,57 @@
+"""swapsched/plan.py: round trip, validation against R7, prefetch placement."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from swapsched.plan import Eviction, PlanError, SwapPlan, lead_eviction, load_plan, prefetch_event
+from tests.conftest import make_hw
+
+
+def test_round_trip_and_trace_check(tmp_path, two_tensors):
+    plan = SwapPlan.of(two_tensors, "hand", [Eviction(0, 0, 2)])
+    p = plan.save(tmp_path / "p.json")
+    assert load_plan(p, two_tensors) == plan
+    other = SwapPlan("someone-else", "hand", (Eviction(0, 0, 2),))
+    other.save(tmp_path / "o.json")
+    with pytest.raises(PlanError, match="made for 'someone-else'"):
+        load_plan(tmp_path / "o.json", two_tensors)
+
+
+@pytest.mark.parametrize(
+    "ev, message",
+    [
+        (Eviction(5, 0, 1), "out of range"),
+        (Eviction(0, 3, 3), r"swap_out_at: 3 must be in \[0, 3\)"),
+        (Eviction(0, 1, 0), r"prefetch_at: 0 must be in \[1, 3\]"),
+        (Eviction(1, 0, 2), r"swap_out_at: 0 must be in \[1, 2\)"),
+    ],
+)
+def test_r7_violations_name_the_eviction(two_tensors, ev, message):
+    with pytest.raises(PlanError, match=message):
+        SwapPlan.of(two_tensors, "bad", [ev]).validate(two_tensors)
+
+
+def test_evicting_twice_is_rejected(two_tensors):
+    with pytest.raises(PlanError, match="evicted twice"):
+        SwapPlan("hand", "bad", (Eviction(0, 0, 2), Eviction(0, 1, 3))).validate(two_tensors)
+
+
+def test_bad_plan_file(tmp_path):
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps({"format": "swapsched.plan", "version": 1, "trace": "t", "policy": "x",
+                             "evictions": [{"tensor": 0, "swap_out_at": "soon", "prefetch_at": 1}]}))
+    with pytest.raises(PlanError, match=r"evictions\[0\].swap_out_at: expected an integer, got 'soon'"):
+        load_plan(p)
+
+
+def test_prefetch_event_by_lead(two_tensors):
+    # event times 1, 2, 4, 5; T0's first unpack is e3 at t=5.
+    assert prefetch_event(two_tensors, 0, 0.0) == 3  # on demand
+    assert prefetch_event(two_tensors, 0, 1.0) == 2  # t=4 is 1 s before
+    assert prefetch_event(two_tensors, 0, 2.5) == 1  # t=2 is >= 2.5 s before
+    assert prefetch_event(two_tensors, 0, float("inf")) == 0  # right after the swap-out
+    # lead class 2 = 2 transfers of 100 B at 100 B/s = 2 s -> latest event with time <= 3 is e1
+    assert lead_eviction(two_tensors, 0, 2, make_hw()) == Eviction(0, 0, 1)

@@ -1,0 +1,98 @@
+"""swapsched/trace.py: round trips, validation messages, derived tables, roofline retiming."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from swapsched.hardware import Hardware
+from swapsched.trace import Event, TensorInfo, Trace, TraceError, load_trace
+from tests.conftest import make_trace
+
+
+def test_round_trip_json_and_gz(tmp_path, two_tensors):
+    for name in ("t.json", "t.json.gz"):
+        p = two_tensors.save(tmp_path / name)
+        assert load_trace(p) == two_tensors
+    assert gzip.decompress((tmp_path / "t.json.gz").read_bytes()).startswith(b"{")
+
+
+def test_derived_tables(two_tensors):
+    t = two_tensors
+    assert t.ideal_s == 5.0 and list(t.event_times) == [1.0, 2.0, 4.0, 5.0]
+    assert list(t.first_pack) == [0, 1] and list(t.first_unpack) == [3, 2] and list(t.last_unpack) == [3, 2]
+    assert t.saved_bytes_peak == 200 and t.peak_bytes_no_swap == 200
+    # must hold: gap0 T0 (produced), gap1 T1, gap2 T1 (unpacked there), gap3 T0 -> 100 B
+    assert t.min_feasible_bytes == 100
+    assert t.forward_compute_s == 2.0 and t.backward_compute_s == 3.0
+
+
+def test_summary_keys(two_tensors):
+    s = two_tensors.summary()
+    assert {"name", "tensors", "events", "saved_bytes_peak", "static_bytes", "compute_s", "timing"} <= set(s)
+    assert s["tensors"] == 2 and s["events"] == 4 and s["timing"] == "measured"
+
+
+def _write(tmp_path, data) -> str:
+    p = tmp_path / "bad.json"
+    p.write_text(json.dumps(data))
+    return str(p)
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d.update(format="other"), "field format: expected 'swapsched.trace'"),
+        (lambda d: d.update(version=2), "field version: this swapsched reads version 1, got 2"),
+        (lambda d: d.pop("static_bytes"), "field static_bytes: missing"),
+        (lambda d: d.update(static_bytes="lots"), "field static_bytes: expected an integer, got 'lots'"),
+        (lambda d: d.update(static_bytes=-5), "field static_bytes: must be >= 0, got -5"),
+        (lambda d: d["events"][0].update(tensor=7), "field events[0].tensor: tensor id 7 out of range"),
+        (lambda d: d["events"][1].update(compute_s=-1.0), "field events[1].compute_s: must be >= 0, got -1.0"),
+        (lambda d: d["tensors"][1].update(bytes=-1), "field tensors[1].bytes: must be >= 0, got -1"),
+        (lambda d: d["events"].insert(0, {"kind": "unpack", "tensor": 0, "compute_s": 0}), "unpack of tensor 0 before its pack"),
+        (lambda d: d["events"][0].update(kind="jump"), "field events[0].kind: expected 'pack' or 'unpack', got 'jump'"),
+        (lambda d: d.update(timing="guessed"), "field timing: expected one of"),
+        (lambda d: d["tensors"][0].update(id=5), "field tensors[0].id: tensor ids must be 0..n-1"),
+        (lambda d: d.update(events={}), "field events: expected a list"),
+    ],
+)
+def test_load_rejects_bad_files_naming_file_field_and_value(tmp_path, two_tensors, mutate, message):
+    d = two_tensors.to_dict()
+    mutate(d)
+    path = _write(tmp_path, d)
+    with pytest.raises(TraceError) as exc:
+        load_trace(path)
+    assert path in str(exc.value) and message in str(exc.value)
+
+
+def test_load_rejects_non_json_and_missing_file(tmp_path):
+    p = tmp_path / "x.json"
+    p.write_text("{not json")
+    with pytest.raises(TraceError, match="not valid JSON"):
+        load_trace(p)
+    with pytest.raises(TraceError, match="no such file"):
+        load_trace(tmp_path / "nope.json")
+
+
+def test_roofline_retiming_by_hand():
+    # peak 1e12 FLOP/s, 1e11 B/s. e0 packs T0 (1000 B) first: max(2e9/1e12, 2*1000/1e11) = 2e-3 s.
+    # e1 unpacks T0 with 1e3 FLOPs: max(1e-9, 2*1000/1e11 = 2e-8) = 2e-8 s. Tail: 5e8 FLOPs -> 5e-4 s.
+    tr = Trace("r", "measured", "cpu", 0, 1.0, (TensorInfo(0, 1000),),
+               (Event("pack", 0, 0.5, flops=2e9), Event("unpack", 0, 0.5, flops=1e3)), meta={"tail_flops": 5e8})
+    hw = Hardware("g", 1e9, 1e9, 0.0, 10**9, 1e12, 1e11)
+    rt = tr.retimed(hw)
+    assert rt.timing == "roofline" and rt.device == "g"
+    assert rt.gaps.tolist() == pytest.approx([2e-3, 2e-8]) and rt.tail_compute_s == pytest.approx(5e-4)
+
+
+def test_retiming_needs_flops(two_tensors):
+    with pytest.raises(TraceError, match="flops"):
+        two_tensors.retimed(Hardware("g", 1e9, 1e9, 0.0, 10**9, 1e12, 1e11))
+
+
+def test_never_unpacked_tensor_is_rejected():
+    with pytest.raises(TraceError, match="never unpacked"):
+        make_trace([10, 10], [("pack", 0, 1), ("pack", 1, 1), ("unpack", 0, 1)])
