@@ -46,10 +46,13 @@ class SwapEnv(gym.Env):
     | 2..5 | evict; prefetch at the latest event at least 1, 2, 4, 8 of its host->device transfer times before its first unpack (ideal timing) |
     | 6 | evict; prefetch as early as possible (right after the swap-out is issued) |
 
-    ``action_masks()`` (sb3-contrib's MaskablePPO protocol) forbids "keep" when keeping would make
-    an OOM certain: when the bytes every plan must hold, plus the tensors kept so far, plus this one,
-    exceed the budget at some gap (a lower bound, R4/R7). Evicting is always allowed (R7 always has a
-    window: the last forward pack precedes the first unpack).
+    ``action_masks()`` (sb3-contrib's MaskablePPO protocol) keeps a per-gap account of the bytes the
+    decisions so far put on the device: what every plan must hold (R7), the tensors kept, and each
+    evicted tensor from its prefetch event to its first unpack. An action is offered only if adding
+    this tensor over the gaps it would occupy (kept: until its first unpack; evicted: from its
+    prefetch) keeps that account within the budget. Swap-outs still in flight are the only other
+    memory, and compute waits for those (R4), so **an agent that follows the mask never causes an
+    OOM**. Evicting on demand (action 1) occupies no extra gap and is always offered.
 
     ## Observation Space
     ``Box(0, 1, (13,), float32)``; every feature is bounded by construction, no running statistics:
@@ -149,6 +152,7 @@ class SwapEnv(gym.Env):
         self.times = tr.event_times
         self.last_stall = 0.0
         self.result = None
+        self._cand_pos = -1
         self.above = max(tr.peak_bytes_no_swap - tr.static_bytes, 1)
         self._advance()
 
@@ -161,14 +165,27 @@ class SwapEnv(gym.Env):
         """Gaps where keeping ``k`` adds to the lower bound: after its last forward pack, before its first unpack."""
         return int(self.trace.last_forward_pack[k]) + 1, int(self.trace.first_unpack[k])
 
+    def _candidates(self) -> tuple[list[Eviction], list[tuple[int, int]]]:
+        """The evictions actions 1.. would make for the current tensor, and the gaps each action
+        would add the tensor to the account (see action_masks), computed once per decision."""
+        if self._cand_pos != self.pos:
+            k = self.tensor
+            evs = [lead_eviction(self.trace, k, l, self.hw) for l in range(len(LEADS))]
+            a, z = self._keep_range(k)
+            self._cand = (evs, [(a, z)] + [(max(e.prefetch_at, a), z) for e in evs])
+            self._cand_pos = self.pos
+        return self._cand
+
     def action_masks(self) -> np.ndarray:
         mask = np.ones(self.action_space.n, dtype=bool)
         if self.pos >= len(self.order):
             return mask
-        k = self.tensor
-        a, z = self._keep_range(k)
-        if z > a and int(self.lower[a:z].max()) + int(self.trace.tensor_bytes[k]) > self.budget:
-            mask[0] = False
+        b = int(self.trace.tensor_bytes[self.tensor])
+        room = self.budget - b
+        lower = self.lower
+        for i, (a, z) in enumerate(self._candidates()[1]):
+            if z > a and lower[a:z].max() > room:
+                mask[i] = False
         return mask
 
     def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict]:
@@ -179,14 +196,15 @@ class SwapEnv(gym.Env):
             raise RuntimeError("step() after the episode ended; call reset()")
         k = self.tensor
         b = int(self.trace.tensor_bytes[k])
-        a, z = self._keep_range(k)
-        if action == 0:
-            self.lower[a:z] += b
-        else:
-            ev = lead_eviction(self.trace, k, action - 1, self.hw)
+        evs, spans = self._candidates()
+        a, z = spans[action]
+        self.lower[a:z] += b
+        if action > 0:
+            ev = evs[action - 1]
             self.sim.schedule(ev.tensor, ev.swap_out_at, ev.prefetch_at)
             self.evictions.append(ev)
-            self.if_kept[a:z] -= b
+            ka, kz = spans[0]
+            self.if_kept[ka:kz] -= b
         self.pos += 1
         self._advance()
         if self.sim.oom_event is not None:

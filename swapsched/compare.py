@@ -9,13 +9,13 @@ from typing import Any, Iterable, Sequence
 
 from swapsched.agents.optimal import TooLargeError
 from swapsched.agents.registry import Policy, get_policy
-from swapsched.budget import BudgetError, format_bytes, parse_budget
+from swapsched.budget import BudgetError, parse_budget
 from swapsched.env.simulator import SimResult, analytic_floor, simulate
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.trace import Trace
 
-__all__ = ["Case", "compare", "format_table", "summarize"]
+__all__ = ["Case", "compare", "run_policy", "format_table", "summarize", "format_summary"]
 
 
 @dataclass(frozen=True)
@@ -37,14 +37,19 @@ def compare(
     traces: Sequence[Trace],
     budgets: Sequence[str],
     hardware: Sequence[Hardware],
-    policies: Sequence[str],
+    policies: Sequence["str | Policy"],
     *,
     seed: int = 0,
     search_seconds: float = 5.0,
     progress: bool = True,
 ) -> list[dict[str, Any]]:
-    """One row per trace x budget x hardware x policy (``skipped`` where a policy cannot answer)."""
-    pols = {name: get_policy(name, seed=seed, search_seconds=search_seconds) for name in policies}
+    """One row per trace x budget x hardware x policy (``skipped`` where a policy cannot answer).
+
+    ``policies`` are registry names or policy objects (rows then carry the object's ``name``)."""
+    pols = {}
+    for p in policies:
+        pol = get_policy(p, seed=seed, search_seconds=search_seconds) if isinstance(p, str) else p
+        pols[p if isinstance(p, str) else pol.name] = pol
     cases = [Case(t, b, h) for t in traces for b in budgets for h in hardware]
     rows: list[dict[str, Any]] = []
     bar = _progress(len(cases) * len(pols), progress)
@@ -157,7 +162,3 @@ def _grid(head: Sequence[str], body: Sequence[Sequence[str]]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
     line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     return "\n".join([line(head), line(["-" * w for w in widths]), *(line(r) for r in body)])
-
-
-def budget_label(trace: Trace, budget: str) -> str:
-    return f"{budget} = {format_bytes(parse_budget(budget, trace))}"

@@ -1,0 +1,278 @@
+"""Copy primitives under the swap runtime: CUDA streams, or an emulated device on the CPU.
+
+Both backends move *storages* as flat ``uint8`` buffers (so views, non-contiguous tensors and
+several dtypes need nothing special) and hand back a :class:`Ticket` per copy. The plan-execution
+logic in ``runtime/swapper.py`` is the same above both; only these primitives differ.
+
+**Who keeps what alive during a copy** (the classic offloading bug is a tensor freed on the compute
+stream while a side-stream copy still reads it):
+
+- swap-out: the ``Ticket`` holds the source device storage until the copy is complete; the swapper
+  keeps the ticket until ``done()`` is true and only then drops it, so the storage can never be
+  reused under an unfinished copy. No ``record_stream`` is needed on the hot path.
+- swap-in: the destination device buffer is allocated on the *compute* stream (so its lifetime is
+  ordered by compute), the copy stream first waits for an event recorded after that allocation, and
+  the ticket holds the pinned host buffer until the copy is complete.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from swapsched.errors import UserError
+
+__all__ = ["Ticket", "Backend", "CpuBackend", "CudaBackend", "HostPool", "make_backend"]
+
+
+class HostPool:
+    """Reusable host buffers by exact size, so steady-state steps allocate nothing.
+
+    Steps repeat the same tensor sizes, so exact-size reuse hits every time after the first step.
+    With ``pin=True`` (CUDA) the buffers are page-locked; ``cudaHostAlloc`` synchronizes the device,
+    which is why it must happen only while the pool warms up."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self.free: dict[int, list[torch.Tensor]] = {}
+        self.allocated_bytes = 0
+        self.lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self.lock:
+            bufs = self.free.get(nbytes)
+            if bufs:
+                return bufs.pop()
+            self.allocated_bytes += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self.lock:
+            self.free.setdefault(buf.numel(), []).append(buf)
+
+    @property
+    def idle_bytes(self) -> int:
+        with self.lock:
+            return sum(b.numel() for bs in self.free.values() for b in bs)
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One copy in flight. ``src`` is held until the copy completes (see the module docstring)."""
+
+    nbytes: int
+    src: Any
+    dst: Any
+    after: "Ticket | None" = None  # a swap-in never starts before its swap-out completed (R6)
+    done_event: Any = None  # threading.Event (CPU) or torch.cuda.Event (CUDA)
+    start_s: float = 0.0
+    end_s: float = 0.0
+    error: BaseException | None = field(default=None, repr=False)
+
+
+class Backend:
+    """What the swapper needs from a device: copies out and in, completion, waiting, memory."""
+
+    name = "abstract"
+
+    def copy_out(self, src: torch.Tensor) -> Ticket:
+        raise NotImplementedError
+
+    def copy_in(self, host: torch.Tensor, after: Ticket | None) -> Ticket:
+        raise NotImplementedError
+
+    def done(self, t: Ticket) -> bool:
+        raise NotImplementedError
+
+    def wait_host(self, t: Ticket) -> None:
+        """Block the host until the copy is complete."""
+        raise NotImplementedError
+
+    def wait_for_use(self, t: Ticket) -> None:
+        """Make the compute that follows wait for the copy (host wait on CPU, stream wait on CUDA)."""
+        raise NotImplementedError
+
+    def release(self, t: Ticket) -> None:
+        """Return the ticket's host buffer to the pool (after a swap-in completed)."""
+
+    def shutdown(self) -> None:
+        pass
+
+
+class _CopyEngine(threading.Thread):
+    """One emulated DMA engine: runs its copies one at a time, in issue order (R6), each taking
+    at least ``latency + bytes / bandwidth`` seconds when throttled."""
+
+    def __init__(self, name: str, bytes_per_s: float | None, latency_s: float):
+        super().__init__(name=name, daemon=True)
+        self.bytes_per_s, self.latency_s = bytes_per_s, latency_s
+        self.queue: deque[tuple[Ticket, Callable[[], None]]] = deque()
+        self.cv = threading.Condition()
+        self.stopped = False
+        self.busy_s = 0.0
+        self.start()
+
+    def submit(self, t: Ticket, copy: Callable[[], None]) -> None:
+        with self.cv:
+            self.queue.append((t, copy))
+            self.cv.notify()
+
+    def run(self) -> None:
+        while True:
+            with self.cv:
+                while not self.queue and not self.stopped:
+                    self.cv.wait()
+                if self.stopped and not self.queue:
+                    return
+                t, copy = self.queue.popleft()
+            if t.after is not None:
+                t.after.done_event.wait()
+            t.start_s = time.perf_counter()
+            try:
+                copy()
+            except BaseException as exc:  # surfaced to the step by the swapper
+                t.error = exc
+            if self.bytes_per_s:
+                target = t.start_s + self.latency_s + t.nbytes / self.bytes_per_s
+                delay = target - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+            t.end_s = time.perf_counter()
+            self.busy_s += t.end_s - t.start_s
+            t.done_event.set()
+
+    def stop(self) -> None:
+        with self.cv:
+            self.stopped = True
+            self.cv.notify()
+
+
+class CpuBackend(Backend):
+    """The emulated device: "device" tensors are ordinary CPU tensors whose bytes the swapper
+    accounts against the budget; a swap-out copies a storage into a buffer of a separate host pool
+    and drops the original, so process memory really falls. One engine thread per direction, each
+    optionally throttled to a bandwidth so copies take link-like time and overlap is real."""
+
+    name = "cpu"
+
+    def __init__(self, d2h_bytes_per_s: float | None = None, h2d_bytes_per_s: float | None = None,
+                 latency_s: float = 0.0):
+        # an infinite bandwidth means "not throttled"
+        d2h_bytes_per_s = None if d2h_bytes_per_s in (None, float("inf")) else d2h_bytes_per_s
+        h2d_bytes_per_s = None if h2d_bytes_per_s in (None, float("inf")) else h2d_bytes_per_s
+        self.pool = HostPool(pin=False)
+        self.d2h = _CopyEngine("swapsched-d2h", d2h_bytes_per_s, latency_s)
+        self.h2d = _CopyEngine("swapsched-h2d", h2d_bytes_per_s, latency_s)
+
+    def copy_out(self, src: torch.Tensor) -> Ticket:
+        host = self.pool.take(src.numel())
+        t = Ticket(src.numel(), src=src, dst=host, done_event=threading.Event())
+
+        def copy() -> None:
+            host.copy_(src)
+            t.src = None  # the source is free to go once copied
+
+        self.d2h.submit(t, copy)
+        return t
+
+    def copy_in(self, host: torch.Tensor, after: Ticket | None) -> Ticket:
+        dev = torch.empty(host.numel(), dtype=torch.uint8)
+        t = Ticket(host.numel(), src=host, dst=dev, after=after, done_event=threading.Event())
+        self.h2d.submit(t, lambda: dev.copy_(host))
+        return t
+
+    def done(self, t: Ticket) -> bool:
+        return t.done_event.is_set()
+
+    def wait_host(self, t: Ticket) -> None:
+        t.done_event.wait()
+        if t.error is not None:
+            raise RuntimeError(f"swap copy failed: {t.error}") from t.error
+
+    wait_for_use = wait_host
+
+    def release(self, t: Ticket) -> None:
+        if t.src is not None and t.src.device.type == "cpu" and t.src.dtype == torch.uint8:
+            self.pool.give(t.src)
+            t.src = None
+
+    def shutdown(self) -> None:
+        self.d2h.stop()
+        self.h2d.stop()
+
+
+class CudaBackend(Backend):
+    """Two copy streams named by role, an event per copy, a pinned pool; never synchronizes the
+    device on the hot path."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device | int | None = None):
+        if not torch.cuda.is_available():
+            raise UserError("backend 'cuda' needs a CUDA device; use backend='cpu' here")
+        self.device = torch.device("cuda", torch.cuda.current_device() if device is None else torch.device(device).index or 0)
+        self.d2h_stream = torch.cuda.Stream(self.device)  # swap-outs: device -> pinned host
+        self.h2d_stream = torch.cuda.Stream(self.device)  # swap-ins: pinned host -> device
+        self.pool = HostPool(pin=True)
+
+    def copy_out(self, src: torch.Tensor) -> Ticket:
+        compute = torch.cuda.current_stream(self.device)
+        produced = torch.cuda.Event()
+        produced.record(compute)  # the producer kernels were queued on compute before this point
+        host = self.pool.take(src.numel())
+        done = torch.cuda.Event()
+        # wait_stream/wait_event on the copy stream itself; the "current" stream inside the
+        # context is the copy stream, so never call current_stream() in there
+        self.d2h_stream.wait_event(produced)
+        with torch.cuda.stream(self.d2h_stream):
+            host.copy_(src, non_blocking=True)
+        done.record(self.d2h_stream)
+        return Ticket(src.numel(), src=src, dst=host, done_event=done)
+
+    def copy_in(self, host: torch.Tensor, after: Ticket | None) -> Ticket:
+        compute = torch.cuda.current_stream(self.device)
+        dev = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)  # owned by compute
+        allocated = torch.cuda.Event()
+        allocated.record(compute)
+        self.h2d_stream.wait_event(allocated)
+        if after is not None:
+            self.h2d_stream.wait_event(after.done_event)
+        with torch.cuda.stream(self.h2d_stream):
+            dev.copy_(host, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(self.h2d_stream)
+        return Ticket(host.numel(), src=host, dst=dev, after=after, done_event=done)
+
+    def done(self, t: Ticket) -> bool:
+        return t.done_event.query()
+
+    def wait_host(self, t: Ticket) -> None:
+        t.done_event.synchronize()
+
+    def wait_for_use(self, t: Ticket) -> None:
+        torch.cuda.current_stream(self.device).wait_event(t.done_event)
+
+    def release(self, t: Ticket) -> None:
+        # the pinned source may be reused only once the copy reading it is complete
+        if t.src is not None and t.src.device.type == "cpu" and t.done_event.query():
+            self.pool.give(t.src)
+            t.src = None
+
+
+def make_backend(name: str | None, hardware: Any = None) -> Backend:
+    """``cuda`` when available unless told otherwise; the CPU backend's engines are throttled to
+    ``hardware``'s link (unthrottled without one, or with an infinite bandwidth)."""
+    if name is None:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return CudaBackend()
+    if name == "cpu":
+        if hardware is not None:
+            return CpuBackend(hardware.d2h_bytes_per_s, hardware.h2d_bytes_per_s, hardware.copy_latency_s)
+        return CpuBackend()
+    raise UserError(f"unknown backend {name!r}; use 'cpu' or 'cuda'")

@@ -1,0 +1,523 @@
+"""SwapRuntime: execute a SwapPlan in real training through ``saved_tensors_hooks``.
+
+    runtime = swapsched.SwapRuntime(budget="60%", policy="default")
+    for batch in loader:
+        with runtime.step():
+            loss = loss_fn(model(batch)); loss.backward()
+        optimizer.step(); optimizer.zero_grad()
+    print(runtime.report())
+
+Step 1 is profiled into a Trace (``timing: measured``) while every saved tensor goes to the host
+and comes back on demand (PyTorch's ``save_on_cpu`` semantics, so the profiling step fits any
+feasible budget); the policy then plans once. Later steps execute the plan by the rules the
+simulator uses (R4-R7): at each hook call *i* (an event of the trace) the runtime (a) makes the
+unpacked tensor resident, waiting for its swap-in or copying it on demand, (b) frees tensors whose
+last use is *i*, (c) issues the swap-outs planned at *i*, (d) issues the prefetches planned at *i*,
+which wait in issue order for room under the budget.
+
+Each step's events are checked against the trace. When they diverge (other shapes, other control
+flow) the step finishes on demand (nothing new is evicted, everything evicted comes back when
+unpacked) and the next step is profiled and planned again. A guard evicts on the spot, by the MIN
+rule, when the accounted device memory would exceed the budget despite the plan.
+
+Stashes: ``_Record`` is one saved storage (R2): while resident it holds a flat ``uint8`` view of
+the device storage; after its swap-out completes it holds only the host buffer. ``_Packed`` is what
+autograd keeps per pack: the record plus the view geometry (dtype, size, stride, offset), and the
+original tensor while the record is resident, so unpacking a kept tensor returns the very object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator
+
+import torch
+
+from swapsched.budget import format_bytes, parse_budget
+from swapsched.errors import UserError
+from swapsched.hardware import Hardware, load_hardware
+from swapsched.plan import SwapPlan
+from swapsched.runtime.backends import Backend, Ticket, make_backend
+from swapsched.runtime.profiler import TraceRecorder, is_parameter, static_bytes_of, storage_key
+from swapsched.trace import Trace
+
+__all__ = ["SwapRuntime", "StepReport"]
+
+RESIDENT, OUT, HOST, IN, FREED = range(5)
+
+
+@dataclass(eq=False)
+class _Record:
+    tid: int
+    nbytes: int
+    device: torch.device
+    flat: torch.Tensor | None  # uint8 view of the device storage; holds it while resident
+    host: torch.Tensor | None = None
+    state: int = RESIDENT
+    out: Ticket | None = None
+    inn: Ticket | None = None
+    handles: list["_Packed"] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Packed:
+    rec: _Record | None
+    tensor: torch.Tensor | None
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What ``runtime.report()`` returns about the last step."""
+
+    step: int
+    mode: str  # "profile" | "execute" | "diverged"
+    step_s: float
+    stall_s: float
+    predicted_step_s: float | None
+    evicted_bytes: int
+    prefetched_bytes: int
+    on_demand_bytes: int
+    peak_device_bytes: int | None  # None for the profiling step, which runs unbudgeted on demand
+    budget_bytes: int | None
+    plan_followed: bool
+    guard_evictions: int
+    skipped_small: int
+    cuda_peak_bytes: int | None = None
+
+    def __str__(self) -> str:
+        pred = f"{1e3 * self.predicted_step_s:.2f} ms" if self.predicted_step_s is not None else "-"
+        lines = [
+            f"step {self.step} ({self.mode}): {1e3 * self.step_s:.2f} ms measured, {pred} predicted, "
+            f"stall {1e3 * self.stall_s:.2f} ms",
+            f"  evicted {format_bytes(self.evicted_bytes)}, prefetched {format_bytes(self.prefetched_bytes)}, "
+            f"on demand {format_bytes(self.on_demand_bytes)}",
+            (f"  peak device {format_bytes(self.peak_device_bytes)} of budget {format_bytes(self.budget_bytes)}"
+             if self.peak_device_bytes is not None else "  profiling step: every saved tensor on the host, back on demand")
+            + (f" (torch peak {format_bytes(self.cuda_peak_bytes)})" if self.cuda_peak_bytes is not None else ""),
+            f"  plan followed: {'yes' if self.plan_followed else 'no'}; guard evictions {self.guard_evictions}; "
+            f"small tensors kept {self.skipped_small}",
+        ]
+        return "\n".join(lines)
+
+
+class SwapRuntime:
+    """Executes a swap plan in real training; see the module docstring.
+
+    ``budget``: ``"60%"`` of the profiled activation peak, or bytes (``"6GiB"``). ``policy``: a
+    registry name (``default`` is the shipped learned policy), a checkpoint path, or a policy object.
+    ``hardware``: the profile the policy plans for (default: ``cpu-emulated`` on the CPU backend;
+    a calibrated or named GPU profile on CUDA). ``backend``: ``"cuda"``, ``"cpu"`` or ``None`` (CUDA
+    when available). ``bandwidth``: throttle of the CPU backend's copy engines, bytes/s.
+    ``min_bytes``: saved tensors smaller than this always stay.
+    """
+
+    def __init__(self, budget: str | int = "60%", policy: Any = "default", hardware: Hardware | str | None = None,
+                 backend: str | Backend | None = None, *, bandwidth: float | None = None, min_bytes: int = 1024,
+                 model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None):
+        self.budget_spec = budget
+        if isinstance(policy, str):
+            from swapsched.agents.registry import get_policy
+
+            policy = get_policy(policy)
+        self.policy = policy
+        name = backend.name if isinstance(backend, Backend) else (backend or ("cuda" if torch.cuda.is_available() else "cpu"))
+        hw = load_hardware(hardware or ("cpu-emulated" if name == "cpu" else "h100-pcie5"))
+        if bandwidth is not None:  # the plan is made for the link the copies really get
+            if not bandwidth > 0:
+                raise UserError(f"bandwidth must be positive bytes/s, got {bandwidth!r}")
+            hw = replace(hw, name=f"{hw.name}@{bandwidth:.3g}B/s", d2h_bytes_per_s=bandwidth, h2d_bytes_per_s=bandwidth)
+        self.hardware = hw
+        self.backend = backend if isinstance(backend, Backend) else make_backend(name, hw)
+        self.min_bytes = int(min_bytes)
+        # parameters, gradients and optimizer state: counted in absolute budgets when the model is given
+        self.static_bytes = static_bytes_of(model, optimizer) if model is not None else 0
+        self.trace: Trace | None = None
+        self.plan: SwapPlan | None = None
+        self.budget_bytes: int | None = None
+        self.predicted_s: float | None = None
+        self.steps = 0
+        self._report: StepReport | None = None
+        self._exec: _StepExecution | None = None
+        self.history: list[StepReport] = []
+
+    # ------------------------------------------------------------------ the public surface
+    @contextlib.contextmanager
+    def step(self) -> Iterator["SwapRuntime"]:
+        """One training step (forward and backward) under the runtime."""
+        if self._exec is not None:
+            raise UserError("runtime.step() is already active; steps cannot nest")
+        self.steps += 1
+        if self.trace is None:
+            ex: _StepExecution = _ProfileStep(self)
+        else:
+            ex = _ExecuteStep(self)
+        self._exec = ex
+        t0 = time.perf_counter()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(ex.pack, ex.unpack):
+                yield self
+            ex.finish()
+        except BaseException:
+            ex.abort()  # leave no held buffers; the next step starts clean
+            raise
+        finally:
+            self._exec = None
+        step_s = time.perf_counter() - t0
+        self._report = ex.report(step_s)
+        self.history.append(self._report)
+        if isinstance(ex, _ProfileStep):
+            self._plan_from(ex.trace)
+        elif ex.diverged:
+            self.trace = None  # re-profile and re-plan on the next step
+
+    def report(self) -> StepReport:
+        """The last step's report (also printed when ``verbose``)."""
+        if self._report is None:
+            raise UserError("no step has run yet; wrap a training step in `with runtime.step():`")
+        return self._report
+
+    def close(self) -> None:
+        self.backend.shutdown()
+
+    # ------------------------------------------------------------------ planning
+    def _plan_from(self, trace: Trace) -> None:
+        from swapsched.env.simulator import simulate
+
+        self.trace = trace
+        self.budget_bytes = parse_budget(self.budget_spec, trace)
+        plan = self.policy.plan(trace, self.budget_bytes, self.hardware)
+        plan.validate(trace)
+        self.plan = plan
+        res = simulate(trace, plan, self.hardware, self.budget_bytes, validate=False)
+        self.predicted_s = None if res.oom else res.iteration_s
+
+
+class _StepExecution:
+    """Common bookkeeping of one step: identities, accounting, counters."""
+
+    def __init__(self, rt: SwapRuntime):
+        self.rt = rt
+        self.backend = rt.backend
+        self.ids: dict[int, _Record] = {}
+        self.records: list[_Record] = []
+        self.static = rt.static_bytes
+        self.used = 0
+        self.peak = 0
+        self.stall_s = 0.0
+        self.evicted = self.prefetched = self.on_demand = 0
+        self.guard = 0
+        self.skipped_small = 0
+        self.diverged = False
+        if self.backend.name == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+
+    def _account(self, delta: int) -> None:
+        self.used += delta
+        if self.static + self.used > self.peak:
+            self.peak = self.static + self.used
+
+    def _rebuild(self, p: _Packed, flat: torch.Tensor) -> torch.Tensor:
+        return torch.empty(0, dtype=p.dtype, device=flat.device).set_(flat.untyped_storage(), p.offset, p.size, p.stride)
+
+    @staticmethod
+    def _flat(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+    def _geometry(self, rec: _Record | None, t: torch.Tensor) -> _Packed:
+        return _Packed(rec, t, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+    def finish(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        self.records.clear()
+        self.ids.clear()
+
+    def report(self, step_s: float) -> StepReport:
+        raise NotImplementedError
+
+
+class _ProfileStep(_StepExecution):
+    """Step 1: record the trace; every saved tensor goes to the host at once and comes back on
+    demand, synchronously inside the hook (the recorder excludes hook time from the gaps)."""
+
+    def __init__(self, rt: SwapRuntime):
+        super().__init__(rt)
+        clock = "cuda" if self.backend.name == "cuda" else "cpu"
+        self.recorder = TraceRecorder(clock)
+        self.recorder.start()
+        self.trace: Trace | None = None
+        self.moved = 0
+
+    def pack(self, t: torch.Tensor) -> Any:
+        tid = self.recorder.pack(t)
+        if tid is None or t.untyped_storage().nbytes() < self.rt.min_bytes:
+            return ("keep", tid, t)
+        key = storage_key(t)
+        rec = self.ids.get(key)
+        if rec is None:
+            flat = self._flat(t)
+            ticket = self.backend.copy_out(flat)
+            self.backend.wait_host(ticket)
+            rec = _Record(tid, flat.numel(), t.device, None, host=ticket.dst, state=HOST)
+            self.ids[key] = rec
+            self.records.append(rec)
+            self.moved += rec.nbytes
+        return ("host", tid, self._geometry(rec, t))
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        kind, tid, obj = packed
+        self.recorder.unpack(tid)
+        if kind == "keep":
+            return obj
+        p: _Packed = obj
+        ticket = self.backend.copy_in(p.rec.host, None)
+        self.backend.wait_host(ticket)
+        return self._rebuild(p, ticket.dst)
+
+    def finish(self) -> None:
+        dev = self.records[0].device if self.records else torch.device("cpu")
+        self.trace = self.recorder.finish(f"runtime-step-{self.rt.steps}", str(dev), self.rt.static_bytes, "measured")
+        for rec in self.records:
+            if rec.host is not None:
+                self.backend.pool.give(rec.host)
+        self.records.clear()
+        self.ids.clear()
+
+    def report(self, step_s: float) -> StepReport:
+        return StepReport(
+            step=self.rt.steps, mode="profile", step_s=step_s, stall_s=0.0, predicted_step_s=None,
+            evicted_bytes=self.moved, prefetched_bytes=0, on_demand_bytes=self.moved,
+            peak_device_bytes=None, budget_bytes=None, plan_followed=True, guard_evictions=0, skipped_small=0,
+        )
+
+
+class _ExecuteStep(_StepExecution):
+    """Steps 2..: execute the plan event by event (R4-R7)."""
+
+    def __init__(self, rt: SwapRuntime):
+        super().__init__(rt)
+        tr, plan = rt.trace, rt.plan
+        assert tr is not None and plan is not None and rt.budget_bytes is not None
+        self.trace = tr
+        self.budget = rt.budget_bytes
+        n = tr.n_events
+        self.out_at: list[list[int]] = [[] for _ in range(n)]
+        self.prefetch_at: list[list[int]] = [[] for _ in range(n)]
+        for e in plan.evictions:
+            self.out_at[e.swap_out_at].append(e.tensor)
+            self.prefetch_at[e.prefetch_at].append(e.tensor)
+        self.last_unpack = tr.last_unpack.tolist()
+        self.first_unpack = tr.first_unpack.tolist()
+        self.by_tid: dict[int, _Record] = {}
+        self.i = 0
+        self.outs: deque[_Record] = deque()  # swap-outs in flight, in issue order
+        self.waiting: deque[_Record] = deque()  # prefetches waiting for room (R6)
+        self.ins: list[_Record] = []
+        self.tid_of: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ memory (R4, R6)
+    def _drain(self) -> None:
+        while self.outs and self.backend.done(self.outs[0].out):
+            self._retire_out(self.outs.popleft())
+        self._admit()
+
+    def _retire_out(self, rec: _Record) -> None:
+        t = rec.out
+        if t.error is not None:
+            raise RuntimeError(f"swap-out of tensor {rec.tid} failed: {t.error}") from t.error
+        t.src = None  # the copy is complete: the device storage may go (see backends.py)
+        if rec.state == OUT:
+            rec.state = HOST
+        self._account(-rec.nbytes)
+
+    def _admit(self) -> None:
+        room = self.budget - self.static
+        while self.waiting and self.used + self.waiting[0].nbytes <= room:
+            rec = self.waiting.popleft()
+            self._start_in(rec)
+            self.prefetched += rec.nbytes
+
+    def _start_in(self, rec: _Record) -> None:
+        self._account(rec.nbytes)
+        rec.inn = self.backend.copy_in(rec.host, rec.out)
+        rec.state = IN
+        self.ins.append(rec)
+
+    def _make_room(self, need: int, now_tid: int | None) -> None:
+        if self.diverged:
+            return  # finishing safely on demand: the plan no longer describes this step
+        room = self.budget - self.static
+        while self.used + need > room:
+            if self.outs:
+                t0 = time.perf_counter()
+                self.backend.wait_host(self.outs[0].out)
+                self.stall_s += time.perf_counter() - t0
+                self._retire_out(self.outs.popleft())
+                continue
+            if not self._guard_evict(now_tid):
+                return  # nothing left to move: over budget, reported, never a crash
+
+    def _guard_evict(self, now_tid: int | None) -> bool:
+        """MIN rule on the spot: evict the resident tensor whose next use is farthest."""
+        cands = [r for r in self.records if r.state == RESIDENT and r.tid != now_tid and r.flat is not None
+                 and r.nbytes >= self.rt.min_bytes and self.first_unpack[r.tid] > self.i]
+        if not cands:
+            return False
+        rec = max(cands, key=lambda r: self.first_unpack[r.tid])
+        self._issue_out(rec)
+        self.guard += 1
+        return True
+
+    def _issue_out(self, rec: _Record) -> None:
+        rec.out = self.backend.copy_out(rec.flat)
+        rec.host = rec.out.dst
+        rec.state = OUT
+        # the ticket now holds the device storage until the copy completes; the stashes let go
+        rec.flat = None
+        for h in rec.handles:
+            h.tensor = None
+        self.outs.append(rec)
+        self.evicted += rec.nbytes
+
+    # ------------------------------------------------------------------ hooks
+    def _expect(self, kind: str, tid: int | None, nbytes: int) -> None:
+        if self.diverged:
+            return
+        tr = self.trace
+        ok = self.i < tr.n_events
+        if ok:
+            e = tr.events[self.i]
+            ok = e.kind == kind and e.tensor == tid and tr.tensors[tid].bytes == nbytes
+        if not ok:
+            self.diverged = True
+            self.waiting.clear()  # nothing more is planned; what is evicted comes back on demand
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if is_parameter(t):
+            return _Packed(None, t, t.dtype, (), (), 0)
+        key = storage_key(t)
+        rec = self.ids.get(key)
+        nbytes = t.untyped_storage().nbytes()
+        if rec is None:
+            tid = len(self.records)
+            rec = _Record(tid, nbytes, t.device, self._flat(t))
+            self.ids[key] = rec
+            self.records.append(rec)
+            self.by_tid[tid] = rec
+            self._expect("pack", tid, nbytes)
+            self._drain()
+            self._make_room(nbytes, tid)  # R4: it is already made; the guard keeps the total in budget
+            self._account(nbytes)
+        else:
+            self._expect("pack", rec.tid, nbytes)
+        p = self._geometry(rec, t)
+        if rec.state != RESIDENT:
+            p.tensor = None  # evicted earlier in the step: rebuilt on unpack
+        rec.handles.append(p)
+        self._after_event()
+        return p
+
+    def unpack(self, p: _Packed) -> torch.Tensor:
+        rec = p.rec
+        if rec is None:
+            return p.tensor
+        self._expect("unpack", rec.tid, rec.nbytes)
+        self._drain()
+        # (a) make it resident
+        if rec.state in (OUT, HOST):
+            if rec in self.waiting:
+                self.waiting.remove(rec)  # on demand goes ahead of prefetches waiting for room
+            self._make_room(rec.nbytes, rec.tid)
+            self._start_in(rec)
+            self.on_demand += rec.nbytes
+        if rec.state == IN:
+            t0 = time.perf_counter()
+            self.backend.wait_for_use(rec.inn)
+            self.stall_s += time.perf_counter() - t0
+            rec.flat = rec.inn.dst
+            self.backend.release(rec.inn)
+            rec.state = RESIDENT
+        out = p.tensor if p.tensor is not None else self._rebuild(p, rec.flat)
+        self._after_event()
+        return out
+
+    def _after_event(self) -> None:
+        i = self.i
+        self.i += 1
+        if self.diverged or i >= self.trace.n_events:
+            return
+        # (b) free what is last used here
+        e = self.trace.events[i]
+        if e.kind == "unpack" and self.last_unpack[e.tensor] == i:
+            rec = self.by_tid[e.tensor]
+            if rec.state == RESIDENT:
+                self._account(-rec.nbytes)
+            # our own reference goes; autograd drops its handles itself. A host copy stays until
+            # the step ends, in case an unplanned unpack (divergence) needs it again.
+            rec.flat = None
+            rec.state = HOST if rec.host is not None else FREED
+        # (c) swap-outs planned here
+        for tid in self.out_at[i]:
+            rec = self.by_tid.get(tid)
+            if rec is None or rec.state != RESIDENT:
+                continue
+            if rec.nbytes < self.rt.min_bytes:
+                self.skipped_small += 1
+                continue
+            self._issue_out(rec)
+        # (d) prefetches planned here, in issue order, waiting for room (R6)
+        for tid in self.prefetch_at[i]:
+            rec = self.by_tid.get(tid)
+            if rec is not None and rec.state in (OUT, HOST) and rec not in self.waiting:
+                self.waiting.append(rec)
+        self._admit()
+
+    # ------------------------------------------------------------------ end of step
+    def finish(self) -> None:
+        if not self.diverged and self.i != self.trace.n_events:
+            self.diverged = True
+        self._settle()
+
+    def abort(self) -> None:
+        self._settle()
+
+    def _settle(self) -> None:
+        """Wait for every copy in flight, return host buffers to the pool, drop every stash."""
+        for rec in self.outs:
+            self.backend.wait_host(rec.out)
+        for rec in self.ins:
+            self.backend.wait_host(rec.inn)
+            self.backend.release(rec.inn)
+        pool = self.backend.pool
+        for rec in self.records:
+            if rec.host is not None:
+                pool.give(rec.host)
+                rec.host = None
+            rec.flat = None
+            rec.out = rec.inn = None
+            for h in rec.handles:
+                h.tensor = None
+        self.outs.clear()
+        self.waiting.clear()
+        self.ins.clear()
+        self.records.clear()
+        self.ids.clear()
+        self.by_tid.clear()
+
+    def report(self, step_s: float) -> StepReport:
+        cuda_peak = torch.cuda.max_memory_allocated() if self.backend.name == "cuda" else None
+        return StepReport(
+            step=self.rt.steps, mode="diverged" if self.diverged else "execute", step_s=step_s, stall_s=self.stall_s,
+            predicted_step_s=self.rt.predicted_s, evicted_bytes=self.evicted, prefetched_bytes=self.prefetched,
+            on_demand_bytes=self.on_demand, peak_device_bytes=self.peak, budget_bytes=self.budget,
+            plan_followed=not self.diverged and self.guard == 0 and self.skipped_small == 0,
+            guard_evictions=self.guard, skipped_small=self.skipped_small, cuda_peak_bytes=cuda_peak,
+        )
