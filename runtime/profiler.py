@@ -10,7 +10,8 @@ runs and the gaps are timed by roofline for a target :class:`~swapsched.hardware
 
 Identity (R2): one tensor per storage, keyed by the address of the C++ ``StorageImpl``
 (``untyped_storage()._cdata``), which is unique while the storage lives even on ``meta``, where data
-pointers are all zero. The recorder holds each storage until the step ends so no address is reused.
+pointers are all zero. An address can be reused once its storage dies, so each key is forgotten by a
+``weakref.finalize`` on the storage (see :class:`StorageIds`); nothing is kept alive for identity.
 Parameters (leaves that require grad, and views of them) and buffers are not saved tensors: they
 are counted in ``static_bytes`` together with gradients and optimizer state.
 """
@@ -18,6 +19,7 @@ are counted in ``static_bytes`` together with gradients and optimizer state.
 from __future__ import annotations
 
 import time
+import weakref
 from contextlib import ExitStack
 from dataclasses import replace
 from typing import Any, Callable
@@ -31,7 +33,7 @@ from swapsched.errors import UserError
 from swapsched.hardware import Hardware, load_hardware
 from swapsched.trace import Event, TensorInfo, Trace
 
-__all__ = ["profile", "ProfileError", "TraceRecorder", "is_parameter", "storage_key", "static_bytes_of"]
+__all__ = ["profile", "ProfileError", "TraceRecorder", "StorageIds", "is_parameter", "storage_key", "static_bytes_of"]
 
 
 class ProfileError(UserError):
@@ -41,6 +43,26 @@ class ProfileError(UserError):
 def storage_key(t: torch.Tensor) -> int:
     """Identity of a tensor's storage; valid on every device including ``meta`` (R2)."""
     return t.untyped_storage()._cdata
+
+
+class StorageIds:
+    """Maps live storages to values; an entry disappears when its storage dies, so a new storage
+    that reuses the address is never mistaken for the old one (R2)."""
+
+    def __init__(self) -> None:
+        self._map: dict[int, Any] = {}
+
+    def get(self, t: torch.Tensor) -> Any:
+        return self._map.get(storage_key(t))
+
+    def add(self, t: torch.Tensor, value: Any) -> None:
+        st = t.untyped_storage()
+        key = st._cdata
+        self._map[key] = value
+        weakref.finalize(st, self._map.pop, key, None)
+
+    def clear(self) -> None:
+        self._map.clear()
 
 
 def is_parameter(t: torch.Tensor) -> bool:
@@ -121,8 +143,7 @@ class TraceRecorder:
     def __init__(self, clock: str | None, ops: _OpNames | None = None, flops: FlopCounterMode | None = None,
                  modules: _ModulePath | None = None):
         self.clock, self.ops, self.flops, self.modules = clock, ops, flops, modules
-        self.ids: dict[int, int] = {}
-        self.keepalive: list[Any] = []  # storages held until the step ends, so keys stay unique
+        self.ids = StorageIds()
         self.tensors: list[TensorInfo] = []
         self.op_names: list[str] = []
         self.kinds: list[str] = []
@@ -153,15 +174,13 @@ class TraceRecorder:
         t0 = time.perf_counter()
         if is_parameter(t):
             return None
-        key = storage_key(t)
-        tid = self.ids.get(key)
+        tid = self.ids.get(t)
         if tid is None:
-            tid = self.ids[key] = len(self.tensors)
-            st = t.untyped_storage()
-            self.keepalive.append(st)
+            tid = len(self.tensors)
+            self.ids.add(t, tid)
             self.tensors.append(
                 TensorInfo(
-                    id=tid, bytes=int(st.nbytes()), shape=tuple(t.shape), dtype=str(t.dtype).replace("torch.", ""),
+                    id=tid, bytes=int(t.untyped_storage().nbytes()), shape=tuple(t.shape), dtype=str(t.dtype).replace("torch.", ""),
                     module=self.modules.current if self.modules else "",
                 )
             )
@@ -207,6 +226,7 @@ class TraceRecorder:
         unpacked = {self.tensor_of[i] for i in range(n) if self.kinds[i] == "unpack"}
         keep = sorted(unpacked)
         remap = {old: new for new, old in enumerate(keep)}
+        self.remap = remap  # order of first sight -> trace tensor id (the live runtime replays it)
         events: list[Event] = []
         carry_s, carry_f = 0.0, 0.0
         for i in range(n):

@@ -41,7 +41,7 @@ from swapsched.errors import UserError
 from swapsched.hardware import Hardware, load_hardware
 from swapsched.plan import SwapPlan
 from swapsched.runtime.backends import Backend, Ticket, make_backend
-from swapsched.runtime.profiler import TraceRecorder, is_parameter, static_bytes_of, storage_key
+from swapsched.runtime.profiler import StorageIds, TraceRecorder, is_parameter, static_bytes_of
 from swapsched.trace import Trace
 
 __all__ = ["SwapRuntime", "StepReport"]
@@ -88,7 +88,7 @@ class StepReport:
     budget_bytes: int | None
     plan_followed: bool
     guard_evictions: int
-    skipped_small: int
+    kept_small: int  # planned evictions of tensors below min_bytes, dropped before the step
     cuda_peak_bytes: int | None = None
 
     def __str__(self) -> str:
@@ -102,7 +102,7 @@ class StepReport:
              if self.peak_device_bytes is not None else "  profiling step: every saved tensor on the host, back on demand")
             + (f" (torch peak {format_bytes(self.cuda_peak_bytes)})" if self.cuda_peak_bytes is not None else ""),
             f"  plan followed: {'yes' if self.plan_followed else 'no'}; guard evictions {self.guard_evictions}; "
-            f"small tensors kept {self.skipped_small}",
+            f"small tensors kept {self.kept_small}",
         ]
         return "\n".join(lines)
 
@@ -115,12 +115,18 @@ class SwapRuntime:
     ``hardware``: the profile the policy plans for (default: ``cpu-emulated`` on the CPU backend;
     a calibrated or named GPU profile on CUDA). ``backend``: ``"cuda"``, ``"cpu"`` or ``None`` (CUDA
     when available). ``bandwidth``: throttle of the CPU backend's copy engines, bytes/s.
-    ``min_bytes``: saved tensors smaller than this always stay.
+    ``min_bytes``: saved tensors smaller than this always stay (the plan's evictions of them are
+    dropped before it runs). ``model``/``optimizer``: counted in ``static_bytes`` (parameters,
+    gradients, optimizer state), so that budgets cover the whole device; without them the budget
+    covers the saved activations alone. ``profile_steps``: steps run under ``save_on_cpu``
+    semantics before planning; the last one is the trace (the first step of a process pays one-off
+    costs, allocator growth and kernel selection, that later steps do not).
     """
 
     def __init__(self, budget: str | int = "60%", policy: Any = "default", hardware: Hardware | str | None = None,
                  backend: str | Backend | None = None, *, bandwidth: float | None = None, min_bytes: int = 1024,
-                 model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None):
+                 model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 profile_steps: int = 2):
         self.budget_spec = budget
         if isinstance(policy, str):
             from swapsched.agents.registry import get_policy
@@ -136,9 +142,14 @@ class SwapRuntime:
         self.hardware = hw
         self.backend = backend if isinstance(backend, Backend) else make_backend(name, hw)
         self.min_bytes = int(min_bytes)
+        if profile_steps < 1:
+            raise UserError(f"profile_steps must be at least 1, got {profile_steps}")
+        self.profile_steps = int(profile_steps)
+        self._profiled = 0
         # parameters, gradients and optimizer state: counted in absolute budgets when the model is given
         self.static_bytes = static_bytes_of(model, optimizer) if model is not None else 0
         self.trace: Trace | None = None
+        self.first_sight: dict[int, int] = {}
         self.plan: SwapPlan | None = None
         self.budget_bytes: int | None = None
         self.predicted_s: float | None = None
@@ -154,7 +165,7 @@ class SwapRuntime:
         if self._exec is not None:
             raise UserError("runtime.step() is already active; steps cannot nest")
         self.steps += 1
-        if self.trace is None:
+        if self.plan is None or self.trace is None:
             ex: _StepExecution = _ProfileStep(self)
         else:
             ex = _ExecuteStep(self)
@@ -173,9 +184,12 @@ class SwapRuntime:
         self._report = ex.report(step_s)
         self.history.append(self._report)
         if isinstance(ex, _ProfileStep):
-            self._plan_from(ex.trace)
+            self._profiled += 1
+            if self._profiled >= self.profile_steps:
+                self._plan_from(ex.trace)
         elif ex.diverged:
-            self.trace = None  # re-profile and re-plan on the next step
+            self.trace = self.plan = None  # re-profile and re-plan on the next step
+            self._profiled = self.profile_steps - 1
 
     def report(self) -> StepReport:
         """The last step's report (also printed when ``verbose``)."""
@@ -194,6 +208,10 @@ class SwapRuntime:
         self.budget_bytes = parse_budget(self.budget_spec, trace)
         plan = self.policy.plan(trace, self.budget_bytes, self.hardware)
         plan.validate(trace)
+        small = [e for e in plan.evictions if trace.tensors[e.tensor].bytes < self.min_bytes]
+        if small:  # tiny tensors stay: copying them costs more than it saves
+            plan = SwapPlan(plan.trace, plan.policy, tuple(e for e in plan.evictions if e not in small),
+                            {**plan.meta, "kept_small": len(small)})
         self.plan = plan
         res = simulate(trace, plan, self.hardware, self.budget_bytes, validate=False)
         self.predicted_s = None if res.oom else res.iteration_s
@@ -205,7 +223,7 @@ class _StepExecution:
     def __init__(self, rt: SwapRuntime):
         self.rt = rt
         self.backend = rt.backend
-        self.ids: dict[int, _Record] = {}
+        self.ids = StorageIds()  # live storage -> its record (R2)
         self.records: list[_Record] = []
         self.static = rt.static_bytes
         self.used = 0
@@ -213,7 +231,6 @@ class _StepExecution:
         self.stall_s = 0.0
         self.evicted = self.prefetched = self.on_demand = 0
         self.guard = 0
-        self.skipped_small = 0
         self.diverged = False
         if self.backend.name == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -260,17 +277,18 @@ class _ProfileStep(_StepExecution):
         tid = self.recorder.pack(t)
         if tid is None or t.untyped_storage().nbytes() < self.rt.min_bytes:
             return ("keep", tid, t)
-        key = storage_key(t)
-        rec = self.ids.get(key)
+        rec = self.ids.get(t)
         if rec is None:
             flat = self._flat(t)
             ticket = self.backend.copy_out(flat)
             self.backend.wait_host(ticket)
             rec = _Record(tid, flat.numel(), t.device, None, host=ticket.dst, state=HOST)
-            self.ids[key] = rec
+            self.ids.add(t, rec)
             self.records.append(rec)
             self.moved += rec.nbytes
-        return ("host", tid, self._geometry(rec, t))
+        p = self._geometry(rec, t)
+        p.tensor = None  # the device copy may go: unpack rebuilds from the host
+        return ("host", tid, p)
 
     def unpack(self, packed: Any) -> torch.Tensor:
         kind, tid, obj = packed
@@ -285,6 +303,7 @@ class _ProfileStep(_StepExecution):
     def finish(self) -> None:
         dev = self.records[0].device if self.records else torch.device("cpu")
         self.trace = self.recorder.finish(f"runtime-step-{self.rt.steps}", str(dev), self.rt.static_bytes, "measured")
+        self.rt.first_sight = self.recorder.remap
         for rec in self.records:
             if rec.host is not None:
                 self.backend.pool.give(rec.host)
@@ -295,7 +314,7 @@ class _ProfileStep(_StepExecution):
         return StepReport(
             step=self.rt.steps, mode="profile", step_s=step_s, stall_s=0.0, predicted_step_s=None,
             evicted_bytes=self.moved, prefetched_bytes=0, on_demand_bytes=self.moved,
-            peak_device_bytes=None, budget_bytes=None, plan_followed=True, guard_evictions=0, skipped_small=0,
+            peak_device_bytes=None, budget_bytes=None, plan_followed=True, guard_evictions=0, kept_small=0,
         )
 
 
@@ -321,7 +340,7 @@ class _ExecuteStep(_StepExecution):
         self.outs: deque[_Record] = deque()  # swap-outs in flight, in issue order
         self.waiting: deque[_Record] = deque()  # prefetches waiting for room (R6)
         self.ins: list[_Record] = []
-        self.tid_of: dict[int, int] = {}
+        self.n_seen = 0
 
     # ------------------------------------------------------------------ memory (R4, R6)
     def _drain(self) -> None:
@@ -403,19 +422,26 @@ class _ExecuteStep(_StepExecution):
     def pack(self, t: torch.Tensor) -> Any:
         if is_parameter(t):
             return _Packed(None, t, t.dtype, (), (), 0)
-        key = storage_key(t)
-        rec = self.ids.get(key)
+        rec = self.ids.get(t)
         nbytes = t.untyped_storage().nbytes()
         if rec is None:
-            tid = len(self.records)
+            # ids in order of first sight, as the profiling step numbered them; a storage the
+            # trace does not have (never unpacked there) is not tracked and just stays
+            tid = self.rt.first_sight.get(self.n_seen, -1)
+            self.n_seen += 1
             rec = _Record(tid, nbytes, t.device, self._flat(t))
-            self.ids[key] = rec
+            self.ids.add(t, rec)
+            if tid < 0:
+                rec.flat = None
+                return _Packed(None, t, t.dtype, (), (), 0)
             self.records.append(rec)
             self.by_tid[tid] = rec
             self._expect("pack", tid, nbytes)
             self._drain()
             self._make_room(nbytes, tid)  # R4: it is already made; the guard keeps the total in budget
             self._account(nbytes)
+        elif rec.tid < 0:
+            return _Packed(None, t, t.dtype, (), (), 0)
         else:
             self._expect("pack", rec.tid, nbytes)
         p = self._geometry(rec, t)
@@ -431,8 +457,9 @@ class _ExecuteStep(_StepExecution):
             return p.tensor
         self._expect("unpack", rec.tid, rec.nbytes)
         self._drain()
-        # (a) make it resident
-        if rec.state in (OUT, HOST):
+        # (a) make it resident; a freed tensor unpacked again (the step diverged) comes back from
+        # its host copy, which stays until the step ends
+        if rec.state in (OUT, HOST) or (rec.state == FREED and p.tensor is None and rec.host is not None):
             if rec in self.waiting:
                 self.waiting.remove(rec)  # on demand goes ahead of prefetches waiting for room
             self._make_room(rec.nbytes, rec.tid)
@@ -463,16 +490,12 @@ class _ExecuteStep(_StepExecution):
             # our own reference goes; autograd drops its handles itself. A host copy stays until
             # the step ends, in case an unplanned unpack (divergence) needs it again.
             rec.flat = None
-            rec.state = HOST if rec.host is not None else FREED
+            rec.state = FREED
         # (c) swap-outs planned here
         for tid in self.out_at[i]:
             rec = self.by_tid.get(tid)
-            if rec is None or rec.state != RESIDENT:
-                continue
-            if rec.nbytes < self.rt.min_bytes:
-                self.skipped_small += 1
-                continue
-            self._issue_out(rec)
+            if rec is not None and rec.state == RESIDENT:
+                self._issue_out(rec)
         # (d) prefetches planned here, in issue order, waiting for room (R6)
         for tid in self.prefetch_at[i]:
             rec = self.by_tid.get(tid)
@@ -518,6 +541,6 @@ class _ExecuteStep(_StepExecution):
             step=self.rt.steps, mode="diverged" if self.diverged else "execute", step_s=step_s, stall_s=self.stall_s,
             predicted_step_s=self.rt.predicted_s, evicted_bytes=self.evicted, prefetched_bytes=self.prefetched,
             on_demand_bytes=self.on_demand, peak_device_bytes=self.peak, budget_bytes=self.budget,
-            plan_followed=not self.diverged and self.guard == 0 and self.skipped_small == 0,
-            guard_evictions=self.guard, skipped_small=self.skipped_small, cuda_peak_bytes=cuda_peak,
+            plan_followed=not self.diverged and self.guard == 0,
+            guard_evictions=self.guard, kept_small=int(self.rt.plan.meta.get("kept_small", 0)), cuda_peak_bytes=cuda_peak,
         )
