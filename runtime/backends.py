@@ -13,6 +13,8 @@ stream while a side-stream copy still reads it):
 - swap-in: the destination device buffer is allocated on the *compute* stream (so its lifetime is
   ordered by compute), the copy stream first waits for an event recorded after that allocation, and
   the ticket holds the pinned host buffer until the copy is complete.
+- host buffers return to the pool exactly once, when the step ends and every copy is complete
+  (the swapper's ``_settle``), never while a copy may still read them.
 """
 
 from __future__ import annotations
@@ -96,9 +98,6 @@ class Backend:
     def wait_for_use(self, t: Ticket) -> None:
         """Make the compute that follows wait for the copy (host wait on CPU, stream wait on CUDA)."""
         raise NotImplementedError
-
-    def release(self, t: Ticket) -> None:
-        """Return the ticket's host buffer to the pool (after a swap-in completed)."""
 
     def shutdown(self) -> None:
         pass
@@ -196,11 +195,6 @@ class CpuBackend(Backend):
 
     wait_for_use = wait_host
 
-    def release(self, t: Ticket) -> None:
-        if t.src is not None and t.src.device.type == "cpu" and t.src.dtype == torch.uint8:
-            self.pool.give(t.src)
-            t.src = None
-
     def shutdown(self) -> None:
         self.d2h.stop()
         self.h2d.stop()
@@ -256,12 +250,6 @@ class CudaBackend(Backend):
 
     def wait_for_use(self, t: Ticket) -> None:
         torch.cuda.current_stream(self.device).wait_event(t.done_event)
-
-    def release(self, t: Ticket) -> None:
-        # the pinned source may be reused only once the copy reading it is complete
-        if t.src is not None and t.src.device.type == "cpu" and t.done_event.query():
-            self.pool.give(t.src)
-            t.src = None
 
 
 def make_backend(name: str | None, hardware: Any = None) -> Backend:

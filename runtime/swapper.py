@@ -304,9 +304,13 @@ class _ProfileStep(_StepExecution):
         dev = self.records[0].device if self.records else torch.device("cpu")
         self.trace = self.recorder.finish(f"runtime-step-{self.rt.steps}", str(dev), self.rt.static_bytes, "measured")
         self.rt.first_sight = self.recorder.remap
-        for rec in self.records:
+        self.abort()
+
+    def abort(self) -> None:
+        for rec in self.records:  # every copy here was synchronous: the buffers are free to reuse
             if rec.host is not None:
                 self.backend.pool.give(rec.host)
+                rec.host = None
         self.records.clear()
         self.ids.clear()
 
@@ -470,7 +474,6 @@ class _ExecuteStep(_StepExecution):
             self.backend.wait_for_use(rec.inn)
             self.stall_s += time.perf_counter() - t0
             rec.flat = rec.inn.dst
-            self.backend.release(rec.inn)
             rec.state = RESIDENT
         out = p.tensor if p.tensor is not None else self._rebuild(p, rec.flat)
         self._after_event()
@@ -518,7 +521,6 @@ class _ExecuteStep(_StepExecution):
             self.backend.wait_host(rec.out)
         for rec in self.ins:
             self.backend.wait_host(rec.inn)
-            self.backend.release(rec.inn)
         pool = self.backend.pool
         for rec in self.records:
             if rec.host is not None:

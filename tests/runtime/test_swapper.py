@@ -1,0 +1,216 @@
+"""runtime/swapper.py on the CPU backend: bit-identical training, budget, safety, divergence, leaks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from swapsched.plan import Eviction, SwapPlan
+from swapsched.runtime.swapper import SwapRuntime
+from swapsched.zoo import build_model
+
+POLICIES = ["no-swap", "swap-all", "vdnn-all", "vdnn-conv", "min", "capuchin", "swapadvisor", "default"]
+
+
+def _train_pair(family, size, runtime_kwargs, steps=3, seed=1):
+    """Train two identical models, one under the runtime; return (all equal, runtime)."""
+    a = build_model(family, size, seed=seed)
+    b = build_model(family, size, seed=seed)
+    opt_a = torch.optim.SGD(a.model.parameters(), lr=0.01)
+    opt_b = torch.optim.SGD(b.model.parameters(), lr=0.01)
+    rt = SwapRuntime(model=a.model, **runtime_kwargs)
+    equal = True
+    try:
+        for _ in range(steps):
+            with rt.step():
+                la = a.loss()
+                la.backward()
+            lb = b.loss()
+            lb.backward()
+            equal &= torch.equal(la, lb)
+            equal &= all(torch.equal(p.grad, q.grad) for p, q in zip(a.model.parameters(), b.model.parameters()))
+            opt_a.step(), opt_b.step()
+            opt_a.zero_grad(), opt_b.zero_grad()
+    finally:
+        rt.close()
+    return equal, rt
+
+
+@pytest.mark.parametrize("family", ["mlp", "resnet", "gpt"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_gradients_bit_identical_and_budget_kept(family, policy):
+    kwargs = dict(budget="50%", policy=policy, backend="cpu", bandwidth=4e9, min_bytes=0)
+    if policy == "swapadvisor":
+        from swapsched.agents import SwapAdvisor
+
+        kwargs["policy"] = SwapAdvisor(search_seconds=0.5, generations=3)
+    equal, rt = _train_pair(family, "tiny", kwargs, steps=4)
+    assert equal
+    rep = rt.report()
+    assert rep.mode == "execute" and rep.peak_device_bytes <= rep.budget_bytes  # exact accounting, guard included
+    if policy not in ("no-swap", "vdnn-all", "vdnn-conv"):  # budget-aware: no guard needed
+        assert rep.plan_followed and rep.guard_evictions == 0
+
+
+def test_infeasible_budget_is_a_clear_error_after_profiling():
+    from swapsched.budget import BudgetError
+
+    with pytest.raises(BudgetError, match="smallest feasible budget"):
+        _train_pair("vgg", "tiny", dict(budget="10%", policy="min", backend="cpu", min_bytes=0), steps=3)
+
+
+@pytest.mark.parametrize("budget", ["55%", "70%", "100%"])
+def test_several_budgets(budget):
+    equal, rt = _train_pair("vgg", "tiny", dict(budget=budget, policy="min", backend="cpu", min_bytes=0), steps=3)
+    assert equal and rt.report().peak_device_bytes <= rt.report().budget_bytes
+
+
+def test_guard_keeps_a_budget_blind_plan_within_budget():
+    # no-swap under 30% would not fit: the guard evicts on the spot (MIN rule) and says so
+    equal, rt = _train_pair("mlp", "small", dict(budget="30%", policy="no-swap", backend="cpu", min_bytes=0), steps=3)
+    rep = rt.report()
+    assert equal and rep.guard_evictions > 0 and not rep.plan_followed
+    assert rep.peak_device_bytes <= rep.budget_bytes
+
+
+@dataclass
+class RandomPlans:
+    """A policy returning a random R7-valid plan (any swap-out event, any prefetch event)."""
+
+    seed: int
+    name: str = "random"
+
+    def plan(self, trace, budget, hardware):
+        rng = np.random.default_rng(self.seed)
+        evs = []
+        for k in range(trace.n_tensors):
+            if rng.random() < 0.6:
+                fp, fu = int(trace.first_pack[k]), int(trace.first_unpack[k])
+                so = int(rng.integers(fp, fu))
+                evs.append(Eviction(k, so, int(rng.integers(so, fu + 1))))
+        return SwapPlan.of(trace, self.name, evs)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10**6), family=st.sampled_from(["mlp", "vgg", "gpt", "unet"]),
+       budget=st.sampled_from(["60%", "80%", "100%"]))
+def test_random_valid_plans_keep_gradients_identical(seed, family, budget):
+    equal, rt = _train_pair(family, "tiny", dict(budget=budget, policy=RandomPlans(seed), backend="cpu", min_bytes=0),
+                            steps=3)
+    assert equal and rt.report().mode == "execute"
+
+
+class Tricky(nn.Module):
+    """Views, non-contiguous saved tensors, one storage saved twice, several dtypes."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.lin = nn.Linear(16, 16).double()
+        self.lin2 = nn.Linear(8, 4)
+
+    def forward(self, idx):
+        x = self.emb(idx)  # saves int64 indices
+        y = x.transpose(0, 1)  # non-contiguous view
+        z = (y * y.sin()).transpose(0, 1)  # y saved twice (mul, sin): one storage
+        d = self.lin(z.double()).relu()  # float64
+        h = d.float()[:, :, :8]  # a view of a slice
+        return self.lin2(h * h).sum() + x.bfloat16().float().sum()
+
+
+def test_views_noncontiguous_shared_storage_and_dtypes():
+    torch.manual_seed(0)
+    a, b = Tricky(), Tricky()
+    b.load_state_dict(a.state_dict())
+    idx = torch.randint(0, 50, (6, 5))
+    rt = SwapRuntime(budget="30%", policy="swap-all", backend="cpu", min_bytes=0, model=a)
+    for _ in range(3):
+        with rt.step():
+            la = a(idx)
+            la.backward()
+        lb = b(idx)
+        lb.backward()
+        assert torch.equal(la, lb)
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters()))
+    assert rt.report().mode == "execute" and rt.report().evicted_bytes > 0
+    rt.close()
+
+
+def test_exception_inside_step_leaves_nothing_held_and_next_step_works():
+    case = build_model("mlp", "tiny", seed=2)
+    rt = SwapRuntime(budget="50%", policy="swap-all", backend="cpu", min_bytes=0, model=case.model)
+    for _ in range(3):
+        with rt.step():
+            case.loss().backward()
+    idle = rt.backend.pool.idle_bytes
+    with pytest.raises(RuntimeError, match="boom"):
+        with rt.step():
+            loss = case.loss()
+            raise RuntimeError("boom")
+    del loss
+    assert rt.backend.pool.idle_bytes == idle  # every host buffer came back to the pool
+    assert rt._exec is None
+    with rt.step():
+        case.loss().backward()
+    assert rt.report().mode == "execute"
+    rt.close()
+
+
+def test_exception_in_the_profiling_step_returns_its_buffers():
+    case = build_model("mlp", "tiny", seed=2)
+    rt = SwapRuntime(budget="50%", policy="swap-all", backend="cpu", min_bytes=0, model=case.model)
+    with pytest.raises(ValueError, match="bad batch"):
+        with rt.step():
+            case.loss().backward()
+            raise ValueError("bad batch")
+    assert rt.backend.pool.idle_bytes == rt.backend.pool.allocated_bytes > 0
+    rt.close()
+
+
+def test_divergence_finishes_on_demand_and_replans():
+    case = build_model("mlp", "tiny", seed=4)
+    ref = build_model("mlp", "tiny", seed=4)
+    rt = SwapRuntime(budget="50%", policy="capuchin", backend="cpu", min_bytes=0, model=case.model)
+    for _ in range(3):
+        with rt.step():
+            case.loss().backward()
+        ref.loss().backward()
+    # a different batch size: the events no longer match the trace
+    x = torch.randn(5, 256)
+    with rt.step():
+        la = case.model(x).sum()
+        la.backward()
+    lb = ref.model(x).sum()
+    lb.backward()
+    assert rt.report().mode == "diverged" and torch.equal(la, lb)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(case.model.parameters(), ref.model.parameters()))
+    with rt.step():  # re-profiled
+        case.model(x).sum().backward()
+    assert rt.report().mode == "profile"
+    rt.close()
+
+
+def test_five_hundred_steps_do_not_leak():
+    case = build_model("mlp", "tiny", seed=5)
+    rt = SwapRuntime(budget="60%", policy="capuchin", backend="cpu", min_bytes=0, model=case.model)
+    seen = set()
+    for i in range(500):
+        with rt.step():
+            case.loss().backward()
+        if i >= 5:
+            seen.add((rt.backend.pool.allocated_bytes, rt.backend.pool.idle_bytes, rt.report().peak_device_bytes))
+    assert len(seen) == 1  # the same pool and the same accounting every step
+    rt.close()
+
+
+def test_report_before_any_step_is_an_error():
+    from swapsched.errors import UserError
+
+    with pytest.raises(UserError, match="no step has run"):
+        SwapRuntime(budget="50%", policy="min", backend="cpu").report()
