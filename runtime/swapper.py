@@ -34,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 
 from swapsched.budget import format_bytes, parse_budget
@@ -116,17 +117,18 @@ class SwapRuntime:
     a calibrated or named GPU profile on CUDA). ``backend``: ``"cuda"``, ``"cpu"`` or ``None`` (CUDA
     when available). ``bandwidth``: throttle of the CPU backend's copy engines, bytes/s.
     ``min_bytes``: saved tensors smaller than this always stay (the plan's evictions of them are
-    dropped before it runs). ``model``/``optimizer``: counted in ``static_bytes`` (parameters,
+    dropped before it runs, which can leave the guard work to do; by default nothing is dropped,
+    since policies already weigh each copy's latency). ``model``/``optimizer``: counted in ``static_bytes`` (parameters,
     gradients, optimizer state), so that budgets cover the whole device; without them the budget
     covers the saved activations alone. ``profile_steps``: steps run under ``save_on_cpu``
-    semantics before planning; the last one is the trace (the first step of a process pays one-off
-    costs, allocator growth and kernel selection, that later steps do not).
+    semantics before planning; the trace takes each gap's median over them (the first step of a
+    process pays one-off costs, allocator growth and kernel selection, that later steps do not).
     """
 
     def __init__(self, budget: str | int = "60%", policy: Any = "default", hardware: Hardware | str | None = None,
-                 backend: str | Backend | None = None, *, bandwidth: float | None = None, min_bytes: int = 1024,
+                 backend: str | Backend | None = None, *, bandwidth: float | None = None, min_bytes: int = 0,
                  model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-                 profile_steps: int = 2):
+                 profile_steps: int = 3):
         self.budget_spec = budget
         if isinstance(policy, str):
             from swapsched.agents.registry import get_policy
@@ -146,6 +148,7 @@ class SwapRuntime:
             raise UserError(f"profile_steps must be at least 1, got {profile_steps}")
         self.profile_steps = int(profile_steps)
         self._profiled = 0
+        self._profiles: list[Trace] = []
         # parameters, gradients and optimizer state: counted in absolute budgets when the model is given
         self.static_bytes = static_bytes_of(model, optimizer) if model is not None else 0
         self.trace: Trace | None = None
@@ -185,11 +188,14 @@ class SwapRuntime:
         self.history.append(self._report)
         if isinstance(ex, _ProfileStep):
             self._profiled += 1
+            self._profiles.append(ex.trace)
             if self._profiled >= self.profile_steps:
-                self._plan_from(ex.trace)
+                self._plan_from(_median_trace(self._profiles))
+                self._profiles = []
         elif ex.diverged:
             self.trace = self.plan = None  # re-profile and re-plan on the next step
             self._profiled = self.profile_steps - 1
+            self._profiles = []
 
     def report(self) -> StepReport:
         """The last step's report (also printed when ``verbose``)."""
@@ -215,6 +221,18 @@ class SwapRuntime:
         self.plan = plan
         res = simulate(trace, plan, self.hardware, self.budget_bytes, validate=False)
         self.predicted_s = None if res.oom else res.iteration_s
+
+
+def _median_trace(traces: list[Trace]) -> Trace:
+    """The last trace, with each gap's median over the traces that saw the same events."""
+    last = traces[-1]
+    same = [t for t in traces if [(e.kind, e.tensor) for e in t.events] == [(e.kind, e.tensor) for e in last.events]]
+    if len(same) < 2:
+        return last
+    gaps = np.median(np.stack([t.gaps for t in same]), axis=0)
+    tail = float(np.median([t.tail_compute_s for t in same]))
+    events = tuple(replace(e, compute_s=float(g)) for e, g in zip(last.events, gaps))
+    return replace(last, events=events, tail_compute_s=tail, meta={**last.meta, "median_of_steps": len(same)})
 
 
 class _StepExecution:

@@ -203,6 +203,79 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- run
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from swapsched.budget import format_bytes
+    from swapsched.run import PEERS, run_peer, run_runtime
+
+    common = dict(size=args.size, batch_size=args.batch_size, seq_len=args.seq_len)
+    progress = not args.no_progress
+
+    def show(s: int, dt: float, ok: bool, rep: Any) -> None:
+        if not progress:
+            return
+        mem = (f"peak {format_bytes(rep.peak_device_bytes)} / budget {format_bytes(rep.budget_bytes)}"
+               if rep.peak_device_bytes is not None else "profiling (save_on_cpu semantics)")
+        print(f"step {s + 1:>3}  {1e3 * dt:8.2f} ms  {rep.mode:<8} {mem}  loss {'matches' if ok else 'DIFFERS'}", flush=True)
+
+    main_run = run_runtime(args.model, args.policy, args.budget, args.steps, backend=args.backend, bandwidth=args.bandwidth,
+                           hardware=args.hardware, on_step=show, **common)
+    results = [main_run]
+    if args.compare:
+        from swapsched.agents.registry import policy_names
+
+        others = [p for p in policy_names() if p not in (args.policy, "optimal", "swapadvisor")]
+        for pol in others:
+            results.append(run_runtime(args.model, pol, args.budget, args.steps, backend=args.backend,
+                                       bandwidth=args.bandwidth, hardware=args.hardware, **common))
+        device = "cuda" if (args.backend or ("cuda" if _cuda() else "cpu")) == "cuda" else "cpu"
+        for peer in PEERS:
+            results.append(run_peer(peer, args.model, args.steps, device=device, **common))
+    base = next((r.step_s_median for r in results if r.method == "plain"), None)
+    print()
+    print(_run_table(results, base))
+    if args.json:
+        _write_json({"model": args.model, "size": args.size, "budget": args.budget,
+                     "runs": [_run_json(r) for r in results]}, args.json)
+    if args.plot:
+        from swapsched.plots import plot_runs
+
+        plot_runs(results, args.plot, title=f"{args.model} {args.size or ''} at {args.budget}")
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0 if main_run.loss_matches else 1
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _run_json(r: Any) -> dict[str, Any]:
+    d = r.to_dict()
+    d.pop("extra", None)
+    d.pop("step_s", None)
+    return d
+
+
+def _run_table(results: list[Any], base: float | None) -> str:
+    from swapsched.budget import format_bytes
+    from swapsched.compare import _grid
+
+    rows = []
+    for r in results:
+        rel = f"{r.step_s_median / base:.2f}x" if base else "-"
+        peak = format_bytes(r.peak_device_bytes) if r.peak_device_bytes is not None else "-"
+        budget = format_bytes(r.budget_bytes) if r.budget_bytes is not None else "-"
+        pred = f"{1e3 * r.predicted_step_s:.2f}" if r.predicted_step_s is not None else "-"
+        rows.append([r.method, f"{1e3 * r.step_s_median:.2f}", pred, rel, peak, budget,
+                     "yes" if r.loss_matches else "NO", {None: "-", True: "yes", False: "no"}[r.plan_followed]])
+    return _grid(["method", "step ms (median)", "predicted ms", "vs plain", "peak device", "budget", "loss matches",
+                  "plan followed"], rows)
+
+
 # ----------------------------------------------------------------------------- train-policy
 
 
@@ -275,6 +348,22 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", metavar="OUT")
     sp.add_argument("--plot", metavar="PNG", help="bar chart of overheads (+ PNG-timeline for the first case)")
     sp.add_argument("--no-progress", action="store_true")
+
+    sp = add("run", cmd_run, "Train a zoo model with the live runtime; --compare runs every policy and PyTorch's peers.")
+    sp.add_argument("model", help="zoo family, hf:MODEL_TYPE, or package.module:function")
+    sp.add_argument("--size")
+    sp.add_argument("--batch-size", type=_positive_int)
+    sp.add_argument("--seq-len", type=_positive_int)
+    sp.add_argument("--budget", default="50%", help="'60%%' of the activation peak, or bytes like '6GiB' (default 50%%)")
+    sp.add_argument("--policy", default="default", help="registry name or checkpoint .zip (default: the learned policy)")
+    sp.add_argument("--steps", type=_positive_int, default=10, help="training steps, the first 3 are profiled (default 10)")
+    sp.add_argument("--backend", choices=["cpu", "cuda"], help="default: cuda when available")
+    sp.add_argument("--bandwidth", type=_positive_float, help="CPU backend: throttle both copy engines to this many bytes/s")
+    sp.add_argument("--hardware", help="profile the plan is made for (default: cpu-emulated on cpu, h100-pcie5 on cuda)")
+    sp.add_argument("--compare", action="store_true", help="also run the other policies, plain, save_on_cpu and checkpointing")
+    sp.add_argument("--json", metavar="OUT")
+    sp.add_argument("--plot", metavar="PNG", help="step time and peak memory per method")
+    sp.add_argument("--no-progress", action="store_true", help="no per-step lines")
 
     sp = add("train-policy", cmd_train_policy, "Train a swap policy (MaskablePPO on SwapEnv) and evaluate it on held-out traces.")
     sp.add_argument("--config", default=str(_default_train_config()), help="PPO settings YAML (default: configs/train/default.yaml)")

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["plot_timelines", "plot_compare"]
+__all__ = ["plot_timelines", "plot_compare", "plot_runs"]
 
 
 def _pyplot() -> Any:
@@ -89,6 +89,32 @@ def plot_compare(rows: Sequence[dict[str, Any]], policies: Sequence[str], path: 
     ax.set_ylabel("overhead over ideal step (%)   (x = OOM)")
     ax.set_ylim(0, ymax * 1.1 + 1)
     ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
+def plot_runs(results: Sequence[Any], path: str | Path, title: str = "") -> Path:
+    """``swapsched run --compare``: median step time and peak device memory (against the budget)."""
+    plt = _pyplot()
+    names = [r.method for r in results]
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(max(8, 1.1 * len(names) * 2), 4))
+    ax_t.bar(names, [1e3 * r.step_s_median for r in results], color="tab:blue")
+    ax_t.set_ylabel("median step (ms)")
+    peaks = [(r.peak_device_bytes or 0) / 2**20 for r in results]
+    ax_m.bar(names, peaks, color="tab:orange")
+    budgets = [r.budget_bytes for r in results if r.budget_bytes]
+    if budgets:
+        ax_m.axhline(budgets[0] / 2**20, color="red", linestyle="--", label="budget")
+        ax_m.legend()
+    ax_m.set_ylabel("peak device memory (MiB; 0 = not measurable here)")
+    for ax in (ax_t, ax_m):
+        ax.tick_params(axis="x", rotation=45)
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     torch.manual_seed(100 + rank)  # each rank its own data shard
     x, y = torch.randn(8, 256), torch.randint(0, 10, (8,))
     rt = SwapRuntime(budget="60%", policy="capuchin", backend="cpu", min_bytes=0, model=case.model)
-    for _ in range(3):
+    for _ in range(5):
         model.zero_grad()
         with rt.step():
             torch.nn.functional.cross_entropy(model(x), y).backward()

@@ -1,0 +1,168 @@
+"""Train a zoo model with the live runtime, beside a run without it (``swapsched run``).
+
+Every run trains two copies of the same model on the same synthetic batch: one under the method
+being measured, one plain. The losses are compared bit for bit at every step (``loss_matches``).
+Peers for ``--compare``: PyTorch's ``torch.autograd.graph.save_on_cpu`` and activation
+checkpointing (``torch.utils.checkpoint`` around each block), measured the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from swapsched.errors import UserError
+from swapsched.zoo import ModelCase, build_model
+
+__all__ = ["RunResult", "run_runtime", "run_peer", "PEERS"]
+
+PEERS = ("plain", "save_on_cpu", "checkpoint")
+
+
+@dataclass(frozen=True)
+class RunResult:
+    method: str
+    steps: int
+    step_s_median: float
+    step_s: tuple[float, ...]
+    peak_device_bytes: int | None  # accounted (runtime) or torch's (CUDA); None where unknown
+    budget_bytes: int | None
+    stall_s: float | None
+    loss_matches: bool
+    predicted_step_s: float | None = None
+    plan_followed: bool | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _pair(model: str, size: str | None, batch_size: int | None, seq_len: int | None, device: str) -> tuple[ModelCase, ModelCase]:
+    a = build_model(model, size, batch_size=batch_size, seq_len=seq_len, device=device, seed=0)
+    b = build_model(model, size, batch_size=batch_size, seq_len=seq_len, device=device, seed=0)
+    return a, b
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _train(case: ModelCase, ref: ModelCase, steps: int, device: str, wrap: Callable[[], Any],
+           on_step: Callable[[int, float, bool], None] | None = None) -> tuple[list[float], bool, list[int]]:
+    """``steps`` SGD steps of ``case`` inside ``wrap()`` and of ``ref`` plainly: step times, whether
+    every loss matched bit for bit, and (CUDA) each step's allocation peak above its start."""
+    opt_a = torch.optim.SGD(case.model.parameters(), lr=1e-3)
+    opt_b = torch.optim.SGD(ref.model.parameters(), lr=1e-3)
+    times, matches, peaks = [], True, []
+    cuda = device.startswith("cuda")
+    for s in range(steps):
+        _sync(device)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        with wrap():
+            la = case.loss()
+            la.backward()
+        _sync(device)
+        dt = time.perf_counter() - t0
+        if cuda:
+            peaks.append(torch.cuda.max_memory_allocated() - base)
+        lb = ref.loss()
+        lb.backward()
+        ok = bool(torch.equal(la.detach(), lb.detach()))
+        matches &= ok
+        for opt in (opt_a, opt_b):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        times.append(dt)
+        if on_step:
+            on_step(s, dt, ok)
+    return times, matches, peaks
+
+
+def run_runtime(model: str, policy: Any, budget: str, steps: int, *, size: str | None = None, batch_size: int | None = None,
+                seq_len: int | None = None, backend: str | None = None, bandwidth: float | None = None,
+                hardware: str | None = None, on_step: Callable[..., None] | None = None) -> RunResult:
+    from swapsched.runtime.swapper import SwapRuntime
+
+    backend = backend or ("cuda" if torch.cuda.is_available() else "cpu")
+    if backend == "cuda" and not torch.cuda.is_available():
+        raise UserError("--backend cuda: no CUDA device is available here; use --backend cpu")
+    device = "cuda" if backend == "cuda" else "cpu"
+    case, ref = _pair(model, size, batch_size, seq_len, device)
+    rt = SwapRuntime(budget=budget, policy=policy, backend=backend, bandwidth=bandwidth, hardware=hardware,
+                     model=case.model)
+    name = getattr(rt.policy, "name", str(policy))
+    if steps <= rt.profile_steps:
+        raise UserError(f"--steps must exceed the {rt.profile_steps} profiling steps, got {steps}")
+    reports = []
+
+    def step_cb(s: int, dt: float, ok: bool) -> None:
+        reports.append(rt.report())
+        if on_step:
+            on_step(s, dt, ok, rt.report())
+
+    try:
+        _, matches, _ = _train(case, ref, steps, device, rt.step, step_cb)
+    finally:
+        rt.close()
+    run = [r for r in reports if r.mode == "execute"]
+    if not run:
+        raise UserError("no step executed a plan (every step diverged or profiled); see the report")
+    return RunResult(
+        method=name, steps=len(run), step_s_median=statistics.median(r.step_s for r in run),
+        step_s=tuple(r.step_s for r in run), peak_device_bytes=max(r.peak_device_bytes for r in run),
+        budget_bytes=run[-1].budget_bytes, stall_s=statistics.median(r.stall_s for r in run), loss_matches=matches,
+        predicted_step_s=run[-1].predicted_step_s, plan_followed=all(r.plan_followed for r in run),
+        extra={"guard_evictions": sum(r.guard_evictions for r in run), "cuda_peak_bytes": run[-1].cuda_peak_bytes,
+               "trace": rt.trace.to_dict() if rt.trace else None, "static_bytes": rt.static_bytes},
+    )
+
+
+def _checkpoint_blocks(model: nn.Module) -> int:
+    """Wrap each block (transformer block, residual block, or each child of a top-level
+    Sequential) in ``torch.utils.checkpoint``; returns how many were wrapped."""
+    from torch.utils.checkpoint import checkpoint
+
+    from swapsched.zoo import BasicBlock, TransformerBlock
+
+    blocks = [m for m in model.modules() if isinstance(m, (TransformerBlock, BasicBlock))]
+    if not blocks:
+        seqs = [m for m in model.children() if isinstance(m, nn.Sequential)]
+        blocks = [c for s in seqs for c in s.children() if any(p.requires_grad for p in c.parameters())]
+    for m in blocks:
+        fwd = m.forward
+        m.forward = lambda *a, _f=fwd, **k: checkpoint(_f, *a, use_reentrant=False, **k)  # type: ignore[method-assign]
+    return len(blocks)
+
+
+def run_peer(kind: str, model: str, steps: int, *, size: str | None = None, batch_size: int | None = None,
+             seq_len: int | None = None, device: str = "cpu") -> RunResult:
+    """``plain`` (no swap), ``save_on_cpu`` (PyTorch's own offload) or ``checkpoint``."""
+    if kind not in PEERS:
+        raise UserError(f"unknown peer {kind!r}; known: {', '.join(PEERS)}")
+    case, ref = _pair(model, size, batch_size, seq_len, device)
+    extra: dict[str, Any] = {}
+    wrap: Callable[[], Any] = contextlib.nullcontext
+    if kind == "save_on_cpu":
+        pin = device.startswith("cuda")
+        wrap = lambda: torch.autograd.graph.save_on_cpu(pin_memory=pin)  # noqa: E731
+    elif kind == "checkpoint":
+        extra["blocks"] = _checkpoint_blocks(case.model)
+    times, matches, peaks = _train(case, ref, steps, device, wrap)
+    warm = times[1:] or times
+    peak = None
+    if peaks:  # parameters and buffers, plus the most a step allocated above its start (grads included)
+        resident = sum(t.untyped_storage().nbytes() for t in [*case.model.parameters(), *case.model.buffers()])
+        peak = resident + max(peaks)
+    return RunResult(method=kind, steps=len(warm), step_s_median=statistics.median(warm), step_s=tuple(warm),
+                     peak_device_bytes=peak, budget_bytes=None, stall_s=None, loss_matches=matches, extra=extra)
+
