@@ -12,7 +12,7 @@ from gymnasium import spaces
 from swapsched.budget import BudgetError, parse_budget
 from swapsched.env.simulator import Simulation
 from swapsched.hardware import Hardware, load_hardware
-from swapsched.plan import LEADS, Eviction, lead_eviction
+from swapsched.plan import LEADS, Eviction
 from swapsched.trace import Trace
 
 __all__ = ["SwapEnv", "N_FEATURES", "DEFAULT_HARDWARE"]
@@ -111,7 +111,8 @@ class SwapEnv(gym.Env):
             raise ValueError(f"budget_range must satisfy 0 < low <= high <= 1, got {budget_range}")
         self.budget_range = (float(lo), float(hi))
         self.oom_penalty = float(oom_penalty)
-        self.action_space = spaces.Discrete(1 + len(LEADS))
+        self.n_actions = 1 + len(LEADS)
+        self.action_space = spaces.Discrete(self.n_actions)
         self.observation_space = spaces.Box(0.0, 1.0, (N_FEATURES,), dtype=np.float32)
         self.evictions: list[Eviction] = []
 
@@ -140,19 +141,17 @@ class SwapEnv(gym.Env):
         self.trace, self.hw, self.budget = tr, hw, budget
         self.sim = Simulation(tr, hw, budget)
         self.ideal = tr.ideal_s + hw.hook_cost_s * tr.n_events
-        b = tr.tensor_bytes
-        self.order = np.lexsort((np.arange(tr.n_tensors), tr.last_forward_pack)).tolist()
+        self.table = _decision_table(tr, hw)
+        self.order = self.table.order
         self.pos = 0
         self.evictions = []
         self.room = max(budget - tr.static_bytes, 1)
-        self.max_bytes = max(int(b.max()), 1)
         base = tr.static_bytes + tr.other_bytes
         self.lower = (base + tr.must_resident_bytes).astype(np.int64)  # every plan holds at least this
         self.if_kept = (base + tr.resident_bytes_no_swap).astype(np.int64)  # undecided tensors all kept
-        self.times = tr.event_times
         self.last_stall = 0.0
         self.result = None
-        self._cand_pos = -1
+        self._mask_pos = -1
         self.above = max(tr.peak_bytes_no_swap - tr.static_bytes, 1)
         self._advance()
 
@@ -161,50 +160,42 @@ class SwapEnv(gym.Env):
     def tensor(self) -> int:
         return self.order[self.pos]
 
-    def _keep_range(self, k: int) -> tuple[int, int]:
-        """Gaps where keeping ``k`` adds to the lower bound: after its last forward pack, before its first unpack."""
-        return int(self.trace.last_forward_pack[k]) + 1, int(self.trace.first_unpack[k])
-
-    def _candidates(self) -> tuple[list[Eviction], list[tuple[int, int]]]:
-        """The evictions actions 1.. would make for the current tensor, and the gaps each action
-        would add the tensor to the account (see action_masks), computed once per decision."""
-        if self._cand_pos != self.pos:
-            k = self.tensor
-            evs = [lead_eviction(self.trace, k, l, self.hw) for l in range(len(LEADS))]
-            a, z = self._keep_range(k)
-            self._cand = (evs, [(a, z)] + [(max(e.prefetch_at, a), z) for e in evs])
-            self._cand_pos = self.pos
-        return self._cand
-
     def action_masks(self) -> np.ndarray:
+        if self._mask_pos == self.pos:
+            return self._mask.copy()
         mask = np.ones(self.action_space.n, dtype=bool)
-        if self.pos >= len(self.order):
-            return mask
-        b = int(self.trace.tensor_bytes[self.tensor])
-        room = self.budget - b
-        lower = self.lower
-        for i, (a, z) in enumerate(self._candidates()[1]):
-            if z > a and lower[a:z].max() > room:
-                mask[i] = False
-        return mask
+        if self.pos < len(self.order):
+            t = self.table
+            p = self.pos
+            a, z = t.keep_from[p], t.first_unpack[p]
+            if z > a:
+                # the account over the gaps keeping would occupy; each eviction occupies a suffix
+                suffix_max = np.maximum.accumulate(self.lower[a:z][::-1])[::-1]
+                room = self.budget - t.bytes[p]
+                mask[0] = suffix_max[0] <= room
+                for i, start in enumerate(t.occupy_from[p]):
+                    if start < z:
+                        mask[1 + i] = suffix_max[start - a] <= room
+        self._mask, self._mask_pos = mask, self.pos
+        return mask.copy()
 
     def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict]:
         action = int(action)
-        if not self.action_space.contains(action):
+        if not 0 <= action < self.n_actions:
             raise ValueError(f"action {action} outside {self.action_space}")
         if self.pos >= len(self.order):
             raise RuntimeError("step() after the episode ended; call reset()")
-        k = self.tensor
-        b = int(self.trace.tensor_bytes[k])
-        evs, spans = self._candidates()
-        a, z = spans[action]
-        self.lower[a:z] += b
-        if action > 0:
-            ev = evs[action - 1]
-            self.sim.schedule(ev.tensor, ev.swap_out_at, ev.prefetch_at)
+        t, p = self.table, self.pos
+        k, b, z = self.order[p], t.bytes[p], t.first_unpack[p]
+        if action == 0:
+            self.lower[t.keep_from[p]:z] += b
+        else:
+            pf = t.prefetch[p][action - 1]
+            self.lower[t.occupy_from[p][action - 1]:z] += b
+            ev = Eviction(k, t.swap_out[p], pf)
+            self.sim.schedule(k, ev.swap_out_at, pf)
             self.evictions.append(ev)
-            ka, kz = spans[0]
-            self.if_kept[ka:kz] -= b
+            self.if_kept[t.keep_from[p]:z] -= b
         self.pos += 1
         self._advance()
         if self.sim.oom_event is not None:
@@ -213,47 +204,39 @@ class SwapEnv(gym.Env):
         reward = -(stall - self.last_stall) / self.ideal
         self.last_stall = stall
         terminated = self.pos >= len(self.order)
-        return self._obs(), float(reward), terminated, False, self._info()
+        # the episode's identity and result are in the info of reset() and of the last step
+        return self._obs(), float(reward), terminated, False, self._info() if terminated else {}
 
     def _advance(self) -> None:
         """Run the simulation to the next decision point, or to the end of the step."""
         if self.pos < len(self.order):
-            self.sim.run_until(int(self.trace.last_forward_pack[self.tensor]))
+            self.sim.run_until(self.table.swap_out[self.pos])
         else:
             self.result = self.sim.finish()
 
     def _obs(self) -> np.ndarray:
-        o = np.zeros(N_FEATURES, dtype=np.float32)
-        sim, tr = self.sim, self.trace
-        ideal = self.ideal
-        o[5] = min((sim.static + sim.cur_other + sim.used) / self.budget, 1.0)
-        o[8] = min(max(sim.d2h_free - sim.t, 0.0) / ideal, 1.0)
-        o[9] = min(max(sim.h2d_free - sim.t, 0.0) / ideal, 1.0)
-        o[10] = min(sim.stall_s / ideal, 1.0) if math.isfinite(sim.stall_s) else 1.0
-        o[11] = min(self.room / self.above, 1.0)
-        o[12] = self.pos / max(len(self.order), 1)
+        sim, ideal, budget = self.sim, self.ideal, self.budget
+        stall = sim.stall_s
+        dynamic = [
+            min((sim.static + sim.cur_other + sim.used) / budget, 1.0),  # 5
+            min(max(sim.d2h_free - sim.t, 0.0) / ideal, 1.0),  # 8
+            min(max(sim.h2d_free - sim.t, 0.0) / ideal, 1.0),  # 9
+            min(stall / ideal, 1.0) if stall < math.inf else 1.0,  # 10
+            min(self.room / self.above, 1.0),  # 11
+            self.pos / len(self.order),  # 12
+        ]
         if self.pos >= len(self.order):
-            return o
-        k = self.tensor
-        b = int(tr.tensor_bytes[k])
-        so, fu = int(tr.last_forward_pack[k]), int(tr.first_unpack[k])
-        free = float(self.times[fu] - self.times[so])
-        rt = self.hw.d2h_time(b) + self.hw.h2d_time(b)
-        x = free / rt
-        o[0] = min(b / self.room, 1.0)
-        o[1] = b / self.max_bytes
-        o[2] = x / (1.0 + x)
-        o[3] = min(free / ideal, 1.0)
-        o[4] = min(float(self.times[so]) / ideal, 1.0)
-        a, z = self._keep_range(k)
-        future = self.lower[so:]
-        peak = int(future.max()) if future.size else 0
+            return np.array([0.0] * 5 + dynamic[:1] + [0.0, 0.0] + dynamic[1:], dtype=np.float32)
+        t, p = self.table, self.pos
+        b, so, a, z = t.bytes[p], t.swap_out[p], t.keep_from[p], t.first_unpack[p]
+        lower = self.lower
+        peak = int(lower[so:].max())
         if z > a:
-            peak = max(peak, int(self.lower[a:z].max()) + b)
-        o[6] = min(peak / self.budget / 2.0, 1.0)
-        over = int(self.if_kept[so:].max()) - self.budget
-        o[7] = min(max(over, 0) / self.room, 1.0)
-        return o
+            peak = max(peak, int(lower[a:z].max()) + b)
+        over = int(self.if_kept[so:].max()) - budget
+        o = [min(b / self.room, 1.0), *t.static_features[p], dynamic[0],
+             min(peak / budget / 2.0, 1.0), min(max(over, 0) / self.room, 1.0), *dynamic[1:]]
+        return np.array(o, dtype=np.float32)
 
     def _info(self) -> dict[str, Any]:
         info: dict[str, Any] = {"trace": self.trace.name, "hardware": self.hw.name, "budget_bytes": self.budget}
@@ -262,6 +245,54 @@ class SwapEnv(gym.Env):
         if self.result is not None:
             info["overhead"] = self.result.overhead
         return info
+
+
+class _DecisionTable:
+    """Per (trace, hardware): the decisions in order and everything about them that does not
+    depend on the budget or on earlier decisions, as plain lists (the env's hot path)."""
+
+    def __init__(self, tr: Trace, hw: Hardware):
+        order = np.lexsort((np.arange(tr.n_tensors), tr.last_forward_pack))
+        self.order = order.tolist()
+        b = tr.tensor_bytes[order]
+        so = tr.last_forward_pack[order]
+        fu = tr.first_unpack[order]
+        self.bytes = b.tolist()
+        self.swap_out = so.tolist()
+        self.first_unpack = fu.tolist()
+        self.keep_from = (so + 1).tolist()  # keeping occupies the gaps after the last forward pack
+        times = tr.event_times
+        h2d = hw.copy_latency_s + b / hw.h2d_bytes_per_s
+        pf_cols = []
+        for lead in LEADS:  # the same placement as swapsched.plan.lead_eviction, for all tensors at once
+            if lead == 0:
+                pf = fu
+            elif math.isinf(lead):
+                pf = so
+            else:
+                pf = np.searchsorted(times, times[fu] - lead * h2d, side="right") - 1
+                pf = np.minimum(np.maximum(pf, so), fu)
+            pf_cols.append(pf)
+        pf_mat = np.stack(pf_cols, axis=1)
+        self.prefetch = pf_mat.tolist()
+        # an evicted tensor occupies the gaps from its prefetch (after the swap-out's gap) to its unpack
+        self.occupy_from = np.maximum(pf_mat, (so + 1)[:, None]).tolist()
+        free = times[fu] - times[so]
+        rt = 2 * hw.copy_latency_s + b / hw.d2h_bytes_per_s + b / hw.h2d_bytes_per_s
+        x = free / rt
+        ideal = tr.ideal_s + hw.hook_cost_s * tr.n_events
+        self.static_features = np.stack([
+            b / max(int(tr.tensor_bytes.max()), 1), x / (1.0 + x), np.minimum(free / ideal, 1.0),
+            np.minimum(times[so] / ideal, 1.0),
+        ], axis=1).tolist()
+
+
+def _decision_table(tr: Trace, hw: Hardware) -> _DecisionTable:
+    cache = tr.__dict__.setdefault("_env_tables", {})
+    key = hw
+    if key not in cache:
+        cache[key] = _DecisionTable(tr, hw)
+    return cache[key]
 
 
 if "swapsched/Swap-v0" not in gym.registry:

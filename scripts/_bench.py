@@ -1,0 +1,37 @@
+"""Shared by the bench_*.py scripts: write the JSON, print the table."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from swapsched.compare import _grid
+
+
+def environment() -> dict[str, Any]:
+    return {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "cpus": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def write(out: str | Path, data: dict[str, Any]) -> Path:
+    p = Path(out)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps({"environment": environment(), **data}, indent=1, default=float) + "\n")
+    print(f"wrote {p}", file=sys.stderr)
+    return p
+
+
+def table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    return _grid(head, [[str(c) for c in r] for r in rows])
