@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 import yaml
 
 from swapsched.errors import UserError
@@ -27,7 +28,7 @@ class TrainConfigError(UserError):
 
 @dataclass(frozen=True)
 class TrainConfig:
-    total_timesteps: int = 300_000
+    total_timesteps: int = 1_500_000
     n_envs: int = 4
     seed: int = 0
     corpus_split: str = "train"
@@ -90,6 +91,7 @@ def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True,
     from swapsched.env.swap_env import SwapEnv
     from swapsched.hardware import load_hardware
 
+    torch.set_num_threads(1)  # the MLP is small: one thread is fastest and leaves the other core free
     out = Path(out)
     if out.suffix != ".zip":
         out = out.with_suffix(".zip")

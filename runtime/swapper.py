@@ -41,7 +41,7 @@ from swapsched.budget import format_bytes, parse_budget
 from swapsched.errors import UserError
 from swapsched.hardware import Hardware, load_hardware
 from swapsched.plan import SwapPlan
-from swapsched.runtime.backends import Backend, Ticket, make_backend
+from swapsched.runtime.backends import Backend, CpuBackend, Ticket, make_backend
 from swapsched.runtime.profiler import StorageIds, TraceRecorder, is_parameter, static_bytes_of
 from swapsched.trace import Trace
 
@@ -113,9 +113,10 @@ class SwapRuntime:
 
     ``budget``: ``"60%"`` of the profiled activation peak, or bytes (``"6GiB"``). ``policy``: a
     registry name (``default`` is the shipped learned policy), a checkpoint path, or a policy object.
-    ``hardware``: the profile the policy plans for (default: ``cpu-emulated`` on the CPU backend;
-    a calibrated or named GPU profile on CUDA). ``backend``: ``"cuda"``, ``"cpu"`` or ``None`` (CUDA
-    when available). ``bandwidth``: throttle of the CPU backend's copy engines, bytes/s.
+    ``hardware``: the profile the policy plans for (default: ``cpu-emulated`` on the CPU backend,
+    ``h100-pcie5`` on CUDA; best: one written by ``swapsched calibrate``). ``backend``: ``"cuda"``,
+    ``"cpu"`` or ``None`` (CUDA when available). ``bandwidth``: throttle of the CPU backend's copy
+    engines, bytes/s; without ``hardware`` the plan is made for that link.
     ``min_bytes``: saved tensors smaller than this always stay (the plan's evictions of them are
     dropped before it runs, which can leave the guard work to do; by default nothing is dropped,
     since policies already weigh each copy's latency). ``model``/``optimizer``: counted in ``static_bytes`` (parameters,
@@ -136,13 +137,21 @@ class SwapRuntime:
             policy = get_policy(policy)
         self.policy = policy
         name = backend.name if isinstance(backend, Backend) else (backend or ("cuda" if torch.cuda.is_available() else "cpu"))
-        hw = load_hardware(hardware or ("cpu-emulated" if name == "cpu" else "h100-pcie5"))
-        if bandwidth is not None:  # the plan is made for the link the copies really get
-            if not bandwidth > 0:
-                raise UserError(f"bandwidth must be positive bytes/s, got {bandwidth!r}")
-            hw = replace(hw, name=f"{hw.name}@{bandwidth:.3g}B/s", d2h_bytes_per_s=bandwidth, h2d_bytes_per_s=bandwidth)
+        if bandwidth is not None and not bandwidth > 0:
+            raise UserError(f"bandwidth must be positive bytes/s, got {bandwidth!r}")
+        if hardware is None:
+            hw = load_hardware("cpu-emulated" if name == "cpu" else "h100-pcie5")
+            if bandwidth is not None:  # plan for the link the copies really get
+                hw = replace(hw, name=f"{hw.name}@{bandwidth:.3g}B/s", d2h_bytes_per_s=bandwidth, h2d_bytes_per_s=bandwidth)
+        else:
+            hw = load_hardware(hardware)  # e.g. a calibrated profile: used for planning as it is
         self.hardware = hw
-        self.backend = backend if isinstance(backend, Backend) else make_backend(name, hw)
+        if isinstance(backend, Backend):
+            self.backend = backend
+        elif name == "cpu" and bandwidth is not None and hardware is not None:
+            self.backend = CpuBackend(bandwidth, bandwidth, 0.0)  # the link alone; its latency was measured
+        else:
+            self.backend = make_backend(name, hw)
         self.min_bytes = int(min_bytes)
         if profile_steps < 1:
             raise UserError(f"profile_steps must be at least 1, got {profile_steps}")
@@ -202,6 +211,17 @@ class SwapRuntime:
         if self._report is None:
             raise UserError("no step has run yet; wrap a training step in `with runtime.step():`")
         return self._report
+
+    def use_plan(self, plan: SwapPlan) -> None:
+        """Execute ``plan`` from the next step on, instead of the policy's (the trace must exist:
+        run the profiling steps first). Checked against R7 and the trace."""
+        if self.trace is None:
+            raise UserError("use_plan() needs the profiled trace: run the profiling steps first")
+        from swapsched.env.simulator import simulate
+
+        plan.validate(self.trace)
+        res = simulate(self.trace, plan, self.hardware, self.budget_bytes, validate=False)
+        self.plan, self.predicted_s = plan, (None if res.oom else res.iteration_s)
 
     def close(self) -> None:
         self.backend.shutdown()

@@ -226,7 +226,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.compare:
         from swapsched.agents.registry import policy_names
 
-        others = [p for p in policy_names() if p not in (args.policy, "optimal", "swapadvisor")]
+        others = args.compare_policies or [p for p in policy_names() if p not in (args.policy, "optimal", "swapadvisor")]
+        others = [p for p in others if p != args.policy]
         for pol in others:
             results.append(run_runtime(args.model, pol, args.budget, args.steps, backend=args.backend,
                                        bandwidth=args.bandwidth, hardware=args.hardware, **common))
@@ -274,6 +275,33 @@ def _run_table(results: list[Any], base: float | None) -> str:
                      "yes" if r.loss_matches else "NO", {None: "-", True: "yes", False: "no"}[r.plan_followed]])
     return _grid(["method", "step ms (median)", "predicted ms", "vs plain", "peak device", "budget", "loss matches",
                   "plan followed"], rows)
+
+
+# ----------------------------------------------------------------------------- calibrate
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from swapsched.runtime.calibrate import calibrate
+
+    if args.backend == "cuda" and not _cuda():
+        raise UserError("--backend cuda: no CUDA device is available here; use --backend cpu")
+    cal = calibrate(args.backend, bandwidth=args.bandwidth, name=args.name)
+    hw = cal.hardware
+    when = __import__("time").strftime("%Y-%m-%d")
+    src = f"measured by swapsched calibrate --backend {args.backend} on {when}"
+    hw.save(args.out, comments={
+        "d2h_bytes_per_s": f"{src}: least-squares fit over 64 KiB..32 MiB copies",
+        "h2d_bytes_per_s": f"{src}: least-squares fit over 64 KiB..32 MiB copies",
+        "copy_latency_s": f"{src}: intercept of the fits, both directions averaged",
+        "device_memory_bytes": "the emulated device's nominal size" if args.backend == "cpu" else "torch.cuda device properties",
+        "peak_flops": "copied from the base profile (roofline retiming only)",
+        "memory_bytes_per_s": "copied from the base profile (roofline retiming only)",
+        "hook_cost_s": f"{src}: runtime step minus plain step, per saved-tensor event (median)",
+    })
+    print(f"d2h {hw.d2h_bytes_per_s / 1e9:.3f} GB/s   h2d {hw.h2d_bytes_per_s / 1e9:.3f} GB/s   "
+          f"latency {1e6 * hw.copy_latency_s:.1f} us   hook {1e6 * hw.hook_cost_s:.2f} us/event")
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
 
 
 # ----------------------------------------------------------------------------- train-policy
@@ -361,9 +389,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--bandwidth", type=_positive_float, help="CPU backend: throttle both copy engines to this many bytes/s")
     sp.add_argument("--hardware", help="profile the plan is made for (default: cpu-emulated on cpu, h100-pcie5 on cuda)")
     sp.add_argument("--compare", action="store_true", help="also run the other policies, plain, save_on_cpu and checkpointing")
+    sp.add_argument("--compare-policies", type=_csv, help="with --compare: which other policies (default: all but optimal, swapadvisor)")
     sp.add_argument("--json", metavar="OUT")
     sp.add_argument("--plot", metavar="PNG", help="step time and peak memory per method")
     sp.add_argument("--no-progress", action="store_true", help="no per-step lines")
+
+    sp = add("calibrate", cmd_calibrate, "Measure this machine's link and hook cost into a hardware YAML for the simulator.")
+    sp.add_argument("--backend", choices=["cpu", "cuda"], default="cpu")
+    sp.add_argument("--bandwidth", type=_positive_float, help="CPU backend: measure the engines throttled to this many bytes/s")
+    sp.add_argument("--name", help="profile name (default calibrated-BACKEND)")
+    sp.add_argument("--out", default="calibrated.yaml")
 
     sp = add("train-policy", cmd_train_policy, "Train a swap policy (MaskablePPO on SwapEnv) and evaluate it on held-out traces.")
     sp.add_argument("--config", default=str(_default_train_config()), help="PPO settings YAML (default: configs/train/default.yaml)")

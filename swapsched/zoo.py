@@ -162,6 +162,8 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(TransformerBlock(d_model, heads, causal, pre_ln=causal) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
+        for emb in (self.tok, self.pos):
+            nn.init.normal_(emb.weight, std=0.02)  # GPT-2's initialisation keeps the first logits small
         if causal:
             self.head.weight = self.tok.weight  # weight tying, as in GPT-2
 
