@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
-from swapsched.compare import _grid
+from swapsched.compare import format_grid
 
 
 def environment() -> dict[str, Any]:
@@ -34,4 +34,4 @@ def write(out: str | Path, data: dict[str, Any]) -> Path:
 
 
 def table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    return _grid(head, [[str(c) for c in r] for r in rows])
+    return format_grid(head, [[str(c) for c in r] for r in rows])

@@ -263,7 +263,7 @@ def _run_json(r: Any) -> dict[str, Any]:
 
 def _run_table(results: list[Any], base: float | None) -> str:
     from swapsched.budget import format_bytes
-    from swapsched.compare import _grid
+    from swapsched.compare import format_grid
 
     rows = []
     for r in results:
@@ -273,7 +273,7 @@ def _run_table(results: list[Any], base: float | None) -> str:
         pred = f"{1e3 * r.predicted_step_s:.2f}" if r.predicted_step_s is not None else "-"
         rows.append([r.method, f"{1e3 * r.step_s_median:.2f}", pred, rel, peak, budget,
                      "yes" if r.loss_matches else "NO", {None: "-", True: "yes", False: "no"}[r.plan_followed]])
-    return _grid(["method", "step ms (median)", "predicted ms", "vs plain", "peak device", "budget", "loss matches",
+    return format_grid(["method", "step ms (median)", "predicted ms", "vs plain", "peak device", "budget", "loss matches",
                   "plan followed"], rows)
 
 

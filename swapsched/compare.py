@@ -15,7 +15,7 @@ from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.trace import Trace
 
-__all__ = ["Case", "compare", "run_policy", "format_table", "summarize", "format_summary"]
+__all__ = ["Case", "compare", "run_policy", "format_table", "summarize", "format_summary", "format_grid"]
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ def format_table(rows: Iterable[dict[str, Any]], policies: Sequence[str]) -> str
                 s += "*"
             cells.append(s)
         body.append([c[0], c[1], c[2], "-" if floor is None else f"{100 * floor:.1f}%", *cells])
-    return _grid(head, body) + "\n(* = best in its row; overhead = step / ideal - 1; floor = R8 analytic bound)"
+    return format_grid(head, body) + "\n(* = best in its row; overhead = step / ideal - 1; floor = R8 analytic bound)"
 
 
 def _ok(r: dict[str, Any] | None) -> bool:
@@ -155,10 +155,11 @@ def format_summary(summary: Sequence[dict[str, Any]]) -> str:
     body = [[s["policy"], "-" if math.isnan(s["mean_overhead"]) else f"{100 * s['mean_overhead']:.1f}%",
              f"{s['won']}/{s['cases']}", str(s["oom"]), str(s["skipped"]), f"{1e3 * s['mean_plan_s']:.1f} ms"]
             for s in summary]
-    return _grid(["policy", "mean overhead (solved)", "won", "OOM", "n/a", "plan time"], body)
+    return format_grid(["policy", "mean overhead (solved)", "won", "OOM", "n/a", "plan time"], body)
 
 
-def _grid(head: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+def format_grid(head: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+    """A plain-text table with aligned columns."""
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
     line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     return "\n".join([line(head), line(["-" * w for w in widths]), *(line(r) for r in body)])

@@ -232,8 +232,8 @@ class Trace:
         A gap's time is ``max(flops / peak_flops, traffic / memory_bytes_per_s)``, where traffic is
         a lower bound on the bytes the gap's compute touches: a pack gap writes the tensors it
         produces and reads them once (2 x bytes of tensors first packed there); an unpack gap
-        reads the tensor and writes its gradient (2 x bytes). The tail keeps its share of the
-        measured time scaled by the same ratio as the whole step's FLOPs.
+        reads the tensor and writes its gradient (2 x bytes). The tail after the last event is
+        ``meta["tail_flops"] / peak_flops`` (the profiler records those FLOPs; 0 if absent).
         """
         if any(e.flops is None for e in self.events):
             raise TraceError(

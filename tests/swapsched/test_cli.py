@@ -90,7 +90,60 @@ def test_bad_budget_exits_2(tmp_path):
     assert r.returncode == 2 and "smallest feasible budget" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("cmd", ["profile", "inspect", "simulate", "plan", "compare"])
+@pytest.mark.parametrize("cmd", ["profile", "inspect", "simulate", "plan", "compare", "run", "calibrate", "train-policy"])
 def test_help(cmd):
     r = run(cmd, "--help")
     assert r.returncode == 0 and "usage:" in r.stdout
+
+
+def test_run_checks_losses_and_writes_json(tmp_path, capsys):
+    js, png = tmp_path / "run.json", tmp_path / "run.png"
+    assert main(["run", "mlp", "--size", "tiny", "--budget", "60%", "--policy", "capuchin", "--steps", "5",
+                 "--backend", "cpu", "--bandwidth", "2e9", "--compare", "--compare-policies", "swap-all",
+                 "--json", str(js), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "loss matches" in out and "save_on_cpu" in out and "checkpoint" in out
+    runs = json.loads(js.read_text())["runs"]
+    assert [r["method"] for r in runs] == ["capuchin", "swap-all", "plain", "save_on_cpu", "checkpoint"]
+    for r in runs:
+        assert {"steps", "step_s_median", "peak_device_bytes", "budget_bytes", "stall_s", "loss_matches"} <= set(r)
+        assert r["loss_matches"] is True
+    assert runs[0]["peak_device_bytes"] <= runs[0]["budget_bytes"] and png.stat().st_size > 5000
+
+
+def test_run_rejects_too_few_steps():
+    r = run("run", "mlp", "--size", "tiny", "--steps", "2", "--policy", "min", "--backend", "cpu")
+    assert r.returncode == 2 and "must exceed" in r.stderr
+
+
+def test_calibrate_writes_a_loadable_profile(tmp_path):
+    from swapsched.hardware import load_hardware
+
+    out = tmp_path / "cal.yaml"
+    assert main(["calibrate", "--backend", "cpu", "--bandwidth", "2e9", "--out", str(out)]) == 0
+    hw = load_hardware(out)
+    assert 0.5e9 < hw.d2h_bytes_per_s < 4e9 and hw.hook_cost_s >= 0
+    assert "measured by swapsched calibrate" in out.read_text()
+
+
+def test_train_policy_smoke(tmp_path, capsys):
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text("total_timesteps: 256\nn_envs: 2\nhardware: [h100-pcie5]\n"
+                   "eval: {budgets: ['60%'], hardware: [h100-pcie5], baselines: [min]}\n"
+                   "ppo: {n_steps: 64, batch_size: 32, n_epochs: 1, net_arch: [16, 16]}\n")
+    out = tmp_path / "p.zip"
+    assert main(["train-policy", "--config", str(cfg), "--out", str(out), "--no-progress"]) == 0
+    meta = json.loads(out.with_suffix(".json").read_text())
+    assert meta["timesteps"] == 256 and meta["held_out"]["summary"][0]["policy"] == "learned:p"
+    # the checkpoint is a policy like any other
+    trace = tmp_path / "t.json"
+    assert main(["profile", "mlp", "--size", "tiny", "--out", str(trace)]) == 0
+    assert main(["plan", "--trace", str(trace), "--policy", str(out), "--hardware", "h100-pcie5", "--budget", "70%",
+                 "--out", str(tmp_path / "plan.json")]) == 0
+
+
+def test_train_policy_bad_config(tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("total_timestep: 5\n")
+    r = run("train-policy", "--config", str(cfg), "--out", str(tmp_path / "x.zip"))
+    assert r.returncode == 2 and "unknown field" in r.stderr
