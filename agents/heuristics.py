@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -123,6 +124,25 @@ def _removable(trace: Trace, gap: int, evicted: np.ndarray) -> np.ndarray:
     return np.flatnonzero(ok)
 
 
+def _evict_until_fits(trace: Trace, demand: np.ndarray, budget: int, release: np.ndarray, score: np.ndarray,
+                      back_at: "Callable[[int, int], int]") -> list[int]:
+    """Walk the gaps over budget in order; at each, evict the removable tensor of highest ``score``
+    until the planned demand fits. ``back_at(k, gap)`` is the gap from which ``k`` is planned back
+    on the device. Updates ``demand``; returns the tensors in the order chosen."""
+    chosen = np.zeros(trace.n_tensors, dtype=bool)
+    order: list[int] = []
+    for g in np.flatnonzero(demand > budget):
+        while demand[g] > budget:
+            cands = _removable(trace, int(g), chosen)
+            if not cands.size:
+                break  # nothing can help this gap: the simulation will report the OOM
+            k = int(cands[np.argmax(score[cands])])  # ties: the lowest id
+            chosen[k] = True
+            order.append(k)
+            demand[min(release[k], g) : back_at(k, int(g))] -= trace.tensor_bytes[k]
+    return order
+
+
 def _place_prefetches(trace: Trace, budget: int, hw: Hardware, evicted: list[int], demand: np.ndarray) -> list[Eviction]:
     """Prefetch each evicted tensor as early as the planned memory allows (nearest use first)."""
     fu = trace.first_unpack
@@ -180,20 +200,10 @@ class Belady:
     name: str = "min"
 
     def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
-        release = _release_gaps(trace, hardware)
         fu = trace.first_unpack
         demand = planned_demand(trace, [], hardware)
-        evicted: list[int] = []
-        chosen = np.zeros(trace.n_tensors, dtype=bool)
-        for g in np.flatnonzero(demand > budget):
-            while demand[g] > budget:
-                cands = _removable(trace, g, chosen)
-                if not cands.size:
-                    break  # nothing can help this gap: the simulation will report the OOM
-                k = int(cands[np.argmax(fu[cands])])  # farthest next use (ties: lowest id)
-                chosen[k] = True
-                evicted.append(k)
-                demand[min(release[k], g) : fu[k]] -= trace.tensor_bytes[k]
+        # farthest next use first; back on the device only when used (prefetches are placed next)
+        evicted = _evict_until_fits(trace, demand, budget, _release_gaps(trace, hardware), fu, lambda k, g: int(fu[k]))
         plan = SwapPlan.of(trace, self.name, _place_prefetches(trace, budget, hardware, evicted, demand))
         return repair(trace, plan, budget, hardware)
 
@@ -215,7 +225,6 @@ class Capuchin:
     name: str = "capuchin"
 
     def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
-        release = _release_gaps(trace, hardware)
         times = trace.event_times
         fu = trace.first_unpack
         b = trace.tensor_bytes
@@ -223,20 +232,14 @@ class Capuchin:
         free_time = (times[fu] - times[lfp]
                      - 2 * hardware.copy_latency_s - b / hardware.d2h_bytes_per_s - b / hardware.h2d_bytes_per_s)
         demand = planned_demand(trace, [], hardware)
-        chosen = np.zeros(trace.n_tensors, dtype=bool)
-        lead_idx: dict[int, int] = {}
         planned_pf: dict[int, int] = {}
-        for g in np.flatnonzero(demand > budget):
-            while demand[g] > budget:
-                cands = _removable(trace, g, chosen)
-                if not cands.size:
-                    break  # nothing can help this gap: the simulation will report the OOM
-                k = int(cands[np.argmax(free_time[cands])])  # longest free time (ties: lowest id)
-                ev = self._eviction(trace, k, 1, hardware, after=int(g))
-                chosen[k] = True
-                lead_idx[k] = 1
-                planned_pf[k] = ev.prefetch_at
-                demand[min(release[k], g) : ev.prefetch_at] -= b[k]
+
+        def just_in_time(k: int, g: int) -> int:  # lands one transfer before the reuse, after gap g
+            planned_pf[k] = self._eviction(trace, k, 1, hardware, after=g).prefetch_at
+            return planned_pf[k]
+
+        chosen = _evict_until_fits(trace, demand, budget, _release_gaps(trace, hardware), free_time, just_in_time)
+        lead_idx = {k: 1 for k in chosen}
         if not lead_idx:
             return SwapPlan.of(trace, self.name, [])
         guard = {k: self._first_needed_gap(trace, k, planned_pf[k], demand, budget) for k in lead_idx}

@@ -18,6 +18,17 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, path: str | Path, title: str = "") -> Path:
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p
+
+
 def plot_timelines(results: Sequence[tuple[str, Any]], budget: int, path: str | Path, title: str = "") -> Path:
     """One panel per (label, SimResult with a timeline): device memory against the budget above,
     the compute, device->host and host->device streams (and stalls) below."""
@@ -51,14 +62,7 @@ def plot_timelines(results: Sequence[tuple[str, Any]], budget: int, path: str | 
         end = max([ts[-1]] + [b for _, spans, _ in rows for _, b in spans] or [1.0])
         ax_m.set_xlim(0, end)
         ax_s.set_xlim(0, end)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+    return _save(plt, fig, path, title)
 
 
 def plot_compare(rows: Sequence[dict[str, Any]], policies: Sequence[str], path: str | Path) -> Path:
@@ -89,12 +93,7 @@ def plot_compare(rows: Sequence[dict[str, Any]], policies: Sequence[str], path: 
     ax.set_ylabel("overhead over ideal step (%)   (x = OOM)")
     ax.set_ylim(0, ymax * 1.1 + 1)
     ax.legend(fontsize=7, ncol=3)
-    fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+    return _save(plt, fig, path)
 
 
 def plot_runs(results: Sequence[Any], path: str | Path, title: str = "") -> Path:
@@ -113,11 +112,4 @@ def plot_runs(results: Sequence[Any], path: str | Path, title: str = "") -> Path
     ax_m.set_ylabel("peak device memory (MiB; 0 = not measurable here)")
     for ax in (ax_t, ax_m):
         ax.tick_params(axis="x", rotation=45)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+    return _save(plt, fig, path, title)
