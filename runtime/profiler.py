@@ -150,7 +150,8 @@ class TraceRecorder:
         self.tensor_of: list[int] = []
         self.gaps: list[float] = []
         self.flop_marks: list[float] = []
-        self.cuda_marks: list[Any] = []
+        self.cuda_entry: list[Any] = []  # one event as each hook starts ...
+        self.cuda_exit: list[Any] = []  # ... and one as it ends: gap i = entry[i] - exit[i-1]
         self.hook_s = 0.0
         self._last = 0.0
 
@@ -158,6 +159,7 @@ class TraceRecorder:
         if self.clock == "cuda":
             self._start_event = torch.cuda.Event(enable_timing=True)
             self._start_event.record()
+            self.cuda_exit.append(self._start_event)
         self._last = time.perf_counter()
 
     def _mark(self, t0: float) -> None:
@@ -166,7 +168,7 @@ class TraceRecorder:
         elif self.clock == "cuda":
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
-            self.cuda_marks.append(ev)
+            self.cuda_entry.append(ev)
         if self.flops is not None:
             self.flop_marks.append(float(self.flops.get_total_flops()))
 
@@ -203,8 +205,21 @@ class TraceRecorder:
         self._end_hook(t0)
 
     def _end_hook(self, t0: float) -> None:
+        self._hook_t0, self._hook_s_before = t0, self.hook_s
+        self.hook_done()
+
+    def hook_done(self) -> None:
+        """The hook's work ends now: what a caller does in its hook after ``pack``/``unpack`` (a
+        synchronous copy, say) is hook time, not compute, and is left out of the next gap."""
         self._last = time.perf_counter()
-        self.hook_s += self._last - t0
+        if self.clock == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            if len(self.cuda_exit) > len(self.cuda_entry):
+                self.cuda_exit[-1] = ev
+            else:
+                self.cuda_exit.append(ev)
+        self.hook_s = self._hook_s_before + (self._last - self._hook_t0)
 
     def finish(self, name: str, device: str, static: int, timing: str) -> Trace:
         """Build the Trace. Tensors never unpacked are dropped; their gaps merge into the next event's."""
@@ -214,9 +229,8 @@ class TraceRecorder:
             end_ev = torch.cuda.Event(enable_timing=True)
             end_ev.record()
             torch.cuda.synchronize()
-            marks = [self._start_event, *self.cuda_marks, end_ev]
-            times = [a.elapsed_time(b) / 1e3 for a, b in zip(marks[:-1], marks[1:])]
-            gaps, tail = times[:n], times[n]
+            gaps = [a.elapsed_time(b) / 1e3 for a, b in zip(self.cuda_exit[:n], self.cuda_entry)]
+            tail = self.cuda_exit[n].elapsed_time(end_ev) / 1e3
         elif self.clock == "cpu":
             gaps, tail = self.gaps, end - self._last
         else:

@@ -324,6 +324,7 @@ class _ProfileStep(_StepExecution):
             self.ids.add(t, rec)
             self.records.append(rec)
             self.moved += rec.nbytes
+            self.recorder.hook_done()  # the copy was hook time, not compute
         p = self._geometry(rec, t)
         p.tensor = None  # the device copy may go: unpack rebuilds from the host
         return ("host", tid, p)
@@ -336,7 +337,9 @@ class _ProfileStep(_StepExecution):
         p: _Packed = obj
         ticket = self.backend.copy_in(p.rec.host, None)
         self.backend.wait_host(ticket)
-        return self._rebuild(p, ticket.dst)
+        out = self._rebuild(p, ticket.dst)
+        self.recorder.hook_done()
+        return out
 
     def finish(self) -> None:
         dev = self.records[0].device if self.records else torch.device("cpu")
