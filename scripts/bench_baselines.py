@@ -13,12 +13,30 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import write  # noqa: E402
+import numpy as np  # noqa: E402
+from _bench import table, write  # noqa: E402
 
 from swapsched.agents.registry import policy_names  # noqa: E402
 from swapsched.compare import compare, format_summary, summarize  # noqa: E402
 from swapsched.env.corpus import load_corpus  # noqa: E402
 from swapsched.hardware import load_hardware  # noqa: E402
+
+
+def small_traces(n: int, seed: int = 0) -> list:
+    """Random traces of 3-5 tensors (forward packs, backward unpacks in reverse with repeats):
+    small enough for the exact optimum, with gaps and sizes spread like the corpus' ratios."""
+    from swapsched.trace import Event, TensorInfo, Trace
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        k = int(rng.integers(3, 6))
+        sizes = (rng.lognormal(17, 1.0, k)).astype(int) + 1  # ~25 MB median
+        fwd = [Event("pack", t, float(rng.uniform(1e-4, 2e-3))) for t in range(k)]
+        bwd = [Event("unpack", t, float(rng.uniform(2e-4, 4e-3))) for t in reversed(range(k))]
+        tensors = tuple(TensorInfo(t, int(b)) for t, b in enumerate(sizes))
+        out.append(Trace(f"small-{i}", "measured", "synthetic", 0, 1e-4, tensors, tuple(fwd + bwd)))
+    return out
 
 
 def main() -> int:
@@ -27,6 +45,7 @@ def main() -> int:
     ap.add_argument("--hardware", default="h100-pcie5,a100-pcie4")
     ap.add_argument("--search-seconds", type=float, default=1.0)
     ap.add_argument("--split", choices=["all", "train", "test"], default="all")
+    ap.add_argument("--small", type=int, default=40, help="random small traces for the distance to the exact optimum")
     ap.add_argument("--out", default="bench_results/baselines.json")
     args = ap.parse_args()
     traces = load_corpus(split=None if args.split == "all" else args.split)
@@ -42,8 +61,25 @@ def main() -> int:
     held_summary = summarize(held_rows, policies)
     print("\nheld-out traces only (never seen by the learned policy):")
     print(format_summary(held_summary))
+    # the yardstick: distance to the exact optimum on traces small enough to solve
+    small = small_traces(args.small)
+    small_rows = compare(small, ["40%", "60%", "80%"], hws[:1], policies, search_seconds=args.search_seconds)
+    best = {(r["trace"], r["budget"]): r["overhead"] for r in small_rows if r["policy"] == "optimal" and not r.get("skipped")}
+    gaps = []
+    for p in policies:
+        d = [r["overhead"] - best[(r["trace"], r["budget"])] for r in small_rows
+             if r["policy"] == p and not r.get("skipped") and not r["oom"] and (r["trace"], r["budget"]) in best]
+        ooms = sum(1 for r in small_rows if r["policy"] == p and r.get("oom"))
+        gaps.append({"policy": p, "mean_gap_to_optimal": float(np.mean(d)) if d else None,
+                     "max_gap_to_optimal": float(np.max(d)) if d else None,
+                     "optimal_in": int(sum(1 for x in d if x <= 1e-9)), "cases": len(best), "oom": ooms})
+    print(f"\n{len(small)} random small traces x 3 budgets on {hws[0].name}: overhead above the exact optimum")
+    print(table(["policy", "mean gap", "max gap", "optimal in", "OOM"],
+                [[g["policy"], "-" if g["mean_gap_to_optimal"] is None else f"{100 * g['mean_gap_to_optimal']:.1f} pts",
+                  "-" if g["max_gap_to_optimal"] is None else f"{100 * g['max_gap_to_optimal']:.1f} pts",
+                  f"{g['optimal_in']}/{g['cases']}", g["oom"]] for g in gaps]))
     write(args.out, {"budgets": budgets, "hardware": [h.name for h in hws], "search_seconds": args.search_seconds,
-                     "summary": summary, "held_out_summary": held_summary, "rows": rows})
+                     "summary": summary, "held_out_summary": held_summary, "small_vs_optimal": gaps, "rows": rows})
     return 0
 
 
