@@ -67,8 +67,10 @@ class StorageIds:
 
 def is_parameter(t: torch.Tensor) -> bool:
     """A parameter or a view of one: a leaf that requires grad, directly or through ``_base``."""
-    root = t._base if t._base is not None else t
-    return bool(root.is_leaf and root.requires_grad)
+    if t.is_leaf:
+        return t.requires_grad
+    base = t._base
+    return base is not None and base.is_leaf and base.requires_grad
 
 
 class _OpNames(TorchDispatchMode):

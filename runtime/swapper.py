@@ -20,16 +20,19 @@ flow) the step finishes on demand (nothing new is evicted, everything evicted co
 unpacked) and the next step is profiled and planned again. A guard evicts on the spot, by the MIN
 rule, when the accounted device memory would exceed the budget despite the plan.
 
-Stashes: ``_Record`` is one saved storage (R2): while resident it holds a flat ``uint8`` view of
-the device storage; after its swap-out completes it holds only the host buffer. ``_Packed`` is what
-autograd keeps per pack: the record plus the view geometry (dtype, size, stride, offset), and the
-original tensor while the record is resident, so unpacking a kept tensor returns the very object.
+Stashes: ``_Packed`` is what autograd keeps per pack (the runtime only holds weak references to
+it): the record and, while the record is resident, the original tensor (which keeps the storage
+alive, and is what unpacking a kept tensor returns, the very object). ``_Record`` is one saved storage (R2). When it is evicted, its swap-out
+ticket holds the device storage (a flat ``uint8`` view) until the copy completes, each handle keeps
+only its view's geometry (dtype, size, stride, offset), and the record keeps the host buffer; after
+a swap-in the record holds the new device storage and unpacks rebuild the views on it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
@@ -60,17 +63,28 @@ class _Record:
     state: int = RESIDENT
     out: Ticket | None = None
     inn: Ticket | None = None
-    handles: list["_Packed"] = field(default_factory=list)
+    # weak references: autograd owns the handles and drops each once its node has run, which is
+    # what frees a kept tensor as early as plain PyTorch would
+    handles: list["weakref.ref[_Packed]"] = field(default_factory=list)
+
+    def live_handles(self) -> list["_Packed"]:
+        return [h for h in (r() for r in self.handles) if h is not None]
+    key: int = 0  # storage identity (R2)
 
 
 @dataclass(eq=False)
 class _Packed:
     rec: _Record | None
     tensor: torch.Tensor | None
-    dtype: torch.dtype
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
+    # (dtype, size, stride, storage offset): taken when the tensor reference is dropped
+    geometry: tuple[Any, ...] | None = None
+
+    def let_go(self) -> None:
+        """Drop the tensor reference, keeping what is needed to rebuild the view."""
+        t = self.tensor
+        if t is not None:
+            self.geometry = (t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+            self.tensor = None
 
 
 @dataclass(frozen=True)
@@ -261,7 +275,6 @@ class _StepExecution:
     def __init__(self, rt: SwapRuntime):
         self.rt = rt
         self.backend = rt.backend
-        self.ids = StorageIds()  # live storage -> its record (R2)
         self.records: list[_Record] = []
         self.static = rt.static_bytes
         self.used = 0
@@ -278,22 +291,20 @@ class _StepExecution:
         if self.static + self.used > self.peak:
             self.peak = self.static + self.used
 
-    def _rebuild(self, p: _Packed, flat: torch.Tensor) -> torch.Tensor:
-        return torch.empty(0, dtype=p.dtype, device=flat.device).set_(flat.untyped_storage(), p.offset, p.size, p.stride)
+    @staticmethod
+    def _rebuild(p: _Packed, flat: torch.Tensor) -> torch.Tensor:
+        dtype, size, stride, offset = p.geometry
+        return torch.empty(0, dtype=dtype, device=flat.device).set_(flat.untyped_storage(), offset, size, stride)
 
     @staticmethod
     def _flat(t: torch.Tensor) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-
-    def _geometry(self, rec: _Record | None, t: torch.Tensor) -> _Packed:
-        return _Packed(rec, t, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
 
     def finish(self) -> None:
         pass
 
     def abort(self) -> None:
         self.records.clear()
-        self.ids.clear()
 
     def report(self, step_s: float) -> StepReport:
         raise NotImplementedError
@@ -306,6 +317,7 @@ class _ProfileStep(_StepExecution):
     def __init__(self, rt: SwapRuntime):
         super().__init__(rt)
         clock = "cuda" if self.backend.name == "cuda" else "cpu"
+        self.ids = StorageIds()  # live storage -> its record (R2)
         self.recorder = TraceRecorder(clock)
         self.recorder.start()
         self.trace: Trace | None = None
@@ -325,8 +337,8 @@ class _ProfileStep(_StepExecution):
             self.records.append(rec)
             self.moved += rec.nbytes
             self.recorder.hook_done()  # the copy was hook time, not compute
-        p = self._geometry(rec, t)
-        p.tensor = None  # the device copy may go: unpack rebuilds from the host
+        p = _Packed(rec, t)
+        p.let_go()  # the device copy may go: unpack rebuilds from the host
         return ("host", tid, p)
 
     def unpack(self, packed: Any) -> torch.Tensor:
@@ -372,6 +384,7 @@ class _ExecuteStep(_StepExecution):
         assert tr is not None and plan is not None and rt.budget_bytes is not None
         self.trace = tr
         self.budget = rt.budget_bytes
+        self.room = self.budget - self.static  # for saved tensors
         n = tr.n_events
         self.out_at: list[list[int]] = [[] for _ in range(n)]
         self.prefetch_at: list[list[int]] = [[] for _ in range(n)]
@@ -380,6 +393,14 @@ class _ExecuteStep(_StepExecution):
             self.prefetch_at[e.prefetch_at].append(e.tensor)
         self.last_unpack = tr.last_unpack.tolist()
         self.first_unpack = tr.first_unpack.tolist()
+        self.ev_unpack = tr.event_kind_is_unpack.tolist()
+        self.ev_tensor = tr.event_tensor.tolist()
+        self.tensor_bytes = tr.tensor_bytes.tolist()
+        self.n_events = tr.n_events
+        # live storage key -> record. A resident record's handles keep its storage alive; an
+        # evicted one gets a weakref.finalize as the runtime lets go of it, and a freed one is
+        # forgotten at its last use, so no key ever outlives its storage (R2; see StorageIds).
+        self.keys: dict[int, _Record] = {}
         self.by_tid: dict[int, _Record] = {}
         self.i = 0
         self.outs: deque[_Record] = deque()  # swap-outs in flight, in issue order
@@ -391,7 +412,8 @@ class _ExecuteStep(_StepExecution):
     def _drain(self) -> None:
         while self.outs and self.backend.done(self.outs[0].out):
             self._retire_out(self.outs.popleft())
-        self._admit()
+        if self.waiting:
+            self._admit()
 
     def _retire_out(self, rec: _Record) -> None:
         t = rec.out
@@ -431,8 +453,8 @@ class _ExecuteStep(_StepExecution):
 
     def _guard_evict(self, now_tid: int | None) -> bool:
         """MIN rule on the spot: evict the resident tensor whose next use is farthest."""
-        cands = [r for r in self.records if r.state == RESIDENT and r.tid != now_tid and r.flat is not None
-                 and r.nbytes >= self.rt.min_bytes and self.first_unpack[r.tid] > self.i]
+        cands = [r for r in self.records if r.state == RESIDENT and r.tid != now_tid and r.nbytes >= self.rt.min_bytes
+                 and self.first_unpack[r.tid] > self.i and (r.flat is not None or any(h.tensor is not None for h in r.live_handles()))]
         if not cands:
             return False
         rec = max(cands, key=lambda r: self.first_unpack[r.tid])
@@ -441,58 +463,64 @@ class _ExecuteStep(_StepExecution):
         return True
 
     def _issue_out(self, rec: _Record) -> None:
-        rec.out = self.backend.copy_out(rec.flat)
+        flat = rec.flat
+        if flat is None:
+            flat = self._flat(next(h.tensor for h in rec.live_handles() if h.tensor is not None))
+        # from now on nothing of ours keeps the storage alive: forget its key when it dies
+        weakref.finalize(flat.untyped_storage(), self.keys.pop, rec.key, None)
+        rec.out = self.backend.copy_out(flat)
         rec.host = rec.out.dst
         rec.state = OUT
         # the ticket now holds the device storage until the copy completes; the stashes let go
         rec.flat = None
-        for h in rec.handles:
-            h.tensor = None
+        for h in rec.live_handles():
+            h.let_go()
         self.outs.append(rec)
         self.evicted += rec.nbytes
 
     # ------------------------------------------------------------------ hooks
-    def _expect(self, kind: str, tid: int | None, nbytes: int) -> None:
+    def _expect(self, unpack: bool, tid: int, nbytes: int) -> None:
         if self.diverged:
             return
-        tr = self.trace
-        ok = self.i < tr.n_events
-        if ok:
-            e = tr.events[self.i]
-            ok = e.kind == kind and e.tensor == tid and tr.tensors[tid].bytes == nbytes
-        if not ok:
+        i = self.i
+        if not (i < self.n_events and self.ev_unpack[i] == unpack and self.ev_tensor[i] == tid
+                and self.tensor_bytes[tid] == nbytes):
             self.diverged = True
             self.waiting.clear()  # nothing more is planned; what is evicted comes back on demand
 
     def pack(self, t: torch.Tensor) -> Any:
         if is_parameter(t):
-            return _Packed(None, t, t.dtype, (), (), 0)
-        rec = self.ids.get(t)
-        nbytes = t.untyped_storage().nbytes()
+            return _Packed(None, t)
+        st = t.untyped_storage()
+        key = st._cdata
+        rec = self.keys.get(key)
         if rec is None:
+            nbytes = st.nbytes()
             # ids in order of first sight, as the profiling step numbered them; a storage the
             # trace does not have (never unpacked there) is not tracked and just stays
             tid = self.rt.first_sight.get(self.n_seen, -1)
             self.n_seen += 1
-            rec = _Record(tid, nbytes, t.device, self._flat(t))
-            self.ids.add(t, rec)
+            rec = _Record(tid, nbytes, t.device, None, key=key)
+            self.keys[key] = rec
             if tid < 0:
-                rec.flat = None
-                return _Packed(None, t, t.dtype, (), (), 0)
+                weakref.finalize(st, self.keys.pop, key, None)
+                return _Packed(None, t)
             self.records.append(rec)
             self.by_tid[tid] = rec
-            self._expect("pack", tid, nbytes)
-            self._drain()
-            self._make_room(nbytes, tid)  # R4: it is already made; the guard keeps the total in budget
+            self._expect(False, tid, nbytes)
+            if self.outs:
+                self._drain()
+            if self.used + nbytes > self.room:
+                self._make_room(nbytes, tid)  # R4: it is already made; the guard keeps the total in budget
             self._account(nbytes)
         elif rec.tid < 0:
-            return _Packed(None, t, t.dtype, (), (), 0)
+            return _Packed(None, t)
         else:
-            self._expect("pack", rec.tid, nbytes)
-        p = self._geometry(rec, t)
+            self._expect(False, rec.tid, rec.nbytes)
+        p = _Packed(rec, t)
         if rec.state != RESIDENT:
-            p.tensor = None  # evicted earlier in the step: rebuilt on unpack
-        rec.handles.append(p)
+            p.let_go()  # evicted earlier in the step: rebuilt on unpack
+        rec.handles.append(weakref.ref(p))
         self._after_event()
         return p
 
@@ -500,8 +528,12 @@ class _ExecuteStep(_StepExecution):
         rec = p.rec
         if rec is None:
             return p.tensor
-        self._expect("unpack", rec.tid, rec.nbytes)
-        self._drain()
+        self._expect(True, rec.tid, rec.nbytes)
+        if rec.state == RESIDENT and p.tensor is not None:  # the common case: kept, nothing to do
+            self._after_event()
+            return p.tensor
+        if self.outs:
+            self._drain()
         # (a) make it resident; a freed tensor unpacked again (the step diverged) comes back from
         # its host copy, which stays until the step ends
         if rec.state in (OUT, HOST) or (rec.state == FREED and p.tensor is None and rec.host is not None):
@@ -523,29 +555,34 @@ class _ExecuteStep(_StepExecution):
     def _after_event(self) -> None:
         i = self.i
         self.i += 1
-        if self.diverged or i >= self.trace.n_events:
+        if self.diverged or i >= self.n_events:
             return
         # (b) free what is last used here
-        e = self.trace.events[i]
-        if e.kind == "unpack" and self.last_unpack[e.tensor] == i:
-            rec = self.by_tid[e.tensor]
-            if rec.state == RESIDENT:
-                self._account(-rec.nbytes)
-            # our own reference goes; autograd drops its handles itself. A host copy stays until
-            # the step ends, in case an unplanned unpack (divergence) needs it again.
-            rec.flat = None
-            rec.state = FREED
+        if self.ev_unpack[i]:
+            tid = self.ev_tensor[i]
+            if self.last_unpack[tid] == i:
+                rec = self.by_tid[tid]
+                if rec.state == RESIDENT:
+                    self._account(-rec.nbytes)
+                # our own reference goes; autograd drops its handles itself. A host copy stays until
+                # the step ends, in case an unplanned unpack (divergence) needs it again.
+                rec.flat = None
+                rec.state = FREED
+                if self.keys.get(rec.key) is rec:
+                    del self.keys[rec.key]  # no pack of it may follow; its address may be reused
         # (c) swap-outs planned here
         for tid in self.out_at[i]:
             rec = self.by_tid.get(tid)
             if rec is not None and rec.state == RESIDENT:
                 self._issue_out(rec)
         # (d) prefetches planned here, in issue order, waiting for room (R6)
-        for tid in self.prefetch_at[i]:
-            rec = self.by_tid.get(tid)
-            if rec is not None and rec.state in (OUT, HOST) and rec not in self.waiting:
-                self.waiting.append(rec)
-        self._admit()
+        pf = self.prefetch_at[i]
+        if pf:
+            for tid in pf:
+                rec = self.by_tid.get(tid)
+                if rec is not None and rec.state in (OUT, HOST) and rec not in self.waiting:
+                    self.waiting.append(rec)
+            self._admit()
 
     # ------------------------------------------------------------------ end of step
     def finish(self) -> None:
@@ -569,13 +606,13 @@ class _ExecuteStep(_StepExecution):
                 rec.host = None
             rec.flat = None
             rec.out = rec.inn = None
-            for h in rec.handles:
-                h.tensor = None
+            for h in rec.live_handles():
+                h.let_go()
         self.outs.clear()
         self.waiting.clear()
         self.ins.clear()
         self.records.clear()
-        self.ids.clear()
+        self.keys.clear()
         self.by_tid.clear()
 
     def report(self, step_s: float) -> StepReport:
