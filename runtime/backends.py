@@ -196,8 +196,10 @@ class CpuBackend(Backend):
     wait_for_use = wait_host
 
     def shutdown(self) -> None:
-        self.d2h.stop()
-        self.h2d.stop()
+        for engine in (self.d2h, self.h2d):
+            engine.stop()
+        for engine in (self.d2h, self.h2d):
+            engine.join(timeout=5.0)
 
 
 class CudaBackend(Backend):

@@ -22,7 +22,7 @@ rule, when the accounted device memory would exceed the budget despite the plan.
 
 Stashes: ``_Packed`` is what autograd keeps per pack (the runtime only holds weak references to
 it): the record and, while the record is resident, the original tensor (which keeps the storage
-alive, and is what unpacking a kept tensor returns, the very object). ``_Record`` is one saved storage (R2). When it is evicted, its swap-out
+alive, and whose detached alias is what unpacking a kept tensor returns). ``_Record`` is one saved storage (R2). When it is evicted, its swap-out
 ticket holds the device storage (a flat ``uint8`` view) until the copy completes, each handle keeps
 only its view's geometry (dtype, size, stride, offset), and the record keeps the host buffer; after
 a swap-in the record holds the new device storage and unpacks rebuild the views on it.
@@ -517,7 +517,10 @@ class _ExecuteStep(_StepExecution):
             return _Packed(None, t)
         else:
             self._expect(False, rec.tid, rec.nbytes)
-        p = _Packed(rec, t)
+        # a detached alias: holding the tensor itself would tie it to its own grad_fn in a
+        # reference cycle (the handle lives in that grad_fn) that only the cyclic GC frees;
+        # autograd re-attaches the grad_fn when it unpacks (as with save_on_cpu's copies)
+        p = _Packed(rec, t.detach())
         if rec.state != RESIDENT:
             p.let_go()  # evicted earlier in the step: rebuilt on unpack
         rec.handles.append(weakref.ref(p))

@@ -39,6 +39,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     assert rt.report().mode == "execute"
     torch.save({n: p.grad.clone() for n, p in case.model.named_parameters()}, f"{out}/rank{rank}.pt")
     rt.close()
+    dist.barrier()  # both ranks saved their results before either tears down
     dist.destroy_process_group()
 
 
