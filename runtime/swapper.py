@@ -182,7 +182,6 @@ class SwapRuntime:
         self.steps = 0
         self._report: StepReport | None = None
         self._exec: _StepExecution | None = None
-        self.history: list[StepReport] = []
 
     # ------------------------------------------------------------------ the public surface
     @contextlib.contextmanager
@@ -208,7 +207,6 @@ class SwapRuntime:
             self._exec = None
         step_s = time.perf_counter() - t0
         self._report = ex.report(step_s)
-        self.history.append(self._report)
         if isinstance(ex, _ProfileStep):
             self._profiled += 1
             self._profiles.append(ex.trace)
