@@ -27,24 +27,25 @@ def _csv(value: str) -> list[str]:
     return items
 
 
-def _positive_int(value: str) -> int:
-    try:
-        v = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return v
+def _positive(cast: type) -> Callable[[str], Any]:
+    """An argparse type: a positive int or float, or one clear line."""
+    kind = "integer" if cast is int else "number"
+
+    def parse(value: str) -> Any:
+        try:
+            v = cast(value)
+        except ValueError:
+            v = None
+        if v is None or not v > 0:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind}, got {value!r}")
+        return v
+
+    parse.__name__ = f"positive {kind}"
+    return parse
 
 
-def _positive_float(value: str) -> float:
-    try:
-        v = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
-    return v
+_positive_int = _positive(int)
+_positive_float = _positive(float)
 
 
 def _write_json(data: Any, path: str) -> None:

@@ -123,7 +123,7 @@ def run_runtime(model: str, policy: Any, budget: str, steps: int, *, size: str |
         budget_bytes=run[-1].budget_bytes, stall_s=statistics.median(r.stall_s for r in run), loss_matches=matches,
         predicted_step_s=run[-1].predicted_step_s, plan_followed=all(r.plan_followed for r in run),
         extra={"guard_evictions": sum(r.guard_evictions for r in run), "cuda_peak_bytes": run[-1].cuda_peak_bytes,
-               "trace": rt.trace.to_dict() if rt.trace else None, "static_bytes": rt.static_bytes},
+               "static_bytes": rt.static_bytes},
     )
 
 

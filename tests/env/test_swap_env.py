@@ -122,3 +122,18 @@ def test_bad_action_is_rejected(corpus):
     env.reset(seed=0)
     with pytest.raises(ValueError, match="outside"):
         env.step(99)
+
+
+def test_decision_table_places_prefetches_like_lead_eviction(corpus):
+    """The env's vectorised placement is swapsched.plan.lead_eviction, tensor by tensor."""
+    from swapsched.env.swap_env import _decision_table
+    from swapsched.hardware import load_hardware
+    from swapsched.plan import LEADS, lead_eviction
+
+    for tr in corpus[:8]:
+        for hw in (load_hardware("h100-pcie5"), load_hardware("cpu-emulated")):
+            table = _decision_table(tr, hw)
+            for p, k in enumerate(table.order):
+                for lead in range(len(LEADS)):
+                    ev = lead_eviction(tr, k, lead, hw)
+                    assert (table.swap_out[p], table.prefetch[p][lead]) == (ev.swap_out_at, ev.prefetch_at)
