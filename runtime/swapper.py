@@ -53,31 +53,34 @@ __all__ = ["SwapRuntime", "StepReport"]
 RESIDENT, OUT, HOST, IN, FREED = range(5)
 
 
-@dataclass(eq=False)
 class _Record:
-    tid: int
-    nbytes: int
-    device: torch.device
-    flat: torch.Tensor | None  # uint8 view of the device storage; holds it while resident
-    host: torch.Tensor | None = None
-    state: int = RESIDENT
-    out: Ticket | None = None
-    inn: Ticket | None = None
-    # weak references: autograd owns the handles and drops each once its node has run, which is
-    # what frees a kept tensor as early as plain PyTorch would
-    handles: list["weakref.ref[_Packed]"] = field(default_factory=list)
+    """One saved storage (R2). Plain slots: one is made per saved tensor, on the hot path."""
+
+    __slots__ = ("tid", "nbytes", "key", "flat", "host", "state", "out", "inn", "handles")
+
+    def __init__(self, tid: int, nbytes: int, key: int = 0, host: torch.Tensor | None = None, state: int = RESIDENT):
+        self.tid, self.nbytes, self.key = tid, nbytes, key  # key: the storage's identity
+        self.flat: torch.Tensor | None = None  # uint8 view of the device storage after a swap-in
+        self.host, self.state = host, state
+        self.out: Ticket | None = None
+        self.inn: Ticket | None = None
+        # weak references: autograd owns the handles and drops each once its node has run, which
+        # is what frees a kept tensor as early as plain PyTorch would
+        self.handles: list[weakref.ref[_Packed]] = []
 
     def live_handles(self) -> list["_Packed"]:
         return [h for h in (r() for r in self.handles) if h is not None]
-    key: int = 0  # storage identity (R2)
 
 
-@dataclass(eq=False)
 class _Packed:
-    rec: _Record | None
-    tensor: torch.Tensor | None
-    # (dtype, size, stride, storage offset): taken when the tensor reference is dropped
-    geometry: tuple[Any, ...] | None = None
+    """What autograd keeps per pack: the record and, while it is resident, a detached alias."""
+
+    __slots__ = ("rec", "tensor", "geometry", "__weakref__")
+
+    def __init__(self, rec: _Record | None, tensor: torch.Tensor | None):
+        self.rec, self.tensor = rec, tensor
+        # (dtype, size, stride, storage offset): taken when the tensor reference is dropped
+        self.geometry: tuple[Any, ...] | None = None
 
     def let_go(self) -> None:
         """Drop the tensor reference, keeping what is needed to rebuild the view."""
@@ -320,6 +323,7 @@ class _ProfileStep(_StepExecution):
         self.recorder.start()
         self.trace: Trace | None = None
         self.moved = 0
+        self.device = "cuda" if self.backend.name == "cuda" else "cpu"
 
     def pack(self, t: torch.Tensor) -> Any:
         tid = self.recorder.pack(t)
@@ -330,7 +334,7 @@ class _ProfileStep(_StepExecution):
             flat = self._flat(t)
             ticket = self.backend.copy_out(flat)
             self.backend.wait_host(ticket)
-            rec = _Record(tid, flat.numel(), t.device, None, host=ticket.dst, state=HOST)
+            rec = _Record(tid, flat.numel(), host=ticket.dst, state=HOST)
             self.ids.add(t, rec)
             self.records.append(rec)
             self.moved += rec.nbytes
@@ -352,8 +356,7 @@ class _ProfileStep(_StepExecution):
         return out
 
     def finish(self) -> None:
-        dev = self.records[0].device if self.records else torch.device("cpu")
-        self.trace = self.recorder.finish(f"runtime-step-{self.rt.steps}", str(dev), self.rt.static_bytes, "measured")
+        self.trace = self.recorder.finish(f"runtime-step-{self.rt.steps}", self.device, self.rt.static_bytes, "measured")
         self.rt.first_sight = self.recorder.remap
         self.abort()
 
@@ -405,6 +408,7 @@ class _ExecuteStep(_StepExecution):
         self.waiting: deque[_Record] = deque()  # prefetches waiting for room (R6)
         self.ins: list[_Record] = []
         self.n_seen = 0
+        self.first_sight = rt.first_sight
 
     # ------------------------------------------------------------------ memory (R4, R6)
     def _drain(self) -> None:
@@ -496,9 +500,9 @@ class _ExecuteStep(_StepExecution):
             nbytes = st.nbytes()
             # ids in order of first sight, as the profiling step numbered them; a storage the
             # trace does not have (never unpacked there) is not tracked and just stays
-            tid = self.rt.first_sight.get(self.n_seen, -1)
+            tid = self.first_sight.get(self.n_seen, -1)
             self.n_seen += 1
-            rec = _Record(tid, nbytes, t.device, None, key=key)
+            rec = _Record(tid, nbytes, key)
             self.keys[key] = rec
             if tid < 0:
                 weakref.finalize(st, self.keys.pop, key, None)
@@ -510,7 +514,9 @@ class _ExecuteStep(_StepExecution):
                 self._drain()
             if self.used + nbytes > self.room:
                 self._make_room(nbytes, tid)  # R4: it is already made; the guard keeps the total in budget
-            self._account(nbytes)
+            self.used += nbytes
+            if self.static + self.used > self.peak:
+                self.peak = self.static + self.used
         elif rec.tid < 0:
             return _Packed(None, t)
         else:
