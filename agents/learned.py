@@ -7,14 +7,13 @@ on the given trace, budget and hardware; its decisions are the plan. A checkpoin
 
 from __future__ import annotations
 
-from swapsched.errors import UserError
-
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from swapsched._paths import checkpoint_dir
+from swapsched.errors import UserError
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.trace import Trace

@@ -13,13 +13,12 @@ larger trace is refused with :class:`TooLargeError` rather than answered approxi
 
 from __future__ import annotations
 
-from swapsched.errors import UserError
-
 import itertools
 import math
 from dataclasses import dataclass
 
 from swapsched.env.simulator import Simulation
+from swapsched.errors import UserError
 from swapsched.hardware import Hardware
 from swapsched.plan import Eviction, SwapPlan, swap_out_event
 from swapsched.trace import Trace

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from swapsched.errors import UserError
-
 from pathlib import Path
 from typing import Any, Callable, Protocol, runtime_checkable
 
+from swapsched.errors import UserError
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.trace import Trace

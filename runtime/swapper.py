@@ -34,7 +34,7 @@ import contextlib
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 import numpy as np

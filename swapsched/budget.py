@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from swapsched.errors import UserError
-
 import math
 import re
 from typing import TYPE_CHECKING
+
+from swapsched.errors import UserError
 
 if TYPE_CHECKING:
     from swapsched.trace import Trace

@@ -5,8 +5,6 @@ Profiles live in ``configs/hardware/NAME.yaml``; ``load_hardware`` takes a name 
 
 from __future__ import annotations
 
-from swapsched.errors import UserError
-
 import math
 import re
 from dataclasses import asdict, dataclass
@@ -16,6 +14,7 @@ from typing import Any
 import yaml
 
 from swapsched._paths import config_dir
+from swapsched.errors import UserError
 
 __all__ = ["Hardware", "HardwareError", "load_hardware", "hardware_names"]
 

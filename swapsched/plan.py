@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from swapsched.errors import UserError
-
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
 
+from swapsched.errors import UserError
 from swapsched.trace import _Fields, open_json, write_json
 
 if TYPE_CHECKING:

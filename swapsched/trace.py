@@ -11,8 +11,6 @@ and raises :class:`TraceError` naming the file, the field and the offending valu
 
 from __future__ import annotations
 
-from swapsched.errors import UserError
-
 import gzip
 import json
 import math
@@ -22,6 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from swapsched.errors import UserError
 
 if TYPE_CHECKING:
     from swapsched.hardware import Hardware

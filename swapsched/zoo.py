@@ -11,8 +11,6 @@
 
 from __future__ import annotations
 
-from swapsched.errors import UserError
-
 import importlib
 import inspect
 import math
@@ -25,6 +23,7 @@ import torch.nn.functional as F
 import yaml
 
 from swapsched._paths import config_dir
+from swapsched.errors import UserError
 
 __all__ = ["ModelCase", "ZooError", "build_model", "model_families", "family_sizes"]
 
