@@ -30,7 +30,7 @@ from swapsched.hardware import Hardware
 from swapsched.plan import Eviction, SwapPlan
 from swapsched.trace import Trace
 
-__all__ = ["SimResult", "Simulation", "simulate", "analytic_floor", "Timeline"]
+__all__ = ["SimResult", "Simulation", "simulate", "analytic_floor", "Timeline", "EventTables", "event_tables"]
 
 NOT_YET, RESIDENT, OUT, HOST, IN, WAITING, FREED = range(7)
 
@@ -87,8 +87,9 @@ class SimResult:
         }
 
 
-class _Tables:
-    """Per-trace lookup lists, computed once (the simulator's hot loop reads only these)."""
+class EventTables:
+    """Per-trace lookup lists, computed once; the simulator's hot loop and the live runtime's
+    hooks read only these."""
 
     def __init__(self, trace: Trace):
         n = trace.n_events
@@ -107,11 +108,11 @@ class _Tables:
         self.alloc_bytes = [sum(self.bytes[k] for k in ks) for ks in self.alloc]
 
 
-def _tables(trace: Trace) -> _Tables:
-    # cached on the (immutable) trace itself, like its cached_property tables
+def event_tables(trace: Trace) -> EventTables:
+    """The trace's lookup lists, cached on the (immutable) trace like its cached_property tables."""
     t = trace.__dict__.get("_sim_tables")
     if t is None:
-        t = trace.__dict__["_sim_tables"] = _Tables(trace)
+        t = trace.__dict__["_sim_tables"] = EventTables(trace)
     return t
 
 
@@ -121,7 +122,7 @@ class Simulation:
 
     def __init__(self, trace: Trace, hardware: Hardware, budget: int, *, record: bool = False):
         self.trace, self.hw, self.budget = trace, hardware, int(budget)
-        tb = self.tb = _tables(trace)
+        tb = self.tb = event_tables(trace)
         nt = trace.n_tensors
         self.loc = [NOT_YET] * nt
         self.out_done = [0.0] * nt

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from swapsched.budget import format_bytes, parse_budget
+from swapsched.env.simulator import event_tables, simulate
 from swapsched.errors import UserError
 from swapsched.hardware import Hardware, load_hardware
 from swapsched.plan import SwapPlan
@@ -232,30 +233,34 @@ class SwapRuntime:
         run the profiling steps first). Checked against R7 and the trace."""
         if self.trace is None:
             raise UserError("use_plan() needs the profiled trace: run the profiling steps first")
-        from swapsched.env.simulator import simulate
-
-        plan.validate(self.trace)
-        res = simulate(self.trace, plan, self.hardware, self.budget_bytes, validate=False)
-        self.plan, self.predicted_s = plan, (None if res.oom else res.iteration_s)
+        self._adopt(plan)
 
     def close(self) -> None:
         self.backend.shutdown()
 
     # ------------------------------------------------------------------ planning
     def _plan_from(self, trace: Trace) -> None:
-        from swapsched.env.simulator import simulate
-
         self.trace = trace
         self.budget_bytes = parse_budget(self.budget_spec, trace)
         plan = self.policy.plan(trace, self.budget_bytes, self.hardware)
-        plan.validate(trace)
         small = [e for e in plan.evictions if trace.tensors[e.tensor].bytes < self.min_bytes]
         if small:  # tiny tensors stay: copying them costs more than it saves
             plan = SwapPlan(plan.trace, plan.policy, tuple(e for e in plan.evictions if e not in small),
                             {**plan.meta, "kept_small": len(small)})
-        self.plan = plan
-        res = simulate(trace, plan, self.hardware, self.budget_bytes, validate=False)
-        self.predicted_s = None if res.oom else res.iteration_s
+        self._adopt(plan)
+
+    def _adopt(self, plan: SwapPlan) -> None:
+        """Check ``plan`` (R7), predict its step time, and lay it out per event for the hooks."""
+        assert self.trace is not None and self.budget_bytes is not None
+        plan.validate(self.trace)
+        res = simulate(self.trace, plan, self.hardware, self.budget_bytes, validate=False)
+        self.plan, self.predicted_s = plan, (None if res.oom else res.iteration_s)
+        n = self.trace.n_events
+        self.out_at: list[list[int]] = [[] for _ in range(n)]
+        self.prefetch_at: list[list[int]] = [[] for _ in range(n)]
+        for e in plan.evictions:
+            self.out_at[e.swap_out_at].append(e.tensor)
+            self.prefetch_at[e.prefetch_at].append(e.tensor)
 
 
 def _median_trace(traces: list[Trace]) -> Trace:
@@ -386,18 +391,11 @@ class _ExecuteStep(_StepExecution):
         self.trace = tr
         self.budget = rt.budget_bytes
         self.room = self.budget - self.static  # for saved tensors
-        n = tr.n_events
-        self.out_at: list[list[int]] = [[] for _ in range(n)]
-        self.prefetch_at: list[list[int]] = [[] for _ in range(n)]
-        for e in plan.evictions:
-            self.out_at[e.swap_out_at].append(e.tensor)
-            self.prefetch_at[e.prefetch_at].append(e.tensor)
-        self.last_unpack = tr.last_unpack.tolist()
-        self.first_unpack = tr.first_unpack.tolist()
-        self.ev_unpack = tr.event_kind_is_unpack.tolist()
-        self.ev_tensor = tr.event_tensor.tolist()
-        self.tensor_bytes = tr.tensor_bytes.tolist()
-        self.n_events = tr.n_events
+        self.out_at, self.prefetch_at = rt.out_at, rt.prefetch_at  # the plan per event (_adopt)
+        tb = event_tables(tr)  # the simulator's per-trace lists, shared
+        self.ev_unpack, self.ev_tensor, self.tensor_bytes = tb.is_unpack, tb.tensor, tb.bytes
+        self.frees = tb.free  # tensors whose last unpack is each event
+        self.n_events = tb.n
         # live storage key -> record. A resident record's handles keep its storage alive; an
         # evicted one gets a weakref.finalize as the runtime lets go of it, and a freed one is
         # forgotten at its last use, so no key ever outlives its storage (R2; see StorageIds).
@@ -455,11 +453,12 @@ class _ExecuteStep(_StepExecution):
 
     def _guard_evict(self, now_tid: int | None) -> bool:
         """MIN rule on the spot: evict the resident tensor whose next use is farthest."""
+        fu = self.trace.first_unpack
         cands = [r for r in self.records if r.state == RESIDENT and r.tid != now_tid and r.nbytes >= self.rt.min_bytes
-                 and self.first_unpack[r.tid] > self.i and (r.flat is not None or any(h.tensor is not None for h in r.live_handles()))]
+                 and fu[r.tid] > self.i and (r.flat is not None or any(h.tensor is not None for h in r.live_handles()))]
         if not cands:
             return False
-        rec = max(cands, key=lambda r: self.first_unpack[r.tid])
+        rec = max(cands, key=lambda r: fu[r.tid])
         self._issue_out(rec)
         self.guard += 1
         return True
@@ -565,18 +564,16 @@ class _ExecuteStep(_StepExecution):
         if self.diverged or i >= self.n_events:
             return
         # (b) free what is last used here
-        if self.ev_unpack[i]:
-            tid = self.ev_tensor[i]
-            if self.last_unpack[tid] == i:
-                rec = self.by_tid[tid]
-                if rec.state == RESIDENT:
-                    self._account(-rec.nbytes)
-                # our own reference goes; autograd drops its handles itself. A host copy stays until
-                # the step ends, in case an unplanned unpack (divergence) needs it again.
-                rec.flat = None
-                rec.state = FREED
-                if self.keys.get(rec.key) is rec:
-                    del self.keys[rec.key]  # no pack of it may follow; its address may be reused
+        for tid in self.frees[i]:
+            rec = self.by_tid[tid]
+            if rec.state == RESIDENT:
+                self._account(-rec.nbytes)
+            # our own reference goes; autograd drops its handles itself. A host copy stays until
+            # the step ends, in case an unplanned unpack (divergence) needs it again.
+            rec.flat = None
+            rec.state = FREED
+            if self.keys.get(rec.key) is rec:
+                del self.keys[rec.key]  # no pack of it may follow; its address may be reused
         # (c) swap-outs planned here
         for tid in self.out_at[i]:
             rec = self.by_tid.get(tid)
