@@ -46,7 +46,7 @@ class LiveSwapEnv(gym.Env):
     the median of ``steps_per_episode`` real steps executing the plan, over the median plain step
     of the same model (measured at construction), minus 1. So the episode return is minus the
     measured overhead. ``info`` of the last step has ``measured_step_s``, ``plain_step_s``,
-    ``predicted_step_s`` (the simulator's) and ``loss_matches``-free runtime report fields.
+    ``predicted_step_s`` (the simulator's), ``peak_device_bytes``, ``budget_bytes`` and ``plan_followed``.
 
     ## Starting State
     Every episode is the same case (one model, one budget, one device).
