@@ -73,6 +73,9 @@ class _Record:
         return [h for h in (r() for r in self.handles) if h is not None]
 
 
+_UNTRACKED = _Record(-1, 0)  # the step's key map entry for parameters and storages the trace lacks
+
+
 class _Packed:
     """What autograd keeps per pack: the record and, while it is resident, a detached alias."""
 
@@ -261,6 +264,9 @@ class SwapRuntime:
         for e in plan.evictions:
             self.out_at[e.swap_out_at].append(e.tensor)
             self.prefetch_at[e.prefetch_at].append(e.tensor)
+        tb = event_tables(self.trace)
+        self.expected_codes = [~t if u else t for t, u in zip(tb.tensor, tb.is_unpack)]
+        self.work_at = [bool(f or o or p) for f, o, p in zip(tb.free, self.out_at, self.prefetch_at)]
 
 
 def _median_trace(traces: list[Trace]) -> Trace:
@@ -393,12 +399,17 @@ class _ExecuteStep(_StepExecution):
         self.room = self.budget - self.static  # for saved tensors
         self.out_at, self.prefetch_at = rt.out_at, rt.prefetch_at  # the plan per event (_adopt)
         tb = event_tables(tr)  # the simulator's per-trace lists, shared
-        self.ev_unpack, self.ev_tensor, self.tensor_bytes = tb.is_unpack, tb.tensor, tb.bytes
+        self.tensor_bytes = tb.bytes
         self.frees = tb.free  # tensors whose last unpack is each event
-        self.n_events = tb.n
+        # the hooks' hot path reads two flat lists: the expected event (tensor id for a pack, its
+        # complement ~id for an unpack) and whether anything happens after it (a free, a planned
+        # swap-out or prefetch). Diverging empties both, which turns every later check off.
+        self.expected: list[int] | tuple[()] = rt.expected_codes
+        self.work: list[bool] | tuple[()] = rt.work_at
         # live storage key -> record. A resident record's handles keep its storage alive; an
         # evicted one gets a weakref.finalize as the runtime lets go of it, and a freed one is
         # forgotten at its last use, so no key ever outlives its storage (R2; see StorageIds).
+        # Parameters (and storages the trace does not track) map to _UNTRACKED for the step.
         self.keys: dict[int, _Record] = {}
         self.by_tid: dict[int, _Record] = {}
         self.i = 0
@@ -480,35 +491,40 @@ class _ExecuteStep(_StepExecution):
         self.evicted += rec.nbytes
 
     # ------------------------------------------------------------------ hooks
-    def _expect(self, unpack: bool, tid: int, nbytes: int) -> None:
-        if self.diverged:
-            return
-        i = self.i
-        if not (i < self.n_events and self.ev_unpack[i] == unpack and self.ev_tensor[i] == tid
-                and self.tensor_bytes[tid] == nbytes):
-            self.diverged = True
-            self.waiting.clear()  # nothing more is planned; what is evicted comes back on demand
+    def _diverge(self) -> None:
+        """The step's events left the trace: nothing more is planned, and what is evicted comes
+        back on demand."""
+        self.diverged = True
+        self.expected = self.work = ()
+        self.waiting.clear()
 
     def pack(self, t: torch.Tensor) -> Any:
-        if is_parameter(t):
-            return _Packed(None, t)
+        # the hot path: every saved tensor of the step passes here, so lookups come first and
+        # each rarer case costs only the branch that needs it
         st = t.untyped_storage()
         key = st._cdata
         rec = self.keys.get(key)
+        i = self.i
         if rec is None:
+            if is_parameter(t):  # parameters stay (counted in static_bytes), and get no trace id
+                self.keys[key] = _UNTRACKED
+                return _Packed(None, t)
             nbytes = st.nbytes()
             # ids in order of first sight, as the profiling step numbered them; a storage the
             # trace does not have (never unpacked there) is not tracked and just stays
             tid = self.first_sight.get(self.n_seen, -1)
             self.n_seen += 1
-            rec = _Record(tid, nbytes, key)
-            self.keys[key] = rec
             if tid < 0:
+                self.keys[key] = _UNTRACKED
                 weakref.finalize(st, self.keys.pop, key, None)
                 return _Packed(None, t)
+            rec = _Record(tid, nbytes, key)
+            self.keys[key] = rec
             self.records.append(rec)
             self.by_tid[tid] = rec
-            self._expect(False, tid, nbytes)
+            ex = self.expected
+            if i >= len(ex) or ex[i] != tid or self.tensor_bytes[tid] != nbytes:
+                self._diverge()
             if self.outs:
                 self._drain()
             if self.used + nbytes > self.room:
@@ -516,10 +532,12 @@ class _ExecuteStep(_StepExecution):
             self.used += nbytes
             if self.static + self.used > self.peak:
                 self.peak = self.static + self.used
-        elif rec.tid < 0:
+        elif rec is _UNTRACKED:
             return _Packed(None, t)
         else:
-            self._expect(False, rec.tid, rec.nbytes)
+            ex = self.expected
+            if i >= len(ex) or ex[i] != rec.tid:
+                self._diverge()
         # a detached alias: holding the tensor itself would tie it to its own grad_fn in a
         # reference cycle (the handle lives in that grad_fn) that only the cyclic GC frees;
         # autograd re-attaches the grad_fn when it unpacks (as with save_on_cpu's copies)
@@ -527,22 +545,37 @@ class _ExecuteStep(_StepExecution):
         if rec.state != RESIDENT:
             p.let_go()  # evicted earlier in the step: rebuilt on unpack
         rec.handles.append(weakref.ref(p))
-        self._after_event()
+        self.i = i + 1
+        work = self.work
+        if i < len(work) and work[i]:
+            self._after_event(i)
         return p
 
     def unpack(self, p: _Packed) -> torch.Tensor:
         rec = p.rec
         if rec is None:
             return p.tensor
-        self._expect(True, rec.tid, rec.nbytes)
-        if rec.state == RESIDENT and p.tensor is not None:  # the common case: kept, nothing to do
-            self._after_event()
-            return p.tensor
+        i = self.i
+        ex = self.expected
+        if i >= len(ex) or ex[i] != ~rec.tid:
+            self._diverge()
+        out = p.tensor
+        if out is None:  # evicted at some point (a handle holds its tensor only while resident)
+            out = self._make_resident(p)
+        self.i = i + 1
+        work = self.work
+        if i < len(work) and work[i]:
+            self._after_event(i)
+        return out
+
+    def _make_resident(self, p: _Packed) -> torch.Tensor:
+        """(a) of an unpack whose tensor was evicted: wait for its prefetch, or bring it on demand."""
+        rec = p.rec
         if self.outs:
             self._drain()
-        # (a) make it resident; a freed tensor unpacked again (the step diverged) comes back from
-        # its host copy, which stays until the step ends
-        if rec.state in (OUT, HOST) or (rec.state == FREED and p.tensor is None and rec.host is not None):
+        # a freed tensor unpacked again (the step diverged) comes back from its host copy, which
+        # stays until the step ends
+        if rec.state in (OUT, HOST) or (rec.state == FREED and rec.host is not None):
             if rec in self.waiting:
                 self.waiting.remove(rec)  # on demand goes ahead of prefetches waiting for room
             self._make_room(rec.nbytes, rec.tid)
@@ -554,15 +587,10 @@ class _ExecuteStep(_StepExecution):
             self.stall_s += time.perf_counter() - t0
             rec.flat = rec.inn.dst
             rec.state = RESIDENT
-        out = p.tensor if p.tensor is not None else self._rebuild(p, rec.flat)
-        self._after_event()
-        return out
+        return self._rebuild(p, rec.flat)
 
-    def _after_event(self) -> None:
-        i = self.i
-        self.i += 1
-        if self.diverged or i >= self.n_events:
-            return
+    def _after_event(self, i: int) -> None:
+        """(b)-(d) after event ``i``; called only for events with work (``self.work``)."""
         # (b) free what is last used here
         for tid in self.frees[i]:
             rec = self.by_tid[tid]
@@ -591,7 +619,7 @@ class _ExecuteStep(_StepExecution):
     # ------------------------------------------------------------------ end of step
     def finish(self) -> None:
         if not self.diverged and self.i != self.trace.n_events:
-            self.diverged = True
+            self._diverge()
         self._settle()
 
     def abort(self) -> None:
