@@ -62,6 +62,9 @@ class SimResult:
     d2h_bytes: int
     h2d_bytes: int
     timeline: Timeline | None = field(default=None, compare=False, repr=False)
+    # the host's own cost of the copies (Hardware.copy_issue_s, wait_resume_s, copy_cpu_s_per_byte);
+    # already in iteration_s
+    host_s: float = 0.0
 
     @property
     def overhead(self) -> float:
@@ -84,6 +87,7 @@ class SimResult:
             "oom_event": self.oom_event,
             "d2h_bytes": self.d2h_bytes,
             "h2d_bytes": self.h2d_bytes,
+            "host_s": num(self.host_s),
         }
 
 
@@ -146,6 +150,13 @@ class Simulation:
         self.next_event = 0
         self.oom_event: int | None = None
         self.hook = hardware.hook_cost_s
+        # host costs of the copies: owed as they arise (an admission may happen in a drain) and
+        # paid by the compute thread before its next gap
+        self.issue = hardware.copy_issue_s
+        self.resume = hardware.wait_resume_s
+        self.cpu_per_byte = hardware.copy_cpu_s_per_byte
+        self.host_debt = 0.0
+        self.host_s = 0.0
         self.lat = hardware.copy_latency_s
         self.inv_d2h = 1.0 / hardware.d2h_bytes_per_s
         self.inv_h2d = 1.0 / hardware.h2d_bytes_per_s
@@ -205,6 +216,7 @@ class Simulation:
         b = self.tb.bytes[k]
         self.used += b
         self._note_mem()
+        self.host_debt += self.issue + b * self.cpu_per_byte
         start = max(at, self.h2d_free, self.out_done[k])
         end = start + self.lat + b * self.inv_h2d
         self.h2d_free = end
@@ -243,10 +255,17 @@ class Simulation:
         if self.record:
             self._stalls.append((self.t, self.t + dt, event))
         self.t += dt
+        self.host_debt += self.resume
         if event < self.tb.backward_start:
             self.stall_fwd += dt
         else:
             self.stall_bwd += dt
+
+    def _pay_host(self) -> None:
+        """The compute thread spends what the copies cost the host before it computes on."""
+        self.t += self.host_debt
+        self.host_s += self.host_debt
+        self.host_debt = 0.0
 
     # ------------------------------------------------------------------ the event loop
     def run_until(self, stop: int) -> None:
@@ -267,6 +286,8 @@ class Simulation:
                     loc[k] = RESIDENT
                 self.used += need
                 self._note_mem()
+            if self.host_debt:
+                self._pay_host()
             gap = tb.gaps[i] + self.hook
             if self.record:
                 self._compute.append((self.t, self.t + gap))
@@ -307,6 +328,7 @@ class Simulation:
                 self.d2h_free = end
                 self.out_done[k] = end
                 loc[k] = OUT
+                self.host_debt += self.issue + b * self.cpu_per_byte
                 self.d2h_q.append((end, k))
                 self.d2h_bytes += b
                 if self.record:
@@ -328,6 +350,8 @@ class Simulation:
         hooks = self.hook * self.tb.n
         ideal = self.trace.ideal_s + hooks
         if not oom:
+            if self.host_debt:
+                self._pay_host()
             self.t += self.trace.tail_compute_s
             if self.record:
                 self._compute.append((self.t - self.trace.tail_compute_s, self.t))
@@ -347,6 +371,7 @@ class Simulation:
             d2h_bytes=int(self.d2h_bytes),
             h2d_bytes=int(self.h2d_bytes),
             timeline=timeline,
+            host_s=math.inf if oom else self.host_s,
         )
 
 

@@ -99,6 +99,18 @@ class Backend:
         """Make the compute that follows wait for the copy (host wait on CPU, stream wait on CUDA)."""
         raise NotImplementedError
 
+    def copy_out_now(self, src: torch.Tensor) -> torch.Tensor:
+        """A synchronous swap-out (the profiling steps): the host buffer, complete on return."""
+        t = self.copy_out(src)
+        self.wait_host(t)
+        return t.dst
+
+    def copy_in_now(self, host: torch.Tensor) -> torch.Tensor:
+        """A synchronous swap-in (the profiling steps): the device buffer, complete on return."""
+        t = self.copy_in(host, None)
+        self.wait_host(t)
+        return t.dst
+
     def shutdown(self) -> None:
         pass
 
@@ -194,6 +206,18 @@ class CpuBackend(Backend):
             raise RuntimeError(f"swap copy failed: {t.error}") from t.error
 
     wait_for_use = wait_host
+
+    # The profiling steps' copies are hook time, left out of the trace's gaps, so they need no link
+    # emulation. Done in the calling thread, without the engine's throttle, so the compute measured
+    # after them is not slowed by a wait of link length (a host thread woken after milliseconds
+    # asleep runs its next kernels measurably slower, which inflated every profiled gap).
+    def copy_out_now(self, src: torch.Tensor) -> torch.Tensor:
+        host = self.pool.take(src.numel())
+        host.copy_(src)
+        return host
+
+    def copy_in_now(self, host: torch.Tensor) -> torch.Tensor:
+        return host.clone()
 
     def shutdown(self) -> None:
         for engine in (self.d2h, self.h2d):

@@ -1,13 +1,17 @@
 """Measure this machine's link and hook cost into a Hardware profile (``swapsched calibrate``).
 
 - **Link**: copies of 64 KiB to 32 MiB through the backend's own copy engines (the CPU backend's
-  threads, throttled or not; the CUDA backend's streams and pinned pool), timed end to end from
-  the host. A least-squares fit of ``time = latency + bytes / bandwidth`` per direction gives the
-  two numbers the simulator uses (R6). What the host sees includes thread wake-up (CPU) or launch
-  and event latency (CUDA), which is exactly what a plan pays.
-- **Hook cost**: the same model trained with the runtime executing a no-eviction plan and without
-  it, alternating steps; the median difference per saved-tensor event is ``hook_cost_s``, which the
-  simulator adds to every gap.
+  threads, throttled or not; the CUDA backend's streams and pinned pool), queued four at a time
+  and timed from the host. A least-squares fit of ``time = latency + bytes / bandwidth`` per
+  direction gives the two numbers the simulator uses (R6). The latency is what each queued copy
+  costs beyond its bytes: the CPU engine's own loop and its sleep's overshoot, or CUDA's launch
+  and event latency.
+- **Host costs** (``calibrate_host``): the runtime's own time inside its hooks per saved-tensor
+  event, executing a no-eviction plan; the simulator adds it to every gap. PyTorch's cost of
+  calling a Python hook at all is not in it: that lands between hooks, in the trace's gaps, both
+  when profiling and when executing. Then, executing plans that copy, the host time per copy
+  issued, the compute lost per byte copied and per wait for a copy, which the simulator charges
+  to the compute thread.
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ import numpy as np
 import torch
 
 from swapsched.hardware import Hardware, load_hardware
+from swapsched.plan import SwapPlan
 from swapsched.runtime.backends import Backend, CpuBackend, CudaBackend
+from swapsched.trace import Trace
 
-__all__ = ["Calibration", "calibrate_link", "calibrate_hooks", "calibrate"]
+__all__ = ["Calibration", "HostCosts", "calibrate_link", "calibrate_host", "calibrate"]
 
 SIZES = [2**16, 2**18, 2**20, 2**22, 2**24, 2**25]
 
@@ -32,18 +38,27 @@ class Calibration:
     hardware: Hardware
     d2h_points: tuple[tuple[int, float], ...]
     h2d_points: tuple[tuple[int, float], ...]
-    hook_s_per_event: float
+    host: HostCosts
 
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least squares ``t = a + b * bytes``: (latency s, bandwidth B/s)."""
+    """Least squares ``t = a + b * bytes`` in relative error: (latency s, bandwidth B/s).
+
+    Weighted by 1/t, so that each size counts alike: unweighted, the largest copies (tens of ms)
+    decide the intercept, and their run-to-run noise of a fraction of a millisecond swamps the
+    latency the small copies measure."""
     x = np.array([p[0] for p in points], dtype=np.float64)
     y = np.array([p[1] for p in points], dtype=np.float64)
-    b, a = np.polyfit(x, y, 1)
+    b, a = np.polyfit(x, y, 1, w=1.0 / y)
     return max(float(a), 0.0), 1.0 / max(float(b), 1e-15)
 
 
-def calibrate_link(backend: Backend, repeats: int = 5) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+def calibrate_link(backend: Backend, repeats: int = 5, batch: int = 4) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """Time per copy of each size and direction, with ``batch`` copies queued back to back.
+
+    Queued, as a plan's copies mostly are: the engine goes from one copy to the next, so the
+    latency fitted is what each copy costs in the queue (R6). The host's wake-up after waiting
+    for a copy is not in it; that is ``wait_resume_s`` (see calibrate_host)."""
     device = "cuda" if backend.name == "cuda" else "cpu"
     d2h, h2d = [], []
     for n in SIZES:
@@ -53,21 +68,53 @@ def calibrate_link(backend: Backend, repeats: int = 5) -> tuple[list[tuple[int, 
             if device == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            t = backend.copy_out(src)
-            backend.wait_host(t)
-            outs.append(time.perf_counter() - t0)
+            tickets = [backend.copy_out(src) for _ in range(batch)]
+            backend.wait_host(tickets[-1])
+            outs.append((time.perf_counter() - t0) / batch)
             t0 = time.perf_counter()
-            back = backend.copy_in(t.dst, None)
-            backend.wait_host(back)
-            ins.append(time.perf_counter() - t0)
-            backend.pool.give(t.dst)
+            backs = [backend.copy_in(t.dst, None) for t in tickets]
+            backend.wait_host(backs[-1])
+            ins.append((time.perf_counter() - t0) / batch)
+            for t in tickets:
+                backend.pool.give(t.dst)
         d2h.append((n, statistics.median(outs)))
         h2d.append((n, statistics.median(ins)))
     return d2h, h2d
 
 
-def calibrate_hooks(backend_name: str, bandwidth: float | None = None, steps: int = 20) -> float:
-    """Median per-event cost of the runtime's hooks executing a plan that evicts nothing."""
+@dataclass(frozen=True)
+class HostCosts:
+    """What the compute thread itself pays on the live runtime (the Hardware fields of the same names)."""
+
+    hook_cost_s: float  # per saved-tensor event: the runtime's own time inside its hooks
+    copy_issue_s: float  # per copy issued, either direction
+    wait_resume_s: float  # per wait for a copy, in the compute that follows
+    copy_cpu_s_per_byte: float  # compute lost per byte copied (copies on the compute's cores)
+
+
+def _round_trips(trace: Trace) -> SwapPlan:
+    """Every tensor out at its last pack and back at once: copies on both links, next to no waits."""
+    from swapsched.plan import Eviction
+
+    last_pack = [-1] * trace.n_tensors
+    for i, e in enumerate(trace.events):
+        if e.kind == "pack":
+            last_pack[e.tensor] = i
+    ev = tuple(Eviction(k, last_pack[k], last_pack[k]) for k in range(trace.n_tensors)
+               if last_pack[k] < int(trace.first_unpack[k]))
+    return SwapPlan(trace.name, "calibration-round-trips", ev)
+
+
+def calibrate_host(backend_name: str, bandwidth: float | None = None, steps: int = 12) -> HostCosts:
+    """Measure the runtime's host costs on a fixed small model (gpt-tiny, the same every time).
+
+    One runtime executes three plans in turn: one that evicts nothing, one that sends every tensor
+    out and straight back (copies, next to no waits), and swap-all (copies and a wait at nearly
+    every unpack). Medians over ``steps`` steps of each give: the hook time per event of the first
+    (``hook_cost_s``); the hook time added per copy issued (``copy_issue_s``); and, from the
+    compute between the hooks that the other two add, solved for both at once, the compute lost
+    per byte copied (``copy_cpu_s_per_byte``) and per wait (``wait_resume_s``)."""
+    from swapsched.agents.registry import get_policy
     from swapsched.runtime.swapper import SwapRuntime
     from swapsched.zoo import build_model
 
@@ -75,25 +122,46 @@ def calibrate_hooks(backend_name: str, bandwidth: float | None = None, steps: in
     case = build_model("gpt", "tiny", device=device)
     rt = SwapRuntime(budget="100%", policy="no-swap", backend=backend_name, model=case.model, bandwidth=bandwidth)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for _ in range(rt.profile_steps + 2):
-        with rt.step():
-            case.loss().backward()
-    diffs = []
-    for _ in range(steps):
-        sync()
-        t0 = time.perf_counter()
-        case.loss().backward()
-        sync()
-        plain = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        with rt.step():
-            case.loss().backward()
-        sync()
-        diffs.append(time.perf_counter() - t0 - plain)
-        case.model.zero_grad(set_to_none=True)
+
+    def run(n: int) -> list:
+        reps = []
+        for _ in range(n):
+            with rt.step():
+                case.loss().backward()
+            sync()
+            case.model.zero_grad(set_to_none=True)
+            reps.append(rt.report())
+        return [r for r in reps if r.mode == "execute"]
+
+    try:
+        run(rt.profile_steps + rt.retime_steps + 1)
+        keep = run(steps)
+        assert rt.trace is not None and rt.budget_bytes is not None
+        measured = []
+        for plan in (_round_trips(rt.trace), get_policy("swap-all").plan(rt.trace, rt.budget_bytes, rt.hardware)):
+            rt.use_plan(plan)
+            run(1)  # warms the host pool for this plan's sizes
+            measured.append(run(steps))
+    finally:
+        rt.close()
+    if not keep or not all(measured):
+        raise RuntimeError("calibrate_host: no step executed its plan")
+    med = statistics.median
     n = rt.trace.n_events
-    rt.close()
-    return max(statistics.median(diffs) / n, 0.0)
+
+    def compute(r) -> float:  # between the hooks: the step less the hooks and the waits
+        return r.step_s - r.hook_s - r.stall_s
+
+    hook0, compute0 = med(r.hook_s for r in keep), med(compute(r) for r in keep)
+    moves = [(med(r.hook_s for r in m) - hook0, med(r.copies for r in m), med(compute(r) for r in m) - compute0,
+              med(r.evicted_bytes + r.prefetched_bytes + r.on_demand_bytes for r in m), med(r.waits for r in m))
+             for m in measured]
+    issue = sum(h for h, *_ in moves) / max(sum(c for _, c, *_ in moves), 1)
+    # extra compute = bytes * per_byte + waits * resume, for both plans
+    a = np.array([[b, w] for *_, b, w in moves], dtype=np.float64)
+    y = np.array([dc for _, _, dc, _, _ in moves], dtype=np.float64)
+    per_byte, resume = np.linalg.lstsq(a, y, rcond=None)[0]
+    return HostCosts(max(hook0 / n, 0.0), max(issue, 0.0), max(float(resume), 0.0), max(float(per_byte), 0.0))
 
 
 def calibrate(backend_name: str = "cpu", bandwidth: float | None = None, name: str | None = None,
@@ -109,11 +177,12 @@ def calibrate(backend_name: str = "cpu", bandwidth: float | None = None, name: s
         backend.shutdown()
     lat_d, bw_d = _fit(d2h)
     lat_h, bw_h = _fit(h2d)
-    hook = calibrate_hooks(backend_name, bandwidth)
+    host = calibrate_host(backend_name, bandwidth)
     mem = torch.cuda.get_device_properties(0).total_memory if backend_name == "cuda" else ref.device_memory_bytes
     hw = Hardware(
         name=name or f"calibrated-{backend_name}", d2h_bytes_per_s=bw_d, h2d_bytes_per_s=bw_h,
         copy_latency_s=(lat_d + lat_h) / 2, device_memory_bytes=int(mem), peak_flops=ref.peak_flops,
-        memory_bytes_per_s=ref.memory_bytes_per_s, hook_cost_s=hook,
+        memory_bytes_per_s=ref.memory_bytes_per_s, hook_cost_s=host.hook_cost_s,
+        copy_issue_s=host.copy_issue_s, wait_resume_s=host.wait_resume_s, copy_cpu_s_per_byte=host.copy_cpu_s_per_byte,
     )
-    return Calibration(hw, tuple(d2h), tuple(h2d), hook)
+    return Calibration(hw, tuple(d2h), tuple(h2d), host)

@@ -112,6 +112,9 @@ class StepReport:
     guard_evictions: int
     kept_small: int  # planned evictions of tensors below min_bytes, dropped before the step
     cuda_peak_bytes: int | None = None
+    hook_s: float | None = None  # the runtime's own time inside its hooks, waits left out
+    copies: int = 0  # swap-outs and swap-ins issued
+    waits: int = 0  # times compute waited for a copy that was not complete
 
     def __str__(self) -> str:
         pred = f"{1e3 * self.predicted_step_s:.2f} ms" if self.predicted_step_s is not None else "-"
@@ -124,7 +127,8 @@ class StepReport:
              if self.peak_device_bytes is not None else "  profiling step: every saved tensor on the host, back on demand")
             + (f" (torch peak {format_bytes(self.cuda_peak_bytes)})" if self.cuda_peak_bytes is not None else ""),
             f"  plan followed: {'yes' if self.plan_followed else 'no'}; guard evictions {self.guard_evictions}; "
-            f"small tensors kept {self.kept_small}",
+            f"small tensors kept {self.kept_small}"
+            + (f"; runtime's own hook time {1e3 * self.hook_s:.2f} ms" if self.hook_s is not None else ""),
         ]
         return "\n".join(lines)
 
@@ -145,12 +149,14 @@ class SwapRuntime:
     covers the saved activations alone. ``profile_steps``: steps run under ``save_on_cpu``
     semantics before planning; the trace takes each gap's median over them (the first step of a
     process pays one-off costs, allocator growth and kernel selection, that later steps do not).
+    ``retime_steps``: on the CPU backend, after this many executed steps the trace's gaps are
+    re-measured from them and the prediction is redone (0: keep the profiled timing).
     """
 
     def __init__(self, budget: str | int = "60%", policy: Any = "default", hardware: Hardware | str | None = None,
                  backend: str | Backend | None = None, *, bandwidth: float | None = None, min_bytes: int = 0,
                  model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-                 profile_steps: int = 3):
+                 profile_steps: int = 3, retime_steps: int = 3):
         self.budget_spec = budget
         if isinstance(policy, str):
             from swapsched.agents.registry import get_policy
@@ -179,6 +185,10 @@ class SwapRuntime:
         self.profile_steps = int(profile_steps)
         self._profiled = 0
         self._profiles: list[Trace] = []
+        if retime_steps < 0:
+            raise UserError(f"retime_steps must be 0 (off) or more, got {retime_steps}")
+        self.retime_steps = int(retime_steps)
+        self._executed: list[tuple[list[float], float]] = []  # (gaps, tail) of executed steps
         # parameters, gradients and optimizer state: counted in absolute budgets when the model is given
         self.static_bytes = static_bytes_of(model, optimizer) if model is not None else 0
         self.trace: Trace | None = None
@@ -224,6 +234,12 @@ class SwapRuntime:
             self.trace = self.plan = None  # re-profile and re-plan on the next step
             self._profiled = self.profile_steps - 1
             self._profiles = []
+            self._executed = []
+        elif self.backend.name == "cpu" and self.retime_steps and not self.trace.meta.get("timed_by_execution"):
+            self._executed.append((ex.gaps, ex.tail_s))
+            if len(self._executed) >= self.retime_steps:
+                self._retime(self._executed)
+                self._executed = []
 
     def report(self) -> StepReport:
         """The last step's report (also printed when ``verbose``)."""
@@ -231,15 +247,35 @@ class SwapRuntime:
             raise UserError("no step has run yet; wrap a training step in `with runtime.step():`")
         return self._report
 
-    def use_plan(self, plan: SwapPlan) -> None:
+    def use_plan(self, plan: SwapPlan, budget: str | int | None = None) -> None:
         """Execute ``plan`` from the next step on, instead of the policy's (the trace must exist:
-        run the profiling steps first). Checked against R7 and the trace."""
+        run the profiling steps first), optionally under another ``budget``. Checked against R7
+        and the trace."""
         if self.trace is None:
             raise UserError("use_plan() needs the profiled trace: run the profiling steps first")
+        if budget is not None:
+            self.budget_bytes = parse_budget(budget, self.trace)
+            self.budget_spec = budget
         self._adopt(plan)
 
     def close(self) -> None:
         self.backend.shutdown()
+
+    def _retime(self, steps: list[tuple[list[float], float]]) -> None:
+        """Take the trace's compute gaps from executed steps (CPU backend).
+
+        The profiling steps copy every saved tensor, and on the emulated device those copies free
+        and re-allocate process memory, so the compute measured around them runs slower (page
+        faults, cold caches) than it does once the plan executes. Executed steps measure each gap
+        on the host clock between hooks, the hooks' own time left out as in the profiler; the
+        simulator adds ``hook_cost_s`` per event. The plan stays; its prediction is redone."""
+        assert self.trace is not None and self.plan is not None and self.budget_bytes is not None
+        gaps = np.median(np.array([g for g, _ in steps]), axis=0)
+        tail = float(np.median([t for _, t in steps]))
+        events = tuple(replace(e, compute_s=float(g)) for e, g in zip(self.trace.events, gaps))
+        self.trace = replace(self.trace, events=events, tail_compute_s=tail,
+                             meta={**self.trace.meta, "timed_by_execution": len(steps)})
+        self._adopt(self.plan)
 
     # ------------------------------------------------------------------ planning
     def _plan_from(self, trace: Trace) -> None:
@@ -293,6 +329,7 @@ class _StepExecution:
         self.peak = 0
         self.stall_s = 0.0
         self.evicted = self.prefetched = self.on_demand = 0
+        self.copies = self.waits = 0
         self.guard = 0
         self.diverged = False
         if self.backend.name == "cuda":
@@ -343,9 +380,7 @@ class _ProfileStep(_StepExecution):
         rec = self.ids.get(t)
         if rec is None:
             flat = self._flat(t)
-            ticket = self.backend.copy_out(flat)
-            self.backend.wait_host(ticket)
-            rec = _Record(tid, flat.numel(), host=ticket.dst, state=HOST)
+            rec = _Record(tid, flat.numel(), host=self.backend.copy_out_now(flat), state=HOST)
             self.ids.add(t, rec)
             self.records.append(rec)
             self.moved += rec.nbytes
@@ -360,9 +395,7 @@ class _ProfileStep(_StepExecution):
         if kind == "keep":
             return obj
         p: _Packed = obj
-        ticket = self.backend.copy_in(p.rec.host, None)
-        self.backend.wait_host(ticket)
-        out = self._rebuild(p, ticket.dst)
+        out = self._rebuild(p, self.backend.copy_in_now(p.rec.host))
         self.recorder.hook_done()
         return out
 
@@ -418,6 +451,13 @@ class _ExecuteStep(_StepExecution):
         self.ins: list[_Record] = []
         self.n_seen = 0
         self.first_sight = rt.first_sight
+        # host clock per trace event: the compute gap before its hook, and the time in the hooks
+        # (waits included; ``finish`` takes the stalls out). Meaningful on the CPU backend, where
+        # compute is synchronous; the runtime re-times its trace from them (see SwapRuntime).
+        self.gaps: list[float] = []
+        self.hook_s = 0.0
+        self.last_exit = time.perf_counter()
+        self.tail_s = 0.0
 
     # ------------------------------------------------------------------ memory (R4, R6)
     def _drain(self) -> None:
@@ -445,6 +485,7 @@ class _ExecuteStep(_StepExecution):
     def _start_in(self, rec: _Record) -> None:
         self._account(rec.nbytes)
         rec.inn = self.backend.copy_in(rec.host, rec.out)
+        self.copies += 1
         rec.state = IN
         self.ins.append(rec)
 
@@ -455,6 +496,7 @@ class _ExecuteStep(_StepExecution):
         while self.used + need > room:
             if self.outs:
                 t0 = time.perf_counter()
+                self.waits += not self.backend.done(self.outs[0].out)
                 self.backend.wait_host(self.outs[0].out)
                 self.stall_s += time.perf_counter() - t0
                 self._retire_out(self.outs.popleft())
@@ -481,6 +523,7 @@ class _ExecuteStep(_StepExecution):
         # from now on nothing of ours keeps the storage alive: forget its key when it dies
         weakref.finalize(flat.untyped_storage(), self.keys.pop, rec.key, None)
         rec.out = self.backend.copy_out(flat)
+        self.copies += 1
         rec.host = rec.out.dst
         rec.state = OUT
         # the ticket now holds the device storage until the copy completes; the stashes let go
@@ -501,6 +544,7 @@ class _ExecuteStep(_StepExecution):
     def pack(self, t: torch.Tensor) -> Any:
         # the hot path: every saved tensor of the step passes here, so lookups come first and
         # each rarer case costs only the branch that needs it
+        t_in = time.perf_counter()
         st = t.untyped_storage()
         key = st._cdata
         rec = self.keys.get(key)
@@ -549,9 +593,14 @@ class _ExecuteStep(_StepExecution):
         work = self.work
         if i < len(work) and work[i]:
             self._after_event(i)
+        now = time.perf_counter()
+        self.gaps.append(t_in - self.last_exit)  # the compute since the previous event's hook
+        self.hook_s += now - t_in
+        self.last_exit = now
         return p
 
     def unpack(self, p: _Packed) -> torch.Tensor:
+        t_in = time.perf_counter()
         rec = p.rec
         if rec is None:
             return p.tensor
@@ -566,6 +615,10 @@ class _ExecuteStep(_StepExecution):
         work = self.work
         if i < len(work) and work[i]:
             self._after_event(i)
+        now = time.perf_counter()
+        self.gaps.append(t_in - self.last_exit)
+        self.hook_s += now - t_in
+        self.last_exit = now
         return out
 
     def _make_resident(self, p: _Packed) -> torch.Tensor:
@@ -583,6 +636,7 @@ class _ExecuteStep(_StepExecution):
             self.on_demand += rec.nbytes
         if rec.state == IN:
             t0 = time.perf_counter()
+            self.waits += not self.backend.done(rec.inn)
             self.backend.wait_for_use(rec.inn)
             self.stall_s += time.perf_counter() - t0
             rec.flat = rec.inn.dst
@@ -618,6 +672,8 @@ class _ExecuteStep(_StepExecution):
 
     # ------------------------------------------------------------------ end of step
     def finish(self) -> None:
+        self.tail_s = time.perf_counter() - self.last_exit
+        self.hook_s -= self.stall_s
         if not self.diverged and self.i != self.trace.n_events:
             self._diverge()
         self._settle()
@@ -655,4 +711,5 @@ class _ExecuteStep(_StepExecution):
             on_demand_bytes=self.on_demand, peak_device_bytes=self.peak, budget_bytes=self.budget,
             plan_followed=not self.diverged and self.guard == 0,
             guard_evictions=self.guard, kept_small=int(self.rt.plan.meta.get("kept_small", 0)), cuda_peak_bytes=cuda_peak,
+            hook_s=self.hook_s, copies=self.copies, waits=self.waits,
         )

@@ -297,10 +297,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         "device_memory_bytes": "the emulated device's nominal size" if args.backend == "cpu" else "torch.cuda device properties",
         "peak_flops": "copied from the base profile (roofline retiming only)",
         "memory_bytes_per_s": "copied from the base profile (roofline retiming only)",
-        "hook_cost_s": f"{src}: runtime step minus plain step, per saved-tensor event (median)",
+        "hook_cost_s": f"{src}: the runtime's own time in its hooks per saved-tensor event, gpt-tiny, no eviction (median)",
+        "copy_issue_s": f"{src}: hook time added per copy issued, gpt-tiny, swap-all against no eviction (median)",
+        "wait_resume_s": f"{src}: compute between hooks added per wait for a copy, gpt-tiny (least squares over two plans)",
+        "copy_cpu_s_per_byte": f"{src}: compute between hooks added per byte copied, gpt-tiny (least squares over two plans)",
     })
     print(f"d2h {hw.d2h_bytes_per_s / 1e9:.3f} GB/s   h2d {hw.h2d_bytes_per_s / 1e9:.3f} GB/s   "
-          f"latency {1e6 * hw.copy_latency_s:.1f} us   hook {1e6 * hw.hook_cost_s:.2f} us/event")
+          f"latency {1e6 * hw.copy_latency_s:.1f} us   hook {1e6 * hw.hook_cost_s:.2f} us/event   "
+          f"copy issue {1e6 * hw.copy_issue_s:.1f} us   wait resume {1e6 * hw.wait_resume_s:.1f} us   "
+          f"copy cpu {1e9 * hw.copy_cpu_s_per_byte:.3f} ns/B")
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
@@ -395,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--plot", metavar="PNG", help="step time and peak memory per method")
     sp.add_argument("--no-progress", action="store_true", help="no per-step lines")
 
-    sp = add("calibrate", cmd_calibrate, "Measure this machine's link and hook cost into a hardware YAML for the simulator.")
+    sp = add("calibrate", cmd_calibrate, "Measure this machine's link and the runtime's host costs into a hardware YAML for the simulator.")
     sp.add_argument("--backend", choices=["cpu", "cuda"], default="cpu")
     sp.add_argument("--bandwidth", type=_positive_float, help="CPU backend: measure the engines throttled to this many bytes/s")
     sp.add_argument("--name", help="profile name (default calibrated-BACKEND)")
