@@ -9,9 +9,8 @@
 - **Host costs** (``calibrate_host``): the runtime's own time inside its hooks per saved-tensor
   event, executing a no-eviction plan; the simulator adds it to every gap. PyTorch's cost of
   calling a Python hook at all is not in it: that lands between hooks, in the trace's gaps, both
-  when profiling and when executing. Then, executing plans that copy, the host time per copy
-  issued, the compute lost per byte copied and per wait for a copy, which the simulator charges
-  to the compute thread.
+  when profiling and when executing. Then, executing plans that copy, the time the compute
+  thread loses per copy issued and per wait for a copy, which the simulator charges to it.
 """
 
 from __future__ import annotations
@@ -87,9 +86,8 @@ class HostCosts:
     """What the compute thread itself pays on the live runtime (the Hardware fields of the same names)."""
 
     hook_cost_s: float  # per saved-tensor event: the runtime's own time inside its hooks
-    copy_issue_s: float  # per copy issued, either direction
+    copy_issue_s: float  # per copy issued, either direction: in the hooks and in the compute around
     wait_resume_s: float  # per wait for a copy, in the compute that follows
-    copy_cpu_s_per_byte: float  # compute lost per byte copied (copies on the compute's cores)
 
 
 def _round_trips(trace: Trace) -> SwapPlan:
@@ -110,10 +108,12 @@ def calibrate_host(backend_name: str, bandwidth: float | None = None, steps: int
 
     One runtime executes three plans in turn: one that evicts nothing, one that sends every tensor
     out and straight back (copies, next to no waits), and swap-all (copies and a wait at nearly
-    every unpack). Medians over ``steps`` steps of each give: the hook time per event of the first
-    (``hook_cost_s``); the hook time added per copy issued (``copy_issue_s``); and, from the
-    compute between the hooks that the other two add, solved for both at once, the compute lost
-    per byte copied (``copy_cpu_s_per_byte``) and per wait (``wait_resume_s``)."""
+    every unpack). Medians over ``steps`` steps of each give the hook time per event of the first
+    (``hook_cost_s``). What the other two add to the hooks and to the compute between them is
+    solved, by least squares over both plans, for a cost per copy issued (``copy_issue_s``) and a
+    cost per wait (``wait_resume_s``). Per copy, not per byte: on this backend the added compute
+    did not grow with the bytes copied across models (a per-byte fit to gpt-tiny over-predicted
+    models with larger tensors by 30-70%)."""
     from swapsched.agents.registry import get_policy
     from swapsched.runtime.swapper import SwapRuntime
     from swapsched.zoo import build_model
@@ -153,15 +153,11 @@ def calibrate_host(backend_name: str, bandwidth: float | None = None, steps: int
         return r.step_s - r.hook_s - r.stall_s
 
     hook0, compute0 = med(r.hook_s for r in keep), med(compute(r) for r in keep)
-    moves = [(med(r.hook_s for r in m) - hook0, med(r.copies for r in m), med(compute(r) for r in m) - compute0,
-              med(r.evicted_bytes + r.prefetched_bytes + r.on_demand_bytes for r in m), med(r.waits for r in m))
-             for m in measured]
-    issue = sum(h for h, *_ in moves) / max(sum(c for _, c, *_ in moves), 1)
-    # extra compute = bytes * per_byte + waits * resume, for both plans
-    a = np.array([[b, w] for *_, b, w in moves], dtype=np.float64)
-    y = np.array([dc for _, _, dc, _, _ in moves], dtype=np.float64)
-    per_byte, resume = np.linalg.lstsq(a, y, rcond=None)[0]
-    return HostCosts(max(hook0 / n, 0.0), max(issue, 0.0), max(float(resume), 0.0), max(float(per_byte), 0.0))
+    # added time (hooks + compute between them) = copies * issue + waits * resume, for both plans
+    a = np.array([[med(r.copies for r in m), med(r.waits for r in m)] for m in measured], dtype=np.float64)
+    y = np.array([med(r.hook_s + compute(r) for r in m) - hook0 - compute0 for m in measured], dtype=np.float64)
+    issue, resume = np.linalg.lstsq(a, y, rcond=None)[0]
+    return HostCosts(max(hook0 / n, 0.0), max(float(issue), 0.0), max(float(resume), 0.0))
 
 
 def calibrate(backend_name: str = "cpu", bandwidth: float | None = None, name: str | None = None,
@@ -183,6 +179,6 @@ def calibrate(backend_name: str = "cpu", bandwidth: float | None = None, name: s
         name=name or f"calibrated-{backend_name}", d2h_bytes_per_s=bw_d, h2d_bytes_per_s=bw_h,
         copy_latency_s=(lat_d + lat_h) / 2, device_memory_bytes=int(mem), peak_flops=ref.peak_flops,
         memory_bytes_per_s=ref.memory_bytes_per_s, hook_cost_s=host.hook_cost_s,
-        copy_issue_s=host.copy_issue_s, wait_resume_s=host.wait_resume_s, copy_cpu_s_per_byte=host.copy_cpu_s_per_byte,
+        copy_issue_s=host.copy_issue_s, wait_resume_s=host.wait_resume_s,
     )
     return Calibration(hw, tuple(d2h), tuple(h2d), host)

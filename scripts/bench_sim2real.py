@@ -123,8 +123,7 @@ def main() -> int:
     print(f"calibrated {args.backend}: d2h {cal.hardware.d2h_bytes_per_s / 1e9:.3f} GB/s, h2d "
           f"{cal.hardware.h2d_bytes_per_s / 1e9:.3f} GB/s, latency {1e6 * cal.hardware.copy_latency_s:.0f} us, "
           f"hook {1e6 * cal.hardware.hook_cost_s:.1f} us/event, copy issue {1e6 * cal.hardware.copy_issue_s:.1f} us, "
-          f"wait resume {1e6 * cal.hardware.wait_resume_s:.1f} us, copy cpu {1e9 * cal.hardware.copy_cpu_s_per_byte:.3f} ns/B",
-          file=sys.stderr)
+          f"wait resume {1e6 * cal.hardware.wait_resume_s:.1f} us", file=sys.stderr)
     models = [("gpt", "tiny")] if args.quick else FULL_MODELS
     budgets = ["50%", "80%"] if args.quick else FULL_BUDGETS
     policies = ["swap-all", "capuchin"] if args.quick else POLICIES

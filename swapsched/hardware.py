@@ -39,13 +39,11 @@ class Hardware:
     hook_cost_s: float = 0.0
     # Host-side costs of moving tensors that the compute thread pays on the live runtime (both 0
     # for pure models; ``swapsched calibrate`` measures them): issuing one copy, either direction
-    # (the runtime's bookkeeping and the hand-off to the copy engine), and resuming compute after
-    # a wait for a copy (the waiting thread was asleep: its next kernels start late and run cold),
-    # and the compute lost per byte copied where the copies use the same cores (the CPU backend;
-    # DMA engines make it 0 on a GPU).
+    # (the runtime's bookkeeping, the hand-off to the copy engine and, on the CPU backend, the
+    # copy's use of the compute's cores and its fresh pages), and resuming compute after
+    # a wait for a copy (the waiting thread was asleep: its next kernels start late and run cold).
     copy_issue_s: float = 0.0
     wait_resume_s: float = 0.0
-    copy_cpu_s_per_byte: float = 0.0
 
     def d2h_time(self, nbytes: float) -> float:
         return self.copy_latency_s + nbytes / self.d2h_bytes_per_s
@@ -74,7 +72,7 @@ class Hardware:
 
 _REQUIRED = ("d2h_bytes_per_s", "h2d_bytes_per_s", "copy_latency_s", "device_memory_bytes", "peak_flops", "memory_bytes_per_s")
 _POSITIVE = ("d2h_bytes_per_s", "h2d_bytes_per_s", "device_memory_bytes", "peak_flops", "memory_bytes_per_s")
-_HOST_COSTS = ("hook_cost_s", "copy_issue_s", "wait_resume_s", "copy_cpu_s_per_byte")
+_HOST_COSTS = ("hook_cost_s", "copy_issue_s", "wait_resume_s")
 _NUMBER_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
 
 
@@ -105,9 +103,6 @@ def hardware_from_dict(data: Any, source: str) -> Hardware:
     if not isinstance(data["name"], str) or not data["name"]:
         raise HardwareError(f"{source}: field name: expected a non-empty string, got {data['name']!r}")
     vals = {k: _as_number(data[k], f"{source}: field {k}") for k in (*_REQUIRED, *_HOST_COSTS) if k in data}
-    for k in _HOST_COSTS:
-        if k in vals and vals[k] < 0:
-            raise HardwareError(f"{source}: field {k}: must be >= 0, got {data[k]!r}")
     for k in _POSITIVE:
         if vals[k] <= 0:
             raise HardwareError(f"{source}: field {k}: must be > 0, got {data[k]!r}")

@@ -93,6 +93,25 @@ def test_hook_cost_is_added_to_every_gap(two_tensors):
     assert r.iteration_s == pytest.approx(6.0) and r.ideal_s == pytest.approx(6.0)
 
 
+def _with(hw, **fields):
+    return type(hw)(**{**hw.to_dict(), **fields})
+
+
+def test_host_cost_of_copies_is_paid_by_compute(two_tensors, hw):
+    # 0.2 s per copy. Out at e0 (t=1): owed 0.2, paid before e1's gap -> e1 at 2.2, e2 at 4.2; the
+    # prefetch issued there (h2d 4.2 -> 5.2) owes 0.2 more -> e3 at 5.4, no stall.
+    r = simulate(two_tensors, [Eviction(0, 0, 2)], _with(hw, copy_issue_s=0.2), 200)
+    assert r.iteration_s == pytest.approx(5.4) and r.host_s == pytest.approx(0.4) and r.stall_s == 0.0
+    assert r.ideal_s == 5.0
+
+
+def test_wait_resume_follows_each_stall(two_tensors, hw):
+    # on demand at e3 (t=5): stall 1 s, then 0.5 s to resume before the tail -> 6.5.
+    r = simulate(two_tensors, [Eviction(0, 0, 3)], _with(hw, wait_resume_s=0.5), 200)
+    assert r.stall_s == 1.0 and r.host_s == pytest.approx(0.5) and r.iteration_s == pytest.approx(6.5)
+    assert simulate(two_tensors, [Eviction(0, 0, 2)], _with(hw, wait_resume_s=0.5), 200).host_s == 0.0  # no wait
+
+
 def test_plan_breaking_r7_is_rejected(two_tensors, hw):
     with pytest.raises(PlanError, match="R7"):
         simulate(two_tensors, [Eviction(0, 3, 3)], hw, 200)

@@ -217,3 +217,42 @@ def test_report_before_any_step_is_an_error():
 
     with pytest.raises(UserError, match="no step has run"):
         SwapRuntime(budget="50%", policy="min", backend="cpu").report()
+
+
+def test_cpu_runtime_retimes_its_trace_from_executed_steps():
+    case = build_model("gpt", "tiny")
+    rt = SwapRuntime(budget="100%", policy="no-swap", backend="cpu", model=case.model, retime_steps=2)
+    for _ in range(rt.profile_steps + 1):
+        with rt.step():
+            case.loss().backward()
+    profiled, predicted = rt.trace, rt.predicted_s
+    assert "timed_by_execution" not in profiled.meta
+    with rt.step():
+        case.loss().backward()
+    rep = rt.report()
+    assert rt.trace.meta["timed_by_execution"] == 2
+    assert [(e.kind, e.tensor) for e in rt.trace.events] == [(e.kind, e.tensor) for e in profiled.events]
+    assert rt.predicted_s != predicted and rt.predicted_s == pytest.approx(rt.trace.ideal_s, rel=1e-9)
+    # the re-timed compute plus the hooks is what the step measured, less the tail of the step
+    assert 0 < rep.hook_s < rep.step_s and rep.copies == 0 and rep.waits == 0
+    rt.close()
+
+
+def test_report_counts_copies_and_use_plan_takes_a_budget():
+    case = build_model("mlp", "tiny")
+    rt = SwapRuntime(budget="100%", policy="no-swap", backend="cpu", model=case.model)
+    for _ in range(rt.profile_steps):
+        with rt.step():
+            case.loss().backward()
+    from swapsched.agents.registry import get_policy
+
+    budget = rt.budget_bytes
+    plan = get_policy("swap-all").plan(rt.trace, budget, rt.hardware)
+    rt.use_plan(plan, budget="100%")
+    assert rt.budget_bytes == budget
+    with rt.step():
+        case.loss().backward()
+    rep = rt.report()
+    assert rep.plan_followed and rep.copies == 2 * len(plan.evictions) > 0
+    assert rep.waits <= len(plan.evictions) + rep.copies
+    rt.close()

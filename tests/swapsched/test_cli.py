@@ -123,6 +123,7 @@ def test_calibrate_writes_a_loadable_profile(tmp_path):
     assert main(["calibrate", "--backend", "cpu", "--bandwidth", "2e9", "--out", str(out)]) == 0
     hw = load_hardware(out)
     assert 0.5e9 < hw.d2h_bytes_per_s < 4e9 and hw.hook_cost_s >= 0
+    assert hw.copy_issue_s >= 0 and hw.wait_resume_s >= 0
     assert "measured by swapsched calibrate" in out.read_text()
 
 

@@ -57,3 +57,19 @@ def test_bad_profiles(tmp_path, body, message):
 def test_unknown_name_lists_known():
     with pytest.raises(HardwareError, match="unknown hardware 'tpu'; known: .*h100-pcie5"):
         load_hardware("tpu")
+
+
+def test_host_costs_are_optional_and_never_negative(tmp_path):
+    from swapsched.hardware import HardwareError, load_hardware
+
+    base = ("name: x\nd2h_bytes_per_s: 1.0e+9\nh2d_bytes_per_s: 1.0e+9\ncopy_latency_s: 0.0\n"
+            "device_memory_bytes: 1000\npeak_flops: 1.0e+12\nmemory_bytes_per_s: 1.0e+11\n")
+    p = tmp_path / "x.yaml"
+    p.write_text(base)
+    hw = load_hardware(p)
+    assert hw.copy_issue_s == hw.wait_resume_s == 0.0
+    p.write_text(base + "copy_issue_s: 5.0e-5\n")
+    assert load_hardware(p).copy_issue_s == 5e-5
+    p.write_text(base + "wait_resume_s: -1.0e-5\n")
+    with pytest.raises(HardwareError, match="wait_resume_s: must be a finite number >= 0"):
+        load_hardware(p)
