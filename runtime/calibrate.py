@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -103,13 +104,13 @@ def _round_trips(trace: Trace) -> SwapPlan:
     return SwapPlan(trace.name, "calibration-round-trips", ev)
 
 
-def calibrate_host(backend_name: str, bandwidth: float | None = None, steps: int = 12) -> HostCosts:
+def calibrate_host(backend_name: str, bandwidth: float | None = None, rounds: int = 8) -> HostCosts:
     """Measure the runtime's host costs on a fixed small model (gpt-tiny, the same every time).
 
     One runtime executes three plans in turn: one that evicts nothing, one that sends every tensor
     out and straight back (copies, next to no waits), and swap-all (copies and a wait at nearly
-    every unpack). Medians over ``steps`` steps of each give the hook time per event of the first
-    (``hook_cost_s``). What the other two add to the hooks and to the compute between them is
+    every unpack), in ``rounds`` shuffled rounds of two steps each. Medians per plan give the hook
+    time per event of the first (``hook_cost_s``). What the other two add to the hooks and to the compute between them is
     solved, by least squares over both plans, for a cost per copy issued (``copy_issue_s``) and a
     cost per wait (``wait_resume_s``). Per copy, not per byte: on this backend the added compute
     did not grow with the bytes copied across models (a per-byte fit to gpt-tiny over-predicted
@@ -135,15 +136,20 @@ def calibrate_host(backend_name: str, bandwidth: float | None = None, steps: int
 
     try:
         run(rt.profile_steps + rt.retime_steps + 1)
-        keep = run(steps)
-        assert rt.trace is not None and rt.budget_bytes is not None
-        measured = []
-        for plan in (_round_trips(rt.trace), get_policy("swap-all").plan(rt.trace, rt.budget_bytes, rt.hardware)):
-            rt.use_plan(plan)
-            run(1)  # warms the host pool for this plan's sizes
-            measured.append(run(steps))
+        assert rt.trace is not None and rt.budget_bytes is not None and rt.plan is not None
+        plans = [rt.plan, _round_trips(rt.trace), get_policy("swap-all").plan(rt.trace, rt.budget_bytes, rt.hardware)]
+        reports: list[list] = [[] for _ in plans]
+        rng = random.Random(0)
+        for _ in range(rounds):  # shuffled rounds: the machine's drift hits the three plans alike
+            order = list(range(len(plans)))
+            rng.shuffle(order)
+            for k in order:
+                rt.use_plan(plans[k])
+                run(1)  # warms the host pool for this plan's sizes
+                reports[k].extend(run(2))
     finally:
         rt.close()
+    keep, *measured = reports
     if not keep or not all(measured):
         raise RuntimeError("calibrate_host: no step executed its plan")
     med = statistics.median

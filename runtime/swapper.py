@@ -34,7 +34,7 @@ import contextlib
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
 import numpy as np
@@ -49,7 +49,7 @@ from swapsched.runtime.backends import Backend, CpuBackend, Ticket, make_backend
 from swapsched.runtime.profiler import StorageIds, TraceRecorder, is_parameter, static_bytes_of
 from swapsched.trace import Trace
 
-__all__ = ["SwapRuntime", "StepReport"]
+__all__ = ["SwapRuntime", "StepReport", "timed_by_execution"]
 
 RESIDENT, OUT, HOST, IN, FREED = range(5)
 
@@ -115,6 +115,10 @@ class StepReport:
     hook_s: float | None = None  # the runtime's own time inside its hooks, waits left out
     copies: int = 0  # swap-outs and swap-ins issued
     waits: int = 0  # times compute waited for a copy that was not complete
+    # CPU backend, executed steps: the compute before each event's hook and after the last one, on
+    # the host clock (what ``timed_by_execution`` re-times a trace from)
+    gaps_s: tuple[float, ...] | None = field(default=None, repr=False)
+    tail_s: float | None = None
 
     def __str__(self) -> str:
         pred = f"{1e3 * self.predicted_step_s:.2f} ms" if self.predicted_step_s is not None else "-"
@@ -188,7 +192,7 @@ class SwapRuntime:
         if retime_steps < 0:
             raise UserError(f"retime_steps must be 0 (off) or more, got {retime_steps}")
         self.retime_steps = int(retime_steps)
-        self._executed: list[tuple[list[float], float]] = []  # (gaps, tail) of executed steps
+        self._executed: list[StepReport] = []  # executed steps not yet used to re-time the trace
         # parameters, gradients and optimizer state: counted in absolute budgets when the model is given
         self.static_bytes = static_bytes_of(model, optimizer) if model is not None else 0
         self.trace: Trace | None = None
@@ -236,9 +240,11 @@ class SwapRuntime:
             self._profiles = []
             self._executed = []
         elif self.backend.name == "cpu" and self.retime_steps and not self.trace.meta.get("timed_by_execution"):
-            self._executed.append((ex.gaps, ex.tail_s))
+            if self._report.gaps_s is not None:
+                self._executed.append(self._report)
             if len(self._executed) >= self.retime_steps:
-                self._retime(self._executed)
+                self.trace = timed_by_execution(self.trace, self._executed)
+                self._adopt(self.plan)  # the plan stays; its prediction is redone
                 self._executed = []
 
     def report(self) -> StepReport:
@@ -260,22 +266,6 @@ class SwapRuntime:
 
     def close(self) -> None:
         self.backend.shutdown()
-
-    def _retime(self, steps: list[tuple[list[float], float]]) -> None:
-        """Take the trace's compute gaps from executed steps (CPU backend).
-
-        The profiling steps copy every saved tensor, and on the emulated device those copies free
-        and re-allocate process memory, so the compute measured around them runs slower (page
-        faults, cold caches) than it does once the plan executes. Executed steps measure each gap
-        on the host clock between hooks, the hooks' own time left out as in the profiler; the
-        simulator adds ``hook_cost_s`` per event. The plan stays; its prediction is redone."""
-        assert self.trace is not None and self.plan is not None and self.budget_bytes is not None
-        gaps = np.median(np.array([g for g, _ in steps]), axis=0)
-        tail = float(np.median([t for _, t in steps]))
-        events = tuple(replace(e, compute_s=float(g)) for e, g in zip(self.trace.events, gaps))
-        self.trace = replace(self.trace, events=events, tail_compute_s=tail,
-                             meta={**self.trace.meta, "timed_by_execution": len(steps)})
-        self._adopt(self.plan)
 
     # ------------------------------------------------------------------ planning
     def _plan_from(self, trace: Trace) -> None:
@@ -303,6 +293,23 @@ class SwapRuntime:
         tb = event_tables(self.trace)
         self.expected_codes = [~t if u else t for t, u in zip(tb.tensor, tb.is_unpack)]
         self.work_at = [bool(f or o or p) for f, o, p in zip(tb.free, self.out_at, self.prefetch_at)]
+
+
+def timed_by_execution(trace: Trace, reports: list[StepReport]) -> Trace:
+    """``trace`` with each gap (and the tail) the median over executed steps' host-clock gaps.
+
+    Why the CPU runtime re-times its trace: the profiling steps copy every saved tensor, and on the
+    emulated device those copies free and re-allocate process memory, so the compute measured
+    around them runs slower (page faults, cold caches) than once the plan executes. Executed steps
+    measure each gap between hooks with the hooks' own time left out, as the profiler does; the
+    simulator adds ``hook_cost_s`` per event."""
+    timed = [r for r in reports if r.gaps_s is not None and len(r.gaps_s) == trace.n_events]
+    if not timed:
+        raise UserError("timed_by_execution needs reports of whole executed steps on the CPU backend")
+    gaps = np.median(np.array([r.gaps_s for r in timed]), axis=0)
+    tail = float(np.median([r.tail_s for r in timed]))
+    events = tuple(replace(e, compute_s=float(g)) for e, g in zip(trace.events, gaps))
+    return replace(trace, events=events, tail_compute_s=tail, meta={**trace.meta, "timed_by_execution": len(timed)})
 
 
 def _median_trace(traces: list[Trace]) -> Trace:
@@ -705,6 +712,8 @@ class _ExecuteStep(_StepExecution):
 
     def report(self, step_s: float) -> StepReport:
         cuda_peak = torch.cuda.max_memory_allocated() if self.backend.name == "cuda" else None
+        # host-clock gaps mean compute only where compute is synchronous, and only for a whole step
+        timed = self.backend.name == "cpu" and not self.diverged and len(self.gaps) == self.trace.n_events
         return StepReport(
             step=self.rt.steps, mode="diverged" if self.diverged else "execute", step_s=step_s, stall_s=self.stall_s,
             predicted_step_s=self.rt.predicted_s, evicted_bytes=self.evicted, prefetched_bytes=self.prefetched,
@@ -712,4 +721,5 @@ class _ExecuteStep(_StepExecution):
             plan_followed=not self.diverged and self.guard == 0,
             guard_evictions=self.guard, kept_small=int(self.rt.plan.meta.get("kept_small", 0)), cuda_peak_bytes=cuda_peak,
             hook_s=self.hook_s, copies=self.copies, waits=self.waits,
+            gaps_s=tuple(self.gaps) if timed else None, tail_s=self.tail_s if timed else None,
         )

@@ -4,12 +4,14 @@
     python scripts/bench_sim2real.py [--quick] [--backend cpu|cuda] [--bandwidth 1e9] [--out bench_results/sim2real.json]
 
 On the CPU backend the copy engines are throttled (default 1 GB/s) so copies and compute are of
-comparable length. The link and the per-event hook cost are first measured (swapsched calibrate).
+comparable length. The link is first measured (swapsched calibrate), and the runtime's host costs
+again before each model.
 Per model, one runtime profiles the trace and re-times it from executed no-eviction steps (what
 ``SwapRuntime`` does by itself on the CPU backend); every budget and policy is then planned on that
-one trace, predicted with ``simulate(trace, plan, calibrated hardware)``, and executed by the same
-runtime (``use_plan``) in shuffled rounds, so that the machine's drift hits every policy alike.
-The measured figure is the median executed step. Targets: median absolute error <= 10% of the
+one trace and executed by the same runtime (``use_plan``) in shuffled rounds, together with the
+no-eviction plan, so that the machine's drift hits every policy alike. The measured figure is the
+median executed step; the prediction is ``simulate(trace, plan, calibrated hardware)`` with the
+trace's gaps taken from the no-eviction steps of those same rounds. Targets: median absolute error <= 10% of the
 step, worst <= 25%, same policy ranking per case.
 ``--quick``: one small model at two budgets; the last line is the median absolute error (fraction).
 """
@@ -21,6 +23,7 @@ import random
 import statistics
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,8 +35,9 @@ from tqdm import tqdm  # noqa: E402
 from swapsched.agents.registry import get_policy  # noqa: E402
 from swapsched.budget import BudgetError, parse_budget  # noqa: E402
 from swapsched.env.simulator import simulate  # noqa: E402
-from swapsched.runtime.calibrate import calibrate  # noqa: E402
-from swapsched.runtime.swapper import StepReport, SwapRuntime  # noqa: E402
+from swapsched.hardware import Hardware  # noqa: E402
+from swapsched.runtime.calibrate import calibrate, calibrate_host  # noqa: E402
+from swapsched.runtime.swapper import StepReport, SwapRuntime, timed_by_execution  # noqa: E402
 from swapsched.zoo import build_model  # noqa: E402
 
 FULL_MODELS = [("gpt", "small"), ("resnet", "small"), ("vgg", "small"), ("unet", "small")]
@@ -52,8 +56,18 @@ def kendall_agree(pred: list[float], meas: list[float]) -> float:
 
 
 def measure_model(model: str, size: str, budgets: list[str], policies: list[str], backend: str,
-                  bandwidth: float | None, hw_path: Path, rounds: int, steps: int, seed: int = 0) -> list[dict]:
-    """One trace for the model; every (budget, policy) planned on it, predicted, and executed."""
+                  bandwidth: float | None, link: Hardware, rounds: int, steps: int, seed: int = 0) -> list[dict]:
+    """One trace for the model; every (budget, policy) planned on it, predicted, and executed.
+
+    The host costs are measured again just before (``calibrate_host``, on its fixed gpt-tiny
+    workload, never on this model): this machine's speed drifts by tens of percent over minutes,
+    and the host costs with it."""
+    host = calibrate_host(backend, bandwidth)
+    hw = replace(link, hook_cost_s=host.hook_cost_s, copy_issue_s=host.copy_issue_s, wait_resume_s=host.wait_resume_s)
+    print(f"{model}-{size}: hook {1e6 * hw.hook_cost_s:.1f} us/event, copy issue {1e6 * hw.copy_issue_s:.1f} us, "
+          f"wait resume {1e6 * hw.wait_resume_s:.1f} us", file=sys.stderr)
+    hw_path = Path(tempfile.mkdtemp()) / "calibrated.yaml"
+    hw.save(hw_path)
     device = "cuda" if backend == "cuda" else "cpu"
     case = build_model(model, size, device=device)
     rt = SwapRuntime(budget="100%", policy="no-swap", backend=backend, bandwidth=bandwidth, hardware=str(hw_path),
@@ -69,8 +83,9 @@ def measure_model(model: str, size: str, budgets: list[str], policies: list[str]
 
     for _ in range(rt.profile_steps + rt.retime_steps + 1):
         train_step()
-    trace, hw = rt.trace, rt.hardware
-    assert trace is not None
+    trace = rt.trace
+    assert trace is not None and rt.plan is not None
+    reference = {"plan": rt.plan, "budget_bytes": rt.budget_bytes, "reports": []}  # no eviction
     cases = []
     for budget in budgets:
         try:
@@ -79,31 +94,33 @@ def measure_model(model: str, size: str, budgets: list[str], policies: list[str]
             print(f"skip {model}-{size} {budget}: {exc}", file=sys.stderr)
             continue
         for pol in policies:
-            plan = get_policy(pol).plan(trace, budget_bytes, hw)
-            sim = simulate(trace, plan, hw, budget_bytes)
-            cases.append({"model": f"{model}-{size}", "budget": budget, "policy": pol, "plan": plan,
-                          "budget_bytes": budget_bytes, "predicted_s": None if sim.oom else sim.iteration_s,
-                          "predicted_stall_s": None if sim.oom else sim.stall_s, "reports": []})
+            cases.append({"model": f"{model}-{size}", "budget": budget, "policy": pol, "budget_bytes": budget_bytes,
+                          "plan": get_policy(pol).plan(trace, budget_bytes, hw), "reports": []})
     rng = random.Random(seed)
     for _ in range(rounds):
-        order = list(range(len(cases)))
+        order = [reference, *cases]
         rng.shuffle(order)
-        for k in order:
-            c = cases[k]
+        for c in order:
             rt.use_plan(c["plan"], budget=c["budget_bytes"])
             train_step()  # the first step after a switch warms the host pool for this plan's sizes
             c["reports"].extend(train_step() for _ in range(steps))
     rt.close()
+    # the compute each prediction starts from: the no-eviction steps of the same rounds, so that the
+    # machine's drift over the rounds is in the prediction as it is in the measurement
+    timed = timed_by_execution(trace, reference["reports"])
     runs = []
     for c in cases:
         reps = [r for r in c.pop("reports") if r.mode == "execute"]
-        c.pop("plan")
+        sim = simulate(timed, c.pop("plan"), hw, c["budget_bytes"])
+        pred = None if sim.oom else sim.iteration_s
         measured = statistics.median(r.step_s for r in reps)
-        pred = c["predicted_s"]
-        runs.append({**c, "measured_s": measured, "stall_s": statistics.median(r.stall_s for r in reps),
+        runs.append({**c, "measured_s": measured, "predicted_s": pred, "stall_s": statistics.median(r.stall_s for r in reps),
+                     "predicted_stall_s": None if sim.oom else sim.stall_s,
                      "abs_error": None if pred is None else abs(pred - measured) / measured,
                      "peak_device_bytes": max(r.peak_device_bytes for r in reps),
-                     "plan_followed": all(r.plan_followed for r in reps), "steps": len(reps)})
+                     "plan_followed": all(r.plan_followed for r in reps), "steps": len(reps),
+                     "host_costs": {"hook_cost_s": hw.hook_cost_s, "copy_issue_s": hw.copy_issue_s,
+                                    "wait_resume_s": hw.wait_resume_s}})
     return runs
 
 
@@ -118,19 +135,16 @@ def main() -> int:
     args = ap.parse_args()
     bw = args.bandwidth if args.backend == "cpu" else None
     cal = calibrate(args.backend, bandwidth=bw)
-    hw_path = Path(tempfile.mkdtemp()) / "calibrated.yaml"
-    cal.hardware.save(hw_path)
-    print(f"calibrated {args.backend}: d2h {cal.hardware.d2h_bytes_per_s / 1e9:.3f} GB/s, h2d "
-          f"{cal.hardware.h2d_bytes_per_s / 1e9:.3f} GB/s, latency {1e6 * cal.hardware.copy_latency_s:.0f} us, "
-          f"hook {1e6 * cal.hardware.hook_cost_s:.1f} us/event, copy issue {1e6 * cal.hardware.copy_issue_s:.1f} us, "
-          f"wait resume {1e6 * cal.hardware.wait_resume_s:.1f} us", file=sys.stderr)
+    print(f"calibrated {args.backend} link: d2h {cal.hardware.d2h_bytes_per_s / 1e9:.3f} GB/s, h2d "
+          f"{cal.hardware.h2d_bytes_per_s / 1e9:.3f} GB/s, latency {1e6 * cal.hardware.copy_latency_s:.0f} us",
+          file=sys.stderr)
     models = [("gpt", "tiny")] if args.quick else FULL_MODELS
     budgets = ["50%", "80%"] if args.quick else FULL_BUDGETS
     policies = ["swap-all", "capuchin"] if args.quick else POLICIES
     rounds = 3 if args.quick else args.rounds
     runs: list[dict] = []
     for model, size in tqdm(models, desc="models", file=sys.stderr):
-        runs.extend(measure_model(model, size, budgets, policies, args.backend, bw, hw_path, rounds, args.steps))
+        runs.extend(measure_model(model, size, budgets, policies, args.backend, bw, cal.hardware, rounds, args.steps))
     for key in {(r["model"], r["budget"]) for r in runs}:
         case = [r for r in runs if (r["model"], r["budget"]) == key and r["predicted_s"] is not None]
         if len(case) >= 2:
