@@ -62,7 +62,8 @@ class SimResult:
     d2h_bytes: int
     h2d_bytes: int
     timeline: Timeline | None = field(default=None, compare=False, repr=False)
-    # the host's own cost of the copies (Hardware.copy_issue_s, wait_resume_s); already in iteration_s
+    # the host's own cost of the copies (Hardware copy_issue_s, copy_host_s_per_byte, wait_resume_s);
+    # already in iteration_s
     host_s: float = 0.0
 
     @property
@@ -153,6 +154,7 @@ class Simulation:
         # paid by the compute thread before its next gap
         self.issue = hardware.copy_issue_s
         self.resume = hardware.wait_resume_s
+        self.per_byte = hardware.copy_host_s_per_byte
         self.host_debt = 0.0
         self.host_s = 0.0
         self.lat = hardware.copy_latency_s
@@ -214,7 +216,7 @@ class Simulation:
         b = self.tb.bytes[k]
         self.used += b
         self._note_mem()
-        self.host_debt += self.issue
+        self.host_debt += self.issue + b * self.per_byte
         start = max(at, self.h2d_free, self.out_done[k])
         end = start + self.lat + b * self.inv_h2d
         self.h2d_free = end
@@ -326,7 +328,7 @@ class Simulation:
                 self.d2h_free = end
                 self.out_done[k] = end
                 loc[k] = OUT
-                self.host_debt += self.issue
+                self.host_debt += self.issue + b * self.per_byte
                 self.d2h_q.append((end, k))
                 self.d2h_bytes += b
                 if self.record:

@@ -9,8 +9,9 @@
 - **Host costs** (``calibrate_host``): the runtime's own time inside its hooks per saved-tensor
   event, executing a no-eviction plan; the simulator adds it to every gap. PyTorch's cost of
   calling a Python hook at all is not in it: that lands between hooks, in the trace's gaps, both
-  when profiling and when executing. Then, executing plans that copy, the time the compute
-  thread loses per copy issued and per wait for a copy, which the simulator charges to it.
+  when profiling and when executing. Then, executing plans that copy on two fixed workloads, the
+  time the compute thread loses per copy issued, per byte copied and per wait for a copy, which
+  the simulator charges to it.
 """
 
 from __future__ import annotations
@@ -88,7 +89,14 @@ class HostCosts:
 
     hook_cost_s: float  # per saved-tensor event: the runtime's own time inside its hooks
     copy_issue_s: float  # per copy issued, either direction: in the hooks and in the compute around
+    copy_host_s_per_byte: float  # per byte copied, in the compute around (copies on the compute's cores)
     wait_resume_s: float  # per wait for a copy, in the compute that follows
+
+
+# Fixed calibration workloads, outside the sim2real benchmark's models: many small saved tensors
+# (gpt-tiny: 63 tensors, 2 MB) and few large ones (mlp-medium: 23 tensors, 24 MB), so that a cost
+# per copy and a cost per byte can be told apart.
+WORKLOADS = (("gpt", "tiny"), ("mlp", "medium"))
 
 
 def _round_trips(trace: Trace) -> SwapPlan:
@@ -104,23 +112,16 @@ def _round_trips(trace: Trace) -> SwapPlan:
     return SwapPlan(trace.name, "calibration-round-trips", ev)
 
 
-def calibrate_host(backend_name: str, bandwidth: float | None = None, rounds: int = 8) -> HostCosts:
-    """Measure the runtime's host costs on a fixed small model (gpt-tiny, the same every time).
-
-    One runtime executes three plans in turn: one that evicts nothing, one that sends every tensor
-    out and straight back (copies, next to no waits), and swap-all (copies and a wait at nearly
-    every unpack), in ``rounds`` shuffled rounds of two steps each. Medians per plan give the hook
-    time per event of the first (``hook_cost_s``). What the other two add to the hooks and to the compute between them is
-    solved, by least squares over both plans, for a cost per copy issued (``copy_issue_s``) and a
-    cost per wait (``wait_resume_s``). Per copy, not per byte: on this backend the added compute
-    did not grow with the bytes copied across models (a per-byte fit to gpt-tiny over-predicted
-    models with larger tensors by 30-70%)."""
+def _measure_workload(model: str, size: str, backend_name: str, bandwidth: float | None,
+                      rounds: int) -> tuple[list[list], int]:
+    """Reports of three plans on one workload, executed in shuffled rounds of two steps each (so the
+    machine's drift hits them alike): no eviction, round trips, swap-all; and its event count."""
     from swapsched.agents.registry import get_policy
     from swapsched.runtime.swapper import SwapRuntime
     from swapsched.zoo import build_model
 
     device = "cuda" if backend_name == "cuda" else "cpu"
-    case = build_model("gpt", "tiny", device=device)
+    case = build_model(model, size, device=device)
     rt = SwapRuntime(budget="100%", policy="no-swap", backend=backend_name, model=case.model, bandwidth=bandwidth)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
@@ -140,7 +141,7 @@ def calibrate_host(backend_name: str, bandwidth: float | None = None, rounds: in
         plans = [rt.plan, _round_trips(rt.trace), get_policy("swap-all").plan(rt.trace, rt.budget_bytes, rt.hardware)]
         reports: list[list] = [[] for _ in plans]
         rng = random.Random(0)
-        for _ in range(rounds):  # shuffled rounds: the machine's drift hits the three plans alike
+        for _ in range(rounds):
             order = list(range(len(plans)))
             rng.shuffle(order)
             for k in order:
@@ -149,21 +150,39 @@ def calibrate_host(backend_name: str, bandwidth: float | None = None, rounds: in
                 reports[k].extend(run(2))
     finally:
         rt.close()
-    keep, *measured = reports
-    if not keep or not all(measured):
-        raise RuntimeError("calibrate_host: no step executed its plan")
+    if not all(reports):
+        raise RuntimeError(f"calibrate_host: a plan on {model}-{size} never executed")
+    return reports, rt.trace.n_events
+
+
+def calibrate_host(backend_name: str, bandwidth: float | None = None, rounds: int = 6) -> HostCosts:
+    """Measure the runtime's host costs on the fixed ``WORKLOADS``.
+
+    On each, three plans run (see ``_measure_workload``): one that evicts nothing, one that sends
+    every tensor out and straight back (copies, next to no waits) and swap-all (copies and a wait
+    at nearly every unpack). The no-eviction plan's hook time per event is ``hook_cost_s``. What
+    the other plans add to the step beyond the waits themselves (time in the hooks and compute
+    between them), four observations in all, is fitted by least squares as ``copies * copy_issue_s
+    + bytes * copy_host_s_per_byte + waits * wait_resume_s``."""
     med = statistics.median
-    n = rt.trace.n_events
 
-    def compute(r) -> float:  # between the hooks: the step less the hooks and the waits
-        return r.step_s - r.hook_s - r.stall_s
+    def added(r, base) -> float:  # the step less the waits, less the no-eviction step's
+        return (r.step_s - r.stall_s) - base
 
-    hook0, compute0 = med(r.hook_s for r in keep), med(compute(r) for r in keep)
-    # added time (hooks + compute between them) = copies * issue + waits * resume, for both plans
-    a = np.array([[med(r.copies for r in m), med(r.waits for r in m)] for m in measured], dtype=np.float64)
-    y = np.array([med(r.hook_s + compute(r) for r in m) - hook0 - compute0 for m in measured], dtype=np.float64)
-    issue, resume = np.linalg.lstsq(a, y, rcond=None)[0]
-    return HostCosts(max(hook0 / n, 0.0), max(float(issue), 0.0), max(float(resume), 0.0))
+    rows, ys, hooks = [], [], []
+    for model, size in WORKLOADS:
+        (keep, *moving), n_events = _measure_workload(model, size, backend_name, bandwidth, rounds)
+        base = med(r.step_s - r.stall_s for r in keep)
+        hooks.append(med(r.hook_s for r in keep) / n_events)
+        for reps in moving:
+            rows.append([med(r.copies for r in reps), med(r.evicted_bytes + r.prefetched_bytes + r.on_demand_bytes for r in reps),
+                         med(r.waits for r in reps)])
+            ys.append(med(added(r, base) for r in reps))
+    a = np.array(rows, dtype=np.float64)
+    scale = np.maximum(np.abs(a).max(axis=0), 1.0)  # columns of very different magnitudes (copies, bytes)
+    coef = np.linalg.lstsq(a / scale, np.array(ys), rcond=None)[0] / scale
+    issue, per_byte, resume = (max(float(c), 0.0) for c in coef)
+    return HostCosts(max(med(hooks), 0.0), issue, per_byte, resume)
 
 
 def calibrate(backend_name: str = "cpu", bandwidth: float | None = None, name: str | None = None,
@@ -185,6 +204,6 @@ def calibrate(backend_name: str = "cpu", bandwidth: float | None = None, name: s
         name=name or f"calibrated-{backend_name}", d2h_bytes_per_s=bw_d, h2d_bytes_per_s=bw_h,
         copy_latency_s=(lat_d + lat_h) / 2, device_memory_bytes=int(mem), peak_flops=ref.peak_flops,
         memory_bytes_per_s=ref.memory_bytes_per_s, hook_cost_s=host.hook_cost_s,
-        copy_issue_s=host.copy_issue_s, wait_resume_s=host.wait_resume_s,
+        copy_issue_s=host.copy_issue_s, wait_resume_s=host.wait_resume_s, copy_host_s_per_byte=host.copy_host_s_per_byte,
     )
     return Calibration(hw, tuple(d2h), tuple(h2d), host)

@@ -45,11 +45,16 @@ FULL_BUDGETS = ["30%", "50%", "80%"]
 POLICIES = ["swap-all", "vdnn-all", "min", "capuchin", "default"]
 
 
-def kendall_agree(pred: list[float], meas: list[float]) -> float:
-    """Fraction of policy pairs ordered the same way by prediction and measurement."""
+def kendall_agree(pred: list[float], meas: list[float], spread: list[float] | None = None) -> float:
+    """Fraction of policy pairs ordered the same way by prediction and measurement (a tie in the
+    prediction agrees with any order). With ``spread``, only pairs whose measured difference
+    exceeds the larger of the two measurements' interquartile ranges count: the others are
+    ordered by noise. No such pair counts as full agreement."""
     pairs = agree = 0
     for i in range(len(pred)):
         for j in range(i + 1, len(pred)):
+            if spread is not None and abs(meas[i] - meas[j]) <= max(spread[i], spread[j]):
+                continue
             pairs += 1
             agree += (pred[i] - pred[j]) * (meas[i] - meas[j]) >= 0
     return agree / pairs if pairs else 1.0
@@ -59,13 +64,14 @@ def measure_model(model: str, size: str, budgets: list[str], policies: list[str]
                   bandwidth: float | None, link: Hardware, rounds: int, steps: int, seed: int = 0) -> list[dict]:
     """One trace for the model; every (budget, policy) planned on it, predicted, and executed.
 
-    The host costs are measured again just before (``calibrate_host``, on its fixed gpt-tiny
-    workload, never on this model): this machine's speed drifts by tens of percent over minutes,
+    The host costs are measured again just before (``calibrate_host``, on its fixed workloads,
+    never on this model): this machine's speed drifts by tens of percent over minutes,
     and the host costs with it."""
     host = calibrate_host(backend, bandwidth)
-    hw = replace(link, hook_cost_s=host.hook_cost_s, copy_issue_s=host.copy_issue_s, wait_resume_s=host.wait_resume_s)
+    hw = replace(link, hook_cost_s=host.hook_cost_s, copy_issue_s=host.copy_issue_s, wait_resume_s=host.wait_resume_s,
+                 copy_host_s_per_byte=host.copy_host_s_per_byte)
     print(f"{model}-{size}: hook {1e6 * hw.hook_cost_s:.1f} us/event, copy issue {1e6 * hw.copy_issue_s:.1f} us, "
-          f"wait resume {1e6 * hw.wait_resume_s:.1f} us", file=sys.stderr)
+          f"per byte {1e9 * hw.copy_host_s_per_byte:.3f} ns, wait resume {1e6 * hw.wait_resume_s:.1f} us", file=sys.stderr)
     hw_path = Path(tempfile.mkdtemp()) / "calibrated.yaml"
     hw.save(hw_path)
     device = "cuda" if backend == "cuda" else "cpu"
@@ -114,13 +120,14 @@ def measure_model(model: str, size: str, budgets: list[str], policies: list[str]
         sim = simulate(timed, c.pop("plan"), hw, c["budget_bytes"])
         pred = None if sim.oom else sim.iteration_s
         measured = statistics.median(r.step_s for r in reps)
-        runs.append({**c, "measured_s": measured, "predicted_s": pred, "stall_s": statistics.median(r.stall_s for r in reps),
+        q = statistics.quantiles([r.step_s for r in reps], n=4)
+        runs.append({**c, "measured_s": measured, "measured_iqr_s": q[2] - q[0], "predicted_s": pred, "stall_s": statistics.median(r.stall_s for r in reps),
                      "predicted_stall_s": None if sim.oom else sim.stall_s,
                      "abs_error": None if pred is None else abs(pred - measured) / measured,
                      "peak_device_bytes": max(r.peak_device_bytes for r in reps),
                      "plan_followed": all(r.plan_followed for r in reps), "steps": len(reps),
                      "host_costs": {"hook_cost_s": hw.hook_cost_s, "copy_issue_s": hw.copy_issue_s,
-                                    "wait_resume_s": hw.wait_resume_s}})
+                                    "copy_host_s_per_byte": hw.copy_host_s_per_byte, "wait_resume_s": hw.wait_resume_s}})
     return runs
 
 
@@ -148,9 +155,11 @@ def main() -> int:
     for key in {(r["model"], r["budget"]) for r in runs}:
         case = [r for r in runs if (r["model"], r["budget"]) == key and r["predicted_s"] is not None]
         if len(case) >= 2:
-            agree = kendall_agree([c["predicted_s"] for c in case], [c["measured_s"] for c in case])
+            pred, meas = [c["predicted_s"] for c in case], [c["measured_s"] for c in case]
+            agree = kendall_agree(pred, meas)
+            resolvable = kendall_agree(pred, meas, [c["measured_iqr_s"] for c in case])
             for c in case:
-                c["rank_agreement"] = agree
+                c["rank_agreement"], c["rank_agreement_resolvable"] = agree, resolvable
     rows = [[r["model"], r["budget"], r["policy"], f"{1e3 * r['measured_s']:.2f}",
              "OOM" if r["predicted_s"] is None else f"{1e3 * r['predicted_s']:.2f}",
              f"{1e3 * r['stall_s']:.2f}", "-" if r["predicted_stall_s"] is None else f"{1e3 * r['predicted_stall_s']:.2f}",
@@ -161,6 +170,9 @@ def main() -> int:
         "runs": len(runs), "median_abs_error": statistics.median(errors) if errors else None,
         "worst_abs_error": max(errors) if errors else None,
         "cases_ranked_identically": sum(1 for v in agreements.values() if v == 1.0), "cases": len(agreements),
+        "cases_ranked_identically_resolvable": sum(1 for r in {(r["model"], r["budget"]): r for r in runs
+                                                               if r.get("rank_agreement_resolvable") is not None}.values()
+                                                   if r["rank_agreement_resolvable"] == 1.0),
         "mean_pair_agreement": statistics.mean(agreements.values()) if agreements else None,
         "all_plans_followed": all(r["plan_followed"] for r in runs),
     }
@@ -168,7 +180,8 @@ def main() -> int:
     print(f"median |error| {100 * summary['median_abs_error']:.1f}% (target <= 10%), worst "
           f"{100 * summary['worst_abs_error']:.1f}% (target <= 25%); policy order identical in "
           f"{summary['cases_ranked_identically']}/{summary['cases']} cases, pairs agreeing "
-          f"{100 * (summary['mean_pair_agreement'] or 0):.0f}%")
+          f"{100 * (summary['mean_pair_agreement'] or 0):.0f}%; counting only pairs measured apart by more than "
+          f"their spread, identical in {summary['cases_ranked_identically_resolvable']}/{summary['cases']}")
     write(args.out, {"backend": args.backend, "bandwidth": bw, "calibrated": cal.hardware.to_dict(),
                      "summary": summary, "runs": runs})
     print(f"{summary['median_abs_error']:.4f}")

@@ -39,11 +39,13 @@ class Hardware:
     hook_cost_s: float = 0.0
     # Host-side costs of moving tensors that the compute thread pays on the live runtime (both 0
     # for pure models; ``swapsched calibrate`` measures them): issuing one copy, either direction
-    # (the runtime's bookkeeping, the hand-off to the copy engine and, on the CPU backend, the
-    # copy's use of the compute's cores and its fresh pages), and resuming compute after
-    # a wait for a copy (the waiting thread was asleep: its next kernels start late and run cold).
+    # (the runtime's bookkeeping and the hand-off to the copy engine), and resuming compute after
+    # a wait for a copy (the waiting thread was asleep: its next kernels start late and run cold),
+    # and per byte copied where the copies share the compute's cores and memory (the CPU backend;
+    # DMA engines make it 0 on a GPU).
     copy_issue_s: float = 0.0
     wait_resume_s: float = 0.0
+    copy_host_s_per_byte: float = 0.0
 
     def d2h_time(self, nbytes: float) -> float:
         return self.copy_latency_s + nbytes / self.d2h_bytes_per_s
@@ -72,7 +74,7 @@ class Hardware:
 
 _REQUIRED = ("d2h_bytes_per_s", "h2d_bytes_per_s", "copy_latency_s", "device_memory_bytes", "peak_flops", "memory_bytes_per_s")
 _POSITIVE = ("d2h_bytes_per_s", "h2d_bytes_per_s", "device_memory_bytes", "peak_flops", "memory_bytes_per_s")
-_HOST_COSTS = ("hook_cost_s", "copy_issue_s", "wait_resume_s")
+_HOST_COSTS = ("hook_cost_s", "copy_issue_s", "wait_resume_s", "copy_host_s_per_byte")
 _NUMBER_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
 
 
