@@ -129,8 +129,8 @@ def main() -> int:
     ap.add_argument("--out", default="bench_results/runtime.json")
     args = ap.parse_args()
 
-    over = [overhead_nothing_evicted(m, s, args.backend, args.rounds)
-            for m, s in ((args.model, args.size), (args.model, "medium"), ("resnet", "small"), ("resnet", "medium"))]
+    models = dict.fromkeys([(args.model, args.size), (args.model, "medium"), ("resnet", "small"), ("resnet", "medium")])
+    over = [overhead_nothing_evicted(m, s, args.backend, args.rounds) for m, s in models]
     print("nothing evicted (budget 100%, plan no-swap): median over rounds of step / plain step - 1, [quartiles]")
     print(table(["model", "events", "plain ms", "runtime ms", "runtime overhead", "identity hooks",
                  "hook python us/call", "target"],

@@ -111,9 +111,10 @@ def measure_model(model: str, size: str, budgets: list[str], policies: list[str]
             train_step()  # the first step after a switch warms the host pool for this plan's sizes
             c["reports"].extend(train_step() for _ in range(steps))
     rt.close()
-    # the compute each prediction starts from: the no-eviction steps of the same rounds, so that the
-    # machine's drift over the rounds is in the prediction as it is in the measurement
-    timed = timed_by_execution(trace, reference["reports"])
+    # the compute each prediction starts from: on the CPU backend the no-eviction steps of the same
+    # rounds, so that the machine's drift is in the prediction as it is in the measurement; on CUDA
+    # the profiled trace, whose gaps CUDA events timed on the device
+    timed = timed_by_execution(trace, reference["reports"]) if backend == "cpu" else trace
     runs = []
     for c in cases:
         reps = [r for r in c.pop("reports") if r.mode == "execute"]

@@ -16,10 +16,10 @@ status=0
 # 1. the CUDA backend's tests (bit-identical gradients, pinned pool, streams)
 timeout 150 python -m pytest -m gpu -q -p no:cacheprovider tests/runtime 2>&1 | tee "$out/gpu_tests.txt" || status=1
 # 2. runtime cost on CUDA: hook overhead, nothing-evicted overhead, policies at 30-80%
-timeout 120 python scripts/bench_runtime.py --backend cuda --model gpt --size medium --steps 8 \
+timeout 120 python scripts/bench_runtime.py --backend cuda --model gpt --size medium --steps 8 --rounds 20 \
     --out "$out/runtime_cuda.json" || status=1
 # 3. sim-to-real on CUDA (calibrated link, every policy)
-timeout 120 python scripts/bench_sim2real.py --backend cuda --steps 7 --out "$out/sim2real_cuda.json" || status=1
+timeout 120 python scripts/bench_sim2real.py --backend cuda --rounds 3 --steps 2 --out "$out/sim2real_cuda.json" || status=1
 # 4. side by side on a ~350M-parameter GPT at 50% and 30%: the learned policy, capuchin, swap-all,
 #    save_on_cpu(pin_memory=True) and full activation checkpointing, against plain training
 for b in 50% 30%; do
