@@ -113,9 +113,9 @@ def _round_trips(trace: Trace) -> SwapPlan:
 
 
 def _measure_workload(model: str, size: str, backend_name: str, bandwidth: float | None,
-                      rounds: int) -> tuple[list[list], int]:
-    """Reports of three plans on one workload, executed in shuffled rounds of two steps each (so the
-    machine's drift hits them alike): no eviction, round trips, swap-all; and its event count."""
+                      rounds: int) -> tuple[list[list[list]], int]:
+    """Reports of three plans on one workload (no eviction, round trips, swap-all), per plan and
+    per round of two steps each, the plans in a shuffled order each round; and its event count."""
     from swapsched.agents.registry import get_policy
     from swapsched.runtime.swapper import SwapRuntime
     from swapsched.zoo import build_model
@@ -139,7 +139,7 @@ def _measure_workload(model: str, size: str, backend_name: str, bandwidth: float
         run(rt.profile_steps + rt.retime_steps + 1)
         assert rt.trace is not None and rt.budget_bytes is not None and rt.plan is not None
         plans = [rt.plan, _round_trips(rt.trace), get_policy("swap-all").plan(rt.trace, rt.budget_bytes, rt.hardware)]
-        reports: list[list] = [[] for _ in plans]
+        reports: list[list[list]] = [[] for _ in plans]  # per plan, per round
         rng = random.Random(0)
         for _ in range(rounds):
             order = list(range(len(plans)))
@@ -147,37 +147,40 @@ def _measure_workload(model: str, size: str, backend_name: str, bandwidth: float
             for k in order:
                 rt.use_plan(plans[k])
                 run(1)  # warms the host pool for this plan's sizes
-                reports[k].extend(run(2))
+                reports[k].append(run(2))
     finally:
         rt.close()
-    if not all(reports):
+    if not all(all(r) for r in reports):
         raise RuntimeError(f"calibrate_host: a plan on {model}-{size} never executed")
     return reports, rt.trace.n_events
 
 
-def calibrate_host(backend_name: str, bandwidth: float | None = None, rounds: int = 6) -> HostCosts:
+def calibrate_host(backend_name: str, bandwidth: float | None = None, rounds: int = 8) -> HostCosts:
     """Measure the runtime's host costs on the fixed ``WORKLOADS``.
 
     On each, three plans run (see ``_measure_workload``): one that evicts nothing, one that sends
     every tensor out and straight back (copies, next to no waits) and swap-all (copies and a wait
     at nearly every unpack). The no-eviction plan's hook time per event is ``hook_cost_s``. What
     the other plans add to the step beyond the waits themselves (time in the hooks and compute
-    between them), four observations in all, is fitted by least squares as ``copies * copy_issue_s
-    + bytes * copy_host_s_per_byte + waits * wait_resume_s``."""
+    between them), against the no-eviction steps of the same round, four observations in all, is
+    fitted by least squares as ``copies * copy_issue_s + bytes * copy_host_s_per_byte + waits *
+    wait_resume_s``."""
     med = statistics.median
 
-    def added(r, base) -> float:  # the step less the waits, less the no-eviction step's
-        return (r.step_s - r.stall_s) - base
+    def net(r) -> float:  # the step less its waits
+        return r.step_s - r.stall_s
 
     rows, ys, hooks = [], [], []
     for model, size in WORKLOADS:
         (keep, *moving), n_events = _measure_workload(model, size, backend_name, bandwidth, rounds)
-        base = med(r.step_s - r.stall_s for r in keep)
-        hooks.append(med(r.hook_s for r in keep) / n_events)
-        for reps in moving:
+        hooks.append(med(r.hook_s for rnd in keep for r in rnd) / n_events)
+        for plan_rounds in moving:
+            reps = [r for rnd in plan_rounds for r in rnd]
             rows.append([med(r.copies for r in reps), med(r.evicted_bytes + r.prefetched_bytes + r.on_demand_bytes for r in reps),
                          med(r.waits for r in reps)])
-            ys.append(med(added(r, base) for r in reps))
+            # what the plan adds, against the no-eviction steps of the same round (the machine's
+            # speed drifts by tens of percent over minutes, much less within one round)
+            ys.append(med(med(net(r) for r in mv) - med(net(r) for r in kp) for mv, kp in zip(plan_rounds, keep)))
     a = np.array(rows, dtype=np.float64)
     scale = np.maximum(np.abs(a).max(axis=0), 1.0)  # columns of very different magnitudes (copies, bytes)
     coef = np.linalg.lstsq(a / scale, np.array(ys), rcond=None)[0] / scale
