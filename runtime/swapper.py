@@ -9,8 +9,9 @@
 
 Step 1 is profiled into a Trace (``timing: measured``) while every saved tensor goes to the host
 and comes back on demand (PyTorch's ``save_on_cpu`` semantics, so the profiling step fits any
-feasible budget); the policy then plans once. Later steps execute the plan by the rules the
-simulator uses (R4-R7): at each hook call *i* (an event of the trace) the runtime (a) makes the
+feasible budget); the policy then plans once (on the CPU backend, once more after the first
+executed steps have re-timed the trace: ``timed_by_execution``). Later steps execute the plan by
+the rules the simulator uses (R4-R7): at each hook call *i* (an event of the trace) the runtime (a) makes the
 unpacked tensor resident, waiting for its swap-in or copying it on demand, (b) frees tensors whose
 last use is *i*, (c) issues the swap-outs planned at *i*, (d) issues the prefetches planned at *i*,
 which wait in issue order for room under the budget.
@@ -22,7 +23,8 @@ rule, when the accounted device memory would exceed the budget despite the plan.
 
 Stashes: ``_Packed`` is what autograd keeps per pack (the runtime only holds weak references to
 it): the record and, while the record is resident, the original tensor (which keeps the storage
-alive, and whose detached alias is what unpacking a kept tensor returns). ``_Record`` is one saved storage (R2). When it is evicted, its swap-out
+alive, and whose detached alias is what unpacking a kept tensor returns). ``_Record`` is one
+saved storage (R2). When it is evicted, its swap-out
 ticket holds the device storage (a flat ``uint8`` view) until the copy completes, each handle keeps
 only its view's geometry (dtype, size, stride, offset), and the record keeps the host buffer; after
 a swap-in the record holds the new device storage and unpacks rebuild the views on it.
@@ -154,7 +156,8 @@ class SwapRuntime:
     semantics before planning; the trace takes each gap's median over them (the first step of a
     process pays one-off costs, allocator growth and kernel selection, that later steps do not).
     ``retime_steps``: on the CPU backend, after this many executed steps the trace's gaps are
-    re-measured from them and the prediction is redone (0: keep the profiled timing).
+    re-measured from them, the policy plans again on them (a plan given by ``use_plan`` stays) and
+    the prediction is redone (0: keep the profiled timing).
     """
 
     def __init__(self, budget: str | int = "60%", policy: Any = "default", hardware: Hardware | str | None = None,
@@ -193,6 +196,7 @@ class SwapRuntime:
             raise UserError(f"retime_steps must be 0 (off) or more, got {retime_steps}")
         self.retime_steps = int(retime_steps)
         self._executed: list[StepReport] = []  # executed steps not yet used to re-time the trace
+        self._policy_planned = False  # the plan is the policy's (re-planned after re-timing), not use_plan's
         # parameters, gradients and optimizer state: counted in absolute budgets when the model is given
         self.static_bytes = static_bytes_of(model, optimizer) if model is not None else 0
         self.trace: Trace | None = None
@@ -243,9 +247,13 @@ class SwapRuntime:
             if self._report.gaps_s is not None:
                 self._executed.append(self._report)
             if len(self._executed) >= self.retime_steps:
-                self.trace = timed_by_execution(self.trace, self._executed)
-                self._adopt(self.plan)  # the plan stays; its prediction is redone
+                retimed = timed_by_execution(self.trace, self._executed)
                 self._executed = []
+                if self._policy_planned:
+                    self._plan_from(retimed)  # the policy plans again, on the compute as it runs
+                else:
+                    self.trace = retimed
+                    self._adopt(self.plan)  # a plan given by use_plan stays; its prediction is redone
 
     def report(self) -> StepReport:
         """The last step's report (also printed when ``verbose``)."""
@@ -263,6 +271,7 @@ class SwapRuntime:
             self.budget_bytes = parse_budget(budget, self.trace)
             self.budget_spec = budget
         self._adopt(plan)
+        self._policy_planned = False
 
     def close(self) -> None:
         self.backend.shutdown()
@@ -277,6 +286,7 @@ class SwapRuntime:
             plan = SwapPlan(plan.trace, plan.policy, tuple(e for e in plan.evictions if e not in small),
                             {**plan.meta, "kept_small": len(small)})
         self._adopt(plan)
+        self._policy_planned = True
 
     def _adopt(self, plan: SwapPlan) -> None:
         """Check ``plan`` (R7), predict its step time, and lay it out per event for the hooks."""
