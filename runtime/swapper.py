@@ -11,10 +11,10 @@ Step 1 is profiled into a Trace (``timing: measured``) while every saved tensor 
 and comes back on demand (PyTorch's ``save_on_cpu`` semantics, so the profiling step fits any
 feasible budget); the policy then plans once (on the CPU backend, once more after the first
 executed steps have re-timed the trace: ``timed_by_execution``). Later steps execute the plan by
-the rules the simulator uses (R4-R7): at each hook call *i* (an event of the trace) the runtime (a) makes the
-unpacked tensor resident, waiting for its swap-in or copying it on demand, (b) frees tensors whose
-last use is *i*, (c) issues the swap-outs planned at *i*, (d) issues the prefetches planned at *i*,
-which wait in issue order for room under the budget.
+the rules the simulator uses (R4-R7): at each hook call *i* (an event of the trace) the runtime (a)
+makes the unpacked tensor resident, waiting for its swap-in or copying it on demand, (b) frees
+tensors whose last use is *i*, (c) issues the swap-outs planned at *i*, (d) issues the prefetches
+planned at *i*, which wait in issue order for room under the budget.
 
 Each step's events are checked against the trace. When they diverge (other shapes, other control
 flow) the step finishes on demand (nothing new is evicted, everything evicted comes back when
