@@ -1,4 +1,4 @@
-"""Measure this machine's link and hook cost into a Hardware profile (``swapsched calibrate``).
+"""Measure this machine's link and the runtime's host costs into a Hardware profile (``swapsched calibrate``).
 
 - **Link**: copies of 64 KiB to 32 MiB through the backend's own copy engines (the CPU backend's
   threads, throttled or not; the CUDA backend's streams and pinned pool), queued four at a time
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from swapsched.hardware import Hardware, load_hardware
-from swapsched.plan import SwapPlan
+from swapsched.plan import Eviction, SwapPlan
 from swapsched.runtime.backends import Backend, CpuBackend, CudaBackend
 from swapsched.trace import Trace
 
@@ -101,8 +101,6 @@ WORKLOADS = (("gpt", "tiny"), ("mlp", "medium"))
 
 def _round_trips(trace: Trace) -> SwapPlan:
     """Every tensor out at its last pack and back at once: copies on both links, next to no waits."""
-    from swapsched.plan import Eviction
-
     last_pack = [-1] * trace.n_tensors
     for i, e in enumerate(trace.events):
         if e.kind == "pack":

@@ -37,12 +37,12 @@ class Hardware:
     # Host-side cost of one saved-tensor hook call on the live runtime; the simulator adds it to
     # every gap so that predictions include what the hooks themselves cost (0 for pure models).
     hook_cost_s: float = 0.0
-    # Host-side costs of moving tensors that the compute thread pays on the live runtime (both 0
-    # for pure models; ``swapsched calibrate`` measures them): issuing one copy, either direction
-    # (the runtime's bookkeeping and the hand-off to the copy engine), and resuming compute after
-    # a wait for a copy (the waiting thread was asleep: its next kernels start late and run cold),
-    # and per byte copied where the copies share the compute's cores and memory (the CPU backend;
-    # DMA engines make it 0 on a GPU).
+    # What moving tensors costs the compute thread itself on the live runtime (0 for pure models;
+    # ``swapsched calibrate`` measures them; the simulator charges them before the next gap):
+    # per copy issued, either direction (the runtime's bookkeeping and the hand-off to the copy
+    # engine); per wait for a copy (the waiting thread was asleep: its next kernels start late);
+    # and per byte copied where copies share the compute's cores and memory (the CPU backend; DMA
+    # engines make it 0 on a GPU).
     copy_issue_s: float = 0.0
     wait_resume_s: float = 0.0
     copy_host_s_per_byte: float = 0.0
