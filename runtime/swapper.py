@@ -337,6 +337,10 @@ def _median_trace(traces: list[Trace]) -> Trace:
 class _StepExecution:
     """Common bookkeeping of one step: identities, accounting, counters."""
 
+    # slots: the hooks read and write these at every saved-tensor event
+    __slots__ = ("rt", "backend", "records", "static", "used", "peak", "stall_s", "evicted", "prefetched",
+                 "on_demand", "copies", "waits", "guard", "diverged")
+
     def __init__(self, rt: SwapRuntime):
         self.rt = rt
         self.backend = rt.backend
@@ -379,6 +383,8 @@ class _StepExecution:
 class _ProfileStep(_StepExecution):
     """Step 1: record the trace; every saved tensor goes to the host at once and comes back on
     demand, synchronously inside the hook (the recorder excludes hook time from the gaps)."""
+
+    __slots__ = ("ids", "recorder", "trace", "moved", "device")
 
     def __init__(self, rt: SwapRuntime):
         super().__init__(rt)
@@ -439,6 +445,10 @@ class _ProfileStep(_StepExecution):
 
 class _ExecuteStep(_StepExecution):
     """Steps 2..: execute the plan event by event (R4-R7)."""
+
+    __slots__ = ("trace", "budget", "room", "out_at", "prefetch_at", "tensor_bytes", "frees", "expected", "work",
+                 "keys", "by_tid", "i", "outs", "waiting", "ins", "n_seen", "first_sight", "gaps", "hook_s",
+                 "last_exit", "tail_s")
 
     def __init__(self, rt: SwapRuntime):
         super().__init__(rt)
