@@ -103,3 +103,13 @@ def test_cuda_copy_streams_are_not_the_compute_stream():
     assert torch.cuda.current_stream() == compute  # no stream context leaked
     torch.cuda.synchronize()
     assert torch.equal(back.dst.cpu(), out.dst)
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_calibration_measures_the_link_and_the_host_costs():
+    from swapsched.runtime.calibrate import calibrate
+
+    hw = calibrate("cuda").hardware
+    assert hw.d2h_bytes_per_s > 1e9 and hw.h2d_bytes_per_s > 1e9  # any PCIe or C2C link
+    assert min(hw.hook_cost_s, hw.copy_issue_s, hw.copy_host_s_per_byte, hw.wait_resume_s) >= 0
