@@ -99,21 +99,25 @@ class HostCosts:
 WORKLOADS = (("gpt", "tiny"), ("mlp", "medium"))
 
 
-def _round_trips(trace: Trace) -> SwapPlan:
-    """Every tensor out at its last pack and back at once: copies on both links, next to no waits."""
+def _round_trips(trace: Trace, largest_half: bool = False) -> SwapPlan:
+    """Every tensor (or the larger half of them by bytes) out at its last pack and back at once:
+    copies on both links, next to no waits."""
     last_pack = [-1] * trace.n_tensors
     for i, e in enumerate(trace.events):
         if e.kind == "pack":
             last_pack[e.tensor] = i
-    ev = tuple(Eviction(k, last_pack[k], last_pack[k]) for k in range(trace.n_tensors)
-               if last_pack[k] < int(trace.first_unpack[k]))
+    ids = [k for k in range(trace.n_tensors) if last_pack[k] < int(trace.first_unpack[k])]
+    if largest_half:
+        ids = sorted(sorted(ids, key=lambda k: -trace.tensors[k].bytes)[: max(len(ids) // 2, 1)])
+    ev = tuple(Eviction(k, last_pack[k], last_pack[k]) for k in ids)
     return SwapPlan(trace.name, "calibration-round-trips", ev)
 
 
 def _measure_workload(model: str, size: str, backend_name: str, bandwidth: float | None,
                       rounds: int) -> tuple[list[list[list]], int]:
-    """Reports of three plans on one workload (no eviction, round trips, swap-all), per plan and
-    per round of two steps each, the plans in a shuffled order each round; and its event count."""
+    """Reports of four plans on one workload (no eviction, round trips of every tensor and of the
+    larger half, swap-all), per plan and per round of two steps each, the plans in a shuffled
+    order each round; and its event count."""
     from swapsched.agents.registry import get_policy
     from swapsched.runtime.swapper import SwapRuntime
     from swapsched.zoo import build_model
@@ -136,7 +140,8 @@ def _measure_workload(model: str, size: str, backend_name: str, bandwidth: float
     try:
         run(rt.profile_steps + rt.retime_steps + 1)
         assert rt.trace is not None and rt.budget_bytes is not None and rt.plan is not None
-        plans = [rt.plan, _round_trips(rt.trace), get_policy("swap-all").plan(rt.trace, rt.budget_bytes, rt.hardware)]
+        plans = [rt.plan, _round_trips(rt.trace), _round_trips(rt.trace, largest_half=True),
+                 get_policy("swap-all").plan(rt.trace, rt.budget_bytes, rt.hardware)]
         reports: list[list[list]] = [[] for _ in plans]  # per plan, per round
         rng = random.Random(0)
         for _ in range(rounds):
@@ -156,13 +161,13 @@ def _measure_workload(model: str, size: str, backend_name: str, bandwidth: float
 def calibrate_host(backend_name: str, bandwidth: float | None = None, rounds: int = 8) -> HostCosts:
     """Measure the runtime's host costs on the fixed ``WORKLOADS``.
 
-    On each, three plans run (see ``_measure_workload``): one that evicts nothing, one that sends
-    every tensor out and straight back (copies, next to no waits) and swap-all (copies and a wait
-    at nearly every unpack). The no-eviction plan's hook time per event is ``hook_cost_s``. What
-    the other plans add to the step beyond the waits themselves (time in the hooks and compute
-    between them), against the no-eviction steps of the same round, four observations in all, is
-    fitted by least squares as ``copies * copy_issue_s + bytes * copy_host_s_per_byte + waits *
-    wait_resume_s``."""
+    On each, four plans run (see ``_measure_workload``): one that evicts nothing, two that send
+    tensors out and straight back (every tensor, or the larger half by bytes: copies, next to no
+    waits) and swap-all (copies and a wait at nearly every unpack). The no-eviction plan's hook
+    time per event is ``hook_cost_s``. What the other plans add to the step beyond the waits
+    themselves (time in the hooks and compute between them), against the no-eviction steps of the
+    same round, six observations in all, is fitted by least squares as ``copies * copy_issue_s +
+    bytes * copy_host_s_per_byte + waits * wait_resume_s``."""
     med = statistics.median
 
     def net(r) -> float:  # the step less its waits
