@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from scipy.optimize import nnls
 
 from swapsched.hardware import Hardware, load_hardware
 from swapsched.plan import Eviction, SwapPlan
@@ -99,24 +100,25 @@ class HostCosts:
 WORKLOADS = (("gpt", "tiny"), ("mlp", "medium"))
 
 
-def _round_trips(trace: Trace, largest_half: bool = False) -> SwapPlan:
-    """Every tensor (or the larger half of them by bytes) out at its last pack and back at once:
-    copies on both links, next to no waits."""
+def _round_trips(trace: Trace, half: str) -> SwapPlan:
+    """The ``"smaller"`` or ``"larger"`` half of the tensors by bytes, each out at its last pack and
+    straight back: copies on both links and next to no waits. The two halves make about as many
+    copies of very different sizes, which is what tells a cost per byte from a cost per copy."""
     last_pack = [-1] * trace.n_tensors
     for i, e in enumerate(trace.events):
         if e.kind == "pack":
             last_pack[e.tensor] = i
-    ids = [k for k in range(trace.n_tensors) if last_pack[k] < int(trace.first_unpack[k])]
-    if largest_half:
-        ids = sorted(sorted(ids, key=lambda k: -trace.tensors[k].bytes)[: max(len(ids) // 2, 1)])
-    ev = tuple(Eviction(k, last_pack[k], last_pack[k]) for k in ids)
-    return SwapPlan(trace.name, "calibration-round-trips", ev)
+    ids = sorted((k for k in range(trace.n_tensors) if last_pack[k] < int(trace.first_unpack[k])),
+                 key=lambda k: trace.tensors[k].bytes)
+    ids = ids[: len(ids) // 2] if half == "smaller" else ids[len(ids) // 2:]
+    ev = tuple(Eviction(k, last_pack[k], last_pack[k]) for k in sorted(ids))
+    return SwapPlan(trace.name, f"calibration-round-trips-{half}", ev)
 
 
 def _measure_workload(model: str, size: str, backend_name: str, bandwidth: float | None,
                       rounds: int) -> tuple[list[list[list]], int]:
-    """Reports of four plans on one workload (no eviction, round trips of every tensor and of the
-    larger half, swap-all), per plan and per round of two steps each, the plans in a shuffled
+    """Reports of four plans on one workload (no eviction, round trips of the smaller and of the
+    larger half of the tensors, swap-all), per plan and per round of two steps each, the plans in a shuffled
     order each round; and its event count."""
     from swapsched.agents.registry import get_policy
     from swapsched.runtime.swapper import SwapRuntime
@@ -140,7 +142,7 @@ def _measure_workload(model: str, size: str, backend_name: str, bandwidth: float
     try:
         run(rt.profile_steps + rt.retime_steps + 1)
         assert rt.trace is not None and rt.budget_bytes is not None and rt.plan is not None
-        plans = [rt.plan, _round_trips(rt.trace), _round_trips(rt.trace, largest_half=True),
+        plans = [rt.plan, _round_trips(rt.trace, "smaller"), _round_trips(rt.trace, "larger"),
                  get_policy("swap-all").plan(rt.trace, rt.budget_bytes, rt.hardware)]
         reports: list[list[list]] = [[] for _ in plans]  # per plan, per round
         rng = random.Random(0)
@@ -158,16 +160,18 @@ def _measure_workload(model: str, size: str, backend_name: str, bandwidth: float
     return reports, rt.trace.n_events
 
 
-def calibrate_host(backend_name: str, bandwidth: float | None = None, rounds: int = 8) -> HostCosts:
+def calibrate_host(backend_name: str, bandwidth: float | None = None, rounds: int = 16) -> HostCosts:
     """Measure the runtime's host costs on the fixed ``WORKLOADS``.
 
     On each, four plans run (see ``_measure_workload``): one that evicts nothing, two that send
-    tensors out and straight back (every tensor, or the larger half by bytes: copies, next to no
+    tensors out and straight back (the smaller or the larger half by bytes: copies, next to no
     waits) and swap-all (copies and a wait at nearly every unpack). The no-eviction plan's hook
     time per event is ``hook_cost_s``. What the other plans add to the step beyond the waits
     themselves (time in the hooks and compute between them), against the no-eviction steps of the
-    same round, six observations in all, is fitted by least squares as ``copies * copy_issue_s +
-    bytes * copy_host_s_per_byte + waits * wait_resume_s``."""
+    same round (median over the rounds), six observations in all, is fitted by non-negative least
+    squares as ``copies * copy_issue_s + bytes * copy_host_s_per_byte + waits * wait_resume_s``.
+    On this machine 8 rounds let the per-byte cost move by half or more from one calibration to the
+    next; 16 rounds (about 9 s) kept three calibrations within 80-100 us per copy."""
     med = statistics.median
 
     def net(r) -> float:  # the step less its waits
@@ -186,8 +190,10 @@ def calibrate_host(backend_name: str, bandwidth: float | None = None, rounds: in
             ys.append(med(med(net(r) for r in mv) - med(net(r) for r in kp) for mv, kp in zip(plan_rounds, keep)))
     a = np.array(rows, dtype=np.float64)
     scale = np.maximum(np.abs(a).max(axis=0), 1.0)  # columns of very different magnitudes (copies, bytes)
-    coef = np.linalg.lstsq(a / scale, np.array(ys), rcond=None)[0] / scale
-    issue, per_byte, resume = (max(float(c), 0.0) for c in coef)
+    # non-negative least squares: a cost the data would make negative is 0, and the others are
+    # fitted without it (clipping an ordinary fit afterwards would leave them biased)
+    coef = nnls(a / scale, np.maximum(np.array(ys), 0.0))[0] / scale
+    issue, per_byte, resume = (float(c) for c in coef)
     return HostCosts(max(med(hooks), 0.0), issue, per_byte, resume)
 
 
