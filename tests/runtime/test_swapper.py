@@ -254,5 +254,6 @@ def test_report_counts_copies_and_use_plan_takes_a_budget():
         case.loss().backward()
     rep = rt.report()
     assert rep.plan_followed and rep.copies == 2 * len(plan.evictions) > 0
-    assert rep.waits <= len(plan.evictions) + rep.copies
+    # at a 100% budget nothing waits for room: the only waits are unpacks whose swap-in is not done
+    assert rep.waits <= len(plan.evictions)
     rt.close()
