@@ -1,18 +1,19 @@
 #!/usr/bin/env python
 """Does the simulator predict the live runtime? Predicted vs measured step time per model x budget x policy.
 
-    python scripts/bench_sim2real.py [--quick] [--backend cpu|cuda] [--bandwidth 1e9] [--out bench_results/sim2real.json]
+    python scripts/bench_sim2real.py [--quick] [--backend cpu|cuda] [--bandwidth 1e9] [--rounds 8]
+                                     [--out bench_results/sim2real.json]
 
 On the CPU backend the copy engines are throttled (default 1 GB/s) so copies and compute are of
 comparable length. The link is first measured (swapsched calibrate), and the runtime's host costs
-again before each model.
-Per model, one runtime profiles the trace and re-times it from executed no-eviction steps (what
-``SwapRuntime`` does by itself on the CPU backend); every budget and policy is then planned on that
-one trace and executed by the same runtime (``use_plan``) in shuffled rounds, together with the
-no-eviction plan, so that the machine's drift hits every policy alike. The measured figure is the
-median executed step; the prediction is ``simulate(trace, plan, calibrated hardware)`` with the
-trace's gaps taken from the no-eviction steps of those same rounds. Targets: median absolute error <= 10% of the
-step, worst <= 25%, same policy ranking per case.
+again before each model. Per model, one runtime profiles the trace and re-times it from executed
+no-eviction steps (what ``SwapRuntime`` does by itself on the CPU backend); every budget and
+policy is then planned on that one trace and executed by the same runtime (``use_plan``) in
+shuffled rounds, together with the no-eviction plan, so that the machine's drift hits every policy
+alike. The measured figure is the median executed step; the prediction is ``simulate(trace, plan,
+calibrated hardware)`` with the trace's gaps taken from the no-eviction steps of those same
+rounds. Targets: median absolute error <= 10% of the step, worst <= 25%, same policy ranking per
+case.
 ``--quick``: one small model at two budgets; the last line is the median absolute error (fraction).
 """
 
@@ -122,7 +123,8 @@ def measure_model(model: str, size: str, budgets: list[str], policies: list[str]
         pred = None if sim.oom else sim.iteration_s
         measured = statistics.median(r.step_s for r in reps)
         q = statistics.quantiles([r.step_s for r in reps], n=4)
-        runs.append({**c, "measured_s": measured, "measured_iqr_s": q[2] - q[0], "predicted_s": pred, "stall_s": statistics.median(r.stall_s for r in reps),
+        runs.append({**c, "measured_s": measured, "measured_iqr_s": q[2] - q[0], "predicted_s": pred,
+                     "stall_s": statistics.median(r.stall_s for r in reps),
                      "predicted_stall_s": None if sim.oom else sim.stall_s,
                      "abs_error": None if pred is None else abs(pred - measured) / measured,
                      "peak_device_bytes": max(r.peak_device_bytes for r in reps),
@@ -137,7 +139,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--backend", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--bandwidth", type=float, default=1e9, help="CPU backend: copy-engine throttle, bytes/s")
-    ap.add_argument("--rounds", type=int, default=5, help="shuffled rounds over the model's (budget, policy) cases")
+    ap.add_argument("--rounds", type=int, default=8, help="shuffled rounds over the model's (budget, policy) cases")
     ap.add_argument("--steps", type=int, default=2, help="measured steps per case and round")
     ap.add_argument("--out", default="bench_results/sim2real.json")
     args = ap.parse_args()
