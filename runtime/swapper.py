@@ -316,10 +316,7 @@ def timed_by_execution(trace: Trace, reports: list[StepReport]) -> Trace:
     timed = [r for r in reports if r.gaps_s is not None and len(r.gaps_s) == trace.n_events]
     if not timed:
         raise UserError("timed_by_execution needs reports of whole executed steps on the CPU backend")
-    gaps = np.median(np.array([r.gaps_s for r in timed]), axis=0)
-    tail = float(np.median([r.tail_s for r in timed]))
-    events = tuple(replace(e, compute_s=float(g)) for e, g in zip(trace.events, gaps))
-    return replace(trace, events=events, tail_compute_s=tail, meta={**trace.meta, "timed_by_execution": len(timed)})
+    return _median_timing(trace, [r.gaps_s for r in timed], [r.tail_s for r in timed], "timed_by_execution")
 
 
 def _median_trace(traces: list[Trace]) -> Trace:
@@ -328,10 +325,16 @@ def _median_trace(traces: list[Trace]) -> Trace:
     same = [t for t in traces if [(e.kind, e.tensor) for e in t.events] == [(e.kind, e.tensor) for e in last.events]]
     if len(same) < 2:
         return last
-    gaps = np.median(np.stack([t.gaps for t in same]), axis=0)
-    tail = float(np.median([t.tail_compute_s for t in same]))
-    events = tuple(replace(e, compute_s=float(g)) for e, g in zip(last.events, gaps))
-    return replace(last, events=events, tail_compute_s=tail, meta={**last.meta, "median_of_steps": len(same)})
+    return _median_timing(last, [t.gaps for t in same], [t.tail_compute_s for t in same], "median_of_steps")
+
+
+def _median_timing(trace: Trace, gaps: list, tails: list[float], meta_key: str) -> Trace:
+    """``trace`` with each gap and the tail the median over several timings of the same events;
+    ``meta[meta_key]`` says how many."""
+    median = np.median(np.array(gaps, dtype=np.float64), axis=0)
+    events = tuple(replace(e, compute_s=float(g)) for e, g in zip(trace.events, median))
+    return replace(trace, events=events, tail_compute_s=float(np.median(tails)),
+                   meta={**trace.meta, meta_key: len(tails)})
 
 
 class _StepExecution:
