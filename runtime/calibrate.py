@@ -101,17 +101,13 @@ WORKLOADS = (("gpt", "tiny"), ("mlp", "medium"))
 
 
 def _round_trips(trace: Trace, half: str) -> SwapPlan:
-    """The ``"smaller"`` or ``"larger"`` half of the tensors by bytes, each out at its last pack and
-    straight back: copies on both links and next to no waits. The two halves make about as many
-    copies of very different sizes, which is what tells a cost per byte from a cost per copy."""
-    last_pack = [-1] * trace.n_tensors
-    for i, e in enumerate(trace.events):
-        if e.kind == "pack":
-            last_pack[e.tensor] = i
-    ids = sorted((k for k in range(trace.n_tensors) if last_pack[k] < int(trace.first_unpack[k])),
-                 key=lambda k: trace.tensors[k].bytes)
+    """The ``"smaller"`` or ``"larger"`` half of the tensors by bytes, each out at its last forward
+    pack and straight back: copies on both links and next to no waits. The two halves make about
+    as many copies of very different sizes, which is what tells a cost per byte from a cost per copy."""
+    ids = sorted(range(trace.n_tensors), key=lambda k: trace.tensors[k].bytes)
     ids = ids[: len(ids) // 2] if half == "smaller" else ids[len(ids) // 2:]
-    ev = tuple(Eviction(k, last_pack[k], last_pack[k]) for k in sorted(ids))
+    out = trace.last_forward_pack
+    ev = tuple(Eviction(k, int(out[k]), int(out[k])) for k in sorted(ids))
     return SwapPlan(trace.name, f"calibration-round-trips-{half}", ev)
 
 
