@@ -206,7 +206,9 @@ def test_five_hundred_steps_do_not_leak():
     for i in range(500):
         with rt.step():
             case.loss().backward()
-        if i >= 5:
+        # steady state: after the profiling steps and the executed steps that re-time the trace,
+        # after which the policy plans again (capuchin's plan may change with the timing)
+        if i >= rt.profile_steps + rt.retime_steps + 1:
             seen.add((rt.backend.pool.allocated_bytes, rt.backend.pool.idle_bytes, rt.report().peak_device_bytes))
     assert len(seen) == 1  # the same pool and the same accounting every step
     rt.close()
