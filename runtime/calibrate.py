@@ -20,6 +20,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
@@ -30,7 +31,10 @@ from swapsched.plan import Eviction, SwapPlan
 from swapsched.runtime.backends import Backend, CpuBackend, CudaBackend
 from swapsched.trace import Trace
 
-__all__ = ["Calibration", "HostCosts", "calibrate_link", "calibrate_host", "calibrate"]
+if TYPE_CHECKING:
+    from swapsched.runtime.swapper import StepReport, SwapRuntime
+
+__all__ = ["Calibration", "HostCosts", "calibrate_link", "calibrate_host", "calibrate", "execute_in_rounds"]
 
 SIZES = [2**16, 2**18, 2**20, 2**22, 2**24, 2**25]
 
@@ -111,11 +115,30 @@ def _round_trips(trace: Trace, half: str) -> SwapPlan:
     return SwapPlan(trace.name, f"calibration-round-trips-{half}", ev)
 
 
+def execute_in_rounds(rt: "SwapRuntime", train_step: Callable[[], "StepReport"],
+                      plans: Sequence[tuple[SwapPlan, int | None]], rounds: int, steps: int = 2,
+                      seed: int = 0) -> list[list[list["StepReport"]]]:
+    """Execute each ``(plan, budget bytes or None)`` on ``rt`` in ``rounds`` rounds, the plans in
+    a shuffled order each round, so that the machine's drift hits them alike: after each switch
+    one step that warms the host pool for the plan's sizes, then ``steps`` measured ones.
+    ``train_step`` runs one step under ``rt`` and returns its report. Returns the executed steps'
+    reports per plan, per round."""
+    reports: list[list[list[StepReport]]] = [[] for _ in plans]
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        order = list(range(len(plans)))
+        rng.shuffle(order)
+        for k in order:
+            rt.use_plan(*plans[k])
+            train_step()
+            reports[k].append([r for r in (train_step() for _ in range(steps)) if r.mode == "execute"])
+    return reports
+
+
 def _measure_workload(model: str, size: str, backend_name: str, bandwidth: float | None,
-                      rounds: int) -> tuple[list[list[list]], int]:
+                      rounds: int) -> tuple[list[list[list[StepReport]]], int]:
     """Reports of four plans on one workload (no eviction, round trips of the smaller and of the
-    larger half of the tensors, swap-all), per plan and per round of two steps each, the plans in a shuffled
-    order each round; and its event count."""
+    larger half of the tensors, swap-all) from ``execute_in_rounds``; and its event count."""
     from swapsched.agents.registry import get_policy
     from swapsched.runtime.swapper import SwapRuntime
     from swapsched.zoo import build_model
@@ -125,30 +148,20 @@ def _measure_workload(model: str, size: str, backend_name: str, bandwidth: float
     rt = SwapRuntime(budget="100%", policy="no-swap", backend=backend_name, model=case.model, bandwidth=bandwidth)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
-    def run(n: int) -> list:
-        reps = []
-        for _ in range(n):
-            with rt.step():
-                case.loss().backward()
-            sync()
-            case.model.zero_grad(set_to_none=True)
-            reps.append(rt.report())
-        return [r for r in reps if r.mode == "execute"]
+    def train_step() -> StepReport:
+        with rt.step():
+            case.loss().backward()
+        sync()
+        case.model.zero_grad(set_to_none=True)
+        return rt.report()
 
     try:
-        run(rt.profile_steps + rt.retime_steps + 1)
+        for _ in range(rt.profile_steps + rt.retime_steps + 1):
+            train_step()
         assert rt.trace is not None and rt.budget_bytes is not None and rt.plan is not None
         plans = [rt.plan, _round_trips(rt.trace, "smaller"), _round_trips(rt.trace, "larger"),
                  get_policy("swap-all").plan(rt.trace, rt.budget_bytes, rt.hardware)]
-        reports: list[list[list]] = [[] for _ in plans]  # per plan, per round
-        rng = random.Random(0)
-        for _ in range(rounds):
-            order = list(range(len(plans)))
-            rng.shuffle(order)
-            for k in order:
-                rt.use_plan(plans[k])
-                run(1)  # warms the host pool for this plan's sizes
-                reports[k].append(run(2))
+        reports = execute_in_rounds(rt, train_step, [(p, None) for p in plans], rounds)
     finally:
         rt.close()
     if not all(all(r) for r in reports):

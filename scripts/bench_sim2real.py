@@ -20,7 +20,6 @@ case.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import tempfile
@@ -37,7 +36,7 @@ from swapsched.agents.registry import get_policy  # noqa: E402
 from swapsched.budget import BudgetError, parse_budget  # noqa: E402
 from swapsched.env.simulator import simulate  # noqa: E402
 from swapsched.hardware import Hardware  # noqa: E402
-from swapsched.runtime.calibrate import calibrate, calibrate_host  # noqa: E402
+from swapsched.runtime.calibrate import calibrate, calibrate_host, execute_in_rounds  # noqa: E402
 from swapsched.runtime.swapper import StepReport, SwapRuntime, timed_by_execution  # noqa: E402
 from swapsched.zoo import build_model  # noqa: E402
 
@@ -92,7 +91,7 @@ def measure_model(model: str, size: str, budgets: list[str], policies: list[str]
         train_step()
     trace = rt.trace
     assert trace is not None and rt.plan is not None
-    reference = {"plan": rt.plan, "budget_bytes": rt.budget_bytes, "reports": []}  # no eviction
+    reference = {"plan": rt.plan, "budget_bytes": rt.budget_bytes}  # no eviction
     cases = []
     for budget in budgets:
         try:
@@ -102,23 +101,19 @@ def measure_model(model: str, size: str, budgets: list[str], policies: list[str]
             continue
         for pol in policies:
             cases.append({"model": f"{model}-{size}", "budget": budget, "policy": pol, "budget_bytes": budget_bytes,
-                          "plan": get_policy(pol).plan(trace, budget_bytes, hw), "reports": []})
-    rng = random.Random(seed)
-    for _ in range(rounds):
-        order = [reference, *cases]
-        rng.shuffle(order)
-        for c in order:
-            rt.use_plan(c["plan"], budget=c["budget_bytes"])
-            train_step()  # the first step after a switch warms the host pool for this plan's sizes
-            c["reports"].extend(train_step() for _ in range(steps))
+                          "plan": get_policy(pol).plan(trace, budget_bytes, hw)})
+    everything = [reference, *cases]
+    per_round = execute_in_rounds(rt, train_step, [(c["plan"], c["budget_bytes"]) for c in everything], rounds, steps, seed)
     rt.close()
+    for c, rounds_of_c in zip(everything, per_round):
+        c["reports"] = [r for rnd in rounds_of_c for r in rnd]
     # the compute each prediction starts from: on the CPU backend the no-eviction steps of the same
     # rounds, so that the machine's drift is in the prediction as it is in the measurement; on CUDA
     # the profiled trace, whose gaps CUDA events timed on the device
     timed = timed_by_execution(trace, reference["reports"]) if backend == "cpu" else trace
     runs = []
     for c in cases:
-        reps = [r for r in c.pop("reports") if r.mode == "execute"]
+        reps = c.pop("reports")
         sim = simulate(timed, c.pop("plan"), hw, c["budget_bytes"])
         pred = None if sim.oom else sim.iteration_s
         measured = statistics.median(r.step_s for r in reps)
