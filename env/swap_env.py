@@ -75,7 +75,8 @@ class SwapEnv(gym.Env):
 
     ## Rewards
     After each decision the simulation runs to the next decision point; the reward is minus the
-    stall it added, divided by the ideal step time. An OOM gives ``-oom_penalty`` (default 10) and ends
+    overhead it added (the stall, and the copies' host costs where the hardware profile measures
+    them: R6, R8), divided by the ideal step time. An OOM gives ``-oom_penalty`` (default 10) and ends
     the episode. Without OOM the episode return is therefore minus the step's overhead (R8).
 
     ## Starting State
@@ -149,7 +150,7 @@ class SwapEnv(gym.Env):
         base = tr.static_bytes + tr.other_bytes
         self.lower = (base + tr.must_resident_bytes).astype(np.int64)  # every plan holds at least this
         self.if_kept = (base + tr.resident_bytes_no_swap).astype(np.int64)  # undecided tensors all kept
-        self.last_stall = 0.0
+        self.last_cost = 0.0
         self.result = None
         self._mask_pos = -1
         self.above = max(tr.peak_bytes_no_swap - tr.static_bytes, 1)
@@ -200,9 +201,9 @@ class SwapEnv(gym.Env):
         self._advance()
         if self.sim.oom_event is not None:
             return self._obs(), -self.oom_penalty, True, False, self._info()
-        stall = self.sim.stall_s
-        reward = -(stall - self.last_stall) / self.ideal
-        self.last_stall = stall
+        cost = self.sim.stall_s + self.sim.host_s
+        reward = -(cost - self.last_cost) / self.ideal
+        self.last_cost = cost
         terminated = self.pos >= len(self.order)
         # the episode's identity and result are in the info of reset() and of the last step
         return self._obs(), float(reward), terminated, False, self._info() if terminated else {}

@@ -71,6 +71,22 @@ def test_return_is_minus_overhead_and_matches_simulate(corpus):
             assert total == pytest.approx(-r.overhead, abs=1e-9) and info["overhead"] == pytest.approx(r.overhead)
 
 
+def test_return_includes_the_copies_host_costs(corpus):
+    """With host costs in the profile (a calibrated one), the return is still minus the overhead:
+    the stall alone would leave them out."""
+    from dataclasses import replace
+
+    from swapsched.hardware import load_hardware
+
+    hw = replace(load_hardware("cpu-emulated"), copy_issue_s=1e-4, copy_host_s_per_byte=1e-10, wait_resume_s=2e-5)
+    env = SwapEnv(traces=corpus[:4], hardware=[hw], budget_range=(0.3, 0.5))
+    rng = np.random.default_rng(2)
+    for seed in range(4):
+        total, info = _rollout(env, lambda m, o: int(rng.choice(np.flatnonzero(m))), seed=seed)
+        r = simulate(env.trace, SwapPlan.of(env.trace, "env", env.evictions), env.hw, env.budget)
+        assert r.host_s > 0 and total == pytest.approx(-r.overhead, abs=1e-9)
+
+
 def test_masked_ppo_never_picks_a_masked_action(corpus):
     from sb3_contrib import MaskablePPO
 
