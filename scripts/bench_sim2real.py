@@ -45,18 +45,24 @@ FULL_BUDGETS = ["30%", "50%", "80%"]
 POLICIES = ["swap-all", "vdnn-all", "min", "capuchin", "default"]
 
 
+# predictions this close are one prediction: two plans that the simulator times alike (say, the
+# same evictions in another order) differ only by the rounding of their sums, around 1e-17 s
+PREDICTED_TIE = 1e-9
+
+
 def kendall_agree(pred: list[float], meas: list[float], spread: list[float] | None = None) -> float:
     """Fraction of policy pairs ordered the same way by prediction and measurement (a tie in the
-    prediction agrees with any order). With ``spread``, only pairs whose measured difference
-    exceeds the larger of the two measurements' interquartile ranges count: the others are
-    ordered by noise. No such pair counts as full agreement."""
+    prediction, within ``PREDICTED_TIE`` of the step, agrees with any order). With ``spread``, only
+    pairs whose measured difference exceeds the larger of the two measurements' interquartile
+    ranges count: the others are ordered by noise. No such pair counts as full agreement."""
     pairs = agree = 0
     for i in range(len(pred)):
         for j in range(i + 1, len(pred)):
             if spread is not None and abs(meas[i] - meas[j]) <= max(spread[i], spread[j]):
                 continue
             pairs += 1
-            agree += (pred[i] - pred[j]) * (meas[i] - meas[j]) >= 0
+            tie = abs(pred[i] - pred[j]) <= PREDICTED_TIE * max(pred[i], pred[j])
+            agree += tie or (pred[i] - pred[j]) * (meas[i] - meas[j]) >= 0
     return agree / pairs if pairs else 1.0
 
 
