@@ -200,17 +200,23 @@ def test_divergence_finishes_on_demand_and_replans():
 
 
 def test_five_hundred_steps_do_not_leak():
+    """Every step ends with the accounting back at zero and every host buffer back in the pool, and
+    the pool stops growing. (The peak itself depends on when copies complete, so it is only
+    checked against the budget: under load a swap-out can still be in flight at a later event.)"""
     case = build_model("mlp", "tiny", seed=5)
     rt = SwapRuntime(budget="60%", policy="capuchin", backend="cpu", min_bytes=0, model=case.model)
-    seen = set()
+    pool = rt.backend.pool
+    sizes = set()
     for i in range(500):
         with rt.step():
+            ex = rt._exec
             case.loss().backward()
-        # steady state: after the profiling steps and the executed steps that re-time the trace,
-        # after which the policy plans again (capuchin's plan may change with the timing)
-        if i >= rt.profile_steps + rt.retime_steps + 1:
-            seen.add((rt.backend.pool.allocated_bytes, rt.backend.pool.idle_bytes, rt.report().peak_device_bytes))
-    assert len(seen) == 1  # the same pool and the same accounting every step
+        rep = rt.report()
+        assert ex.used == 0 and pool.idle_bytes == pool.allocated_bytes, i
+        if rep.mode == "execute":
+            assert rep.plan_followed and rep.peak_device_bytes <= rep.budget_bytes
+            sizes.add(pool.allocated_bytes)
+    assert len(sizes) == 1  # no host allocation after the profiling steps
     rt.close()
 
 
