@@ -99,6 +99,11 @@ class Backend:
         """Make the compute that follows wait for the copy (host wait on CPU, stream wait on CUDA)."""
         raise NotImplementedError
 
+    def take_device_stall_s(self) -> float:
+        """Seconds the device's compute waited on copies since the last call, beyond what the host
+        measured by waiting itself (0 where every wait is a host wait)."""
+        return 0.0
+
     def copy_out_now(self, src: torch.Tensor) -> torch.Tensor:
         """A synchronous swap-out (the profiling steps): the host buffer, complete on return."""
         t = self.copy_out(src)
@@ -239,6 +244,9 @@ class CudaBackend(Backend):
         self.d2h_stream = torch.cuda.Stream(self.device)  # swap-outs: device -> pinned host
         self.h2d_stream = torch.cuda.Stream(self.device)  # swap-ins: pinned host -> device
         self.pool = HostPool(pin=True)
+        # timing events around each stream wait on the compute stream: the wait is on the device,
+        # so the host clock cannot see the stall (take_device_stall_s reads them)
+        self.device_waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def copy_out(self, src: torch.Tensor) -> Ticket:
         compute = torch.cuda.current_stream(self.device)
@@ -275,7 +283,21 @@ class CudaBackend(Backend):
         t.done_event.synchronize()
 
     def wait_for_use(self, t: Ticket) -> None:
-        torch.cuda.current_stream(self.device).wait_event(t.done_event)
+        compute = torch.cuda.current_stream(self.device)
+        if t.done_event.query():
+            return  # already complete: compute will not wait
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(compute)
+        compute.wait_event(t.done_event)
+        after.record(compute)  # reached once the copy completed: after - before is the stall
+        self.device_waits.append((before, after))
+
+    def take_device_stall_s(self) -> float:
+        waits, self.device_waits = self.device_waits, []
+        if not waits:
+            return 0.0
+        waits[-1][1].synchronize()  # recorded in order on one stream: the last completes last
+        return sum(before.elapsed_time(after) for before, after in waits) / 1e3  # elapsed_time is in ms
 
 
 def make_backend(name: str | None, hardware: Any = None) -> Backend:

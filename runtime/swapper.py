@@ -102,8 +102,8 @@ class StepReport:
 
     step: int
     mode: str  # "profile" | "execute" | "diverged"
-    step_s: float
-    stall_s: float
+    step_s: float  # on CUDA from a synchronized start to the device's end of the step
+    stall_s: float  # compute waiting for copies: the host's waits, and on CUDA the device's (timing events)
     predicted_step_s: float | None
     evicted_bytes: int
     prefetched_bytes: int
@@ -220,6 +220,12 @@ class SwapRuntime:
         else:
             ex = _ExecuteStep(self)
         self._exec = ex
+        cuda = self.backend.name == "cuda"
+        if cuda:
+            # the step is timed on the device: what is queued before it (the last optimizer step)
+            # finishes first, and the step ends when the device has run it (below)
+            torch.cuda.synchronize(self.backend.device)
+            self.backend.take_device_stall_s()  # waits of an earlier, aborted step do not count
         t0 = time.perf_counter()
         try:
             with torch.autograd.graph.saved_tensors_hooks(ex.pack, ex.unpack):
@@ -230,6 +236,8 @@ class SwapRuntime:
             raise
         finally:
             self._exec = None
+        if cuda:
+            torch.cuda.synchronize(self.backend.device)
         step_s = time.perf_counter() - t0
         self._report = ex.report(step_s)
         if isinstance(ex, _ProfileStep):
@@ -738,7 +746,8 @@ class _ExecuteStep(_StepExecution):
         # host-clock gaps mean compute only where compute is synchronous, and only for a whole step
         timed = self.backend.name == "cpu" and not self.diverged and len(self.gaps) == self.trace.n_events
         return StepReport(
-            step=self.rt.steps, mode="diverged" if self.diverged else "execute", step_s=step_s, stall_s=self.stall_s,
+            step=self.rt.steps, mode="diverged" if self.diverged else "execute", step_s=step_s,
+            stall_s=self.stall_s + self.backend.take_device_stall_s(),  # CUDA: compute's waits on the device
             predicted_step_s=self.rt.predicted_s, evicted_bytes=self.evicted, prefetched_bytes=self.prefetched,
             on_demand_bytes=self.on_demand, peak_device_bytes=self.peak, budget_bytes=self.budget,
             plan_followed=not self.diverged and self.guard == 0,

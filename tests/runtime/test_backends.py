@@ -113,3 +113,18 @@ def test_cuda_calibration_measures_the_link_and_the_host_costs():
     hw = calibrate("cuda").hardware
     assert hw.d2h_bytes_per_s > 1e9 and hw.h2d_bytes_per_s > 1e9  # any PCIe or C2C link
     assert min(hw.hook_cost_s, hw.copy_issue_s, hw.copy_host_s_per_byte, hw.wait_resume_s) >= 0
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_stall_is_measured_on_the_device():
+    """The compute stream's wait is on the device, where the host clock cannot see it."""
+    from swapsched.runtime.backends import CudaBackend
+
+    be = CudaBackend()
+    host = torch.ones(256 << 20, dtype=torch.uint8).pin_memory()
+    t = be.copy_in(host, None)
+    be.wait_for_use(t)  # compute waits for a 256 MiB copy: a millisecond or more on any link
+    assert be.take_device_stall_s() > 1e-4
+    assert be.take_device_stall_s() == 0.0  # each wait is counted once
+    assert torch.equal(t.dst[-4:].cpu(), host[-4:])
