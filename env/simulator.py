@@ -124,8 +124,12 @@ class Simulation:
     """Incremental simulation of one step. Events are processed in order; evictions may be added
     until the simulation reaches their swap-out event."""
 
-    def __init__(self, trace: Trace, hardware: Hardware, budget: int, *, record: bool = False):
+    def __init__(self, trace: Trace, hardware: Hardware, budget: int, *, record: bool = False,
+                 r4_at_pack: bool = False):
         self.trace, self.hw, self.budget = trace, hardware, int(budget)
+        # R4 where the live runtime can apply it: its hooks see a tensor only at its pack, after
+        # the gap that produced it, so room is made (and waited for) after that gap, not before
+        self.r4_at_pack = r4_at_pack
         tb = self.tb = event_tables(trace)
         nt = trace.n_tensors
         self.loc = [NOT_YET] * nt
@@ -251,6 +255,17 @@ class Simulation:
                 self._stall(c - self.t, event)
         return True
 
+    def _allocate(self, need: int, i: int) -> bool:
+        """Event ``i``'s new tensors (``need`` bytes of them) become resident (R4). False on OOM."""
+        if not self._make_room(need, i):
+            return False
+        if need:
+            for k in self.tb.alloc[i]:
+                self.loc[k] = RESIDENT
+            self.used += need
+        self._note_mem()
+        return True
+
     def _stall(self, dt: float, event: int) -> None:
         if self.record:
             self._stalls.append((self.t, self.t + dt, event))
@@ -279,13 +294,9 @@ class Simulation:
             self._drain(self.t)
             self.cur_other = tb.other[i]
             need = tb.alloc_bytes[i]
-            if need or self.cur_other:
-                if not self._make_room(need, i):
+            if (need and not self.r4_at_pack) or self.cur_other:
+                if not self._allocate(0 if self.r4_at_pack else need, i):
                     return
-                for k in tb.alloc[i]:
-                    loc[k] = RESIDENT
-                self.used += need
-                self._note_mem()
             if self.host_debt:
                 self._pay_host()
             gap = tb.gaps[i] + self.hook
@@ -293,6 +304,8 @@ class Simulation:
                 self._compute.append((self.t, self.t + gap))
             self.t += gap
             self._drain(self.t)
+            if need and self.r4_at_pack and not self._allocate(need, i):
+                return
             # -- (a) an unpack of a tensor that is not resident waits for its swap-in (R5a)
             if tb.is_unpack[i]:
                 k = tb.tensor[i]
@@ -376,12 +389,15 @@ class Simulation:
 
 
 def simulate(trace: Trace, plan: SwapPlan | list[Eviction], hardware: Hardware, budget: int, *, record: bool = False,
-             validate: bool = True) -> SimResult:
-    """Simulate one step of ``trace`` executing ``plan`` under ``budget`` bytes on ``hardware``."""
+             validate: bool = True, r4_at_pack: bool = False) -> SimResult:
+    """Simulate one step of ``trace`` executing ``plan`` under ``budget`` bytes on ``hardware``.
+
+    ``r4_at_pack``: apply R4 after the gap that produces a tensor, at its pack, as the live runtime
+    does (what ``SwapRuntime`` predicts with); by default before that gap, as R4 states it."""
     evictions = plan.evictions if isinstance(plan, SwapPlan) else tuple(plan)
     if validate:
         (plan if isinstance(plan, SwapPlan) else SwapPlan(trace.name, "?", evictions)).validate(trace)
-    sim = Simulation(trace, hardware, budget, record=record)
+    sim = Simulation(trace, hardware, budget, record=record, r4_at_pack=r4_at_pack)
     for e in evictions:
         sim.schedule(e.tensor, e.swap_out_at, e.prefetch_at)
     return sim.finish()

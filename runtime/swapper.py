@@ -300,7 +300,7 @@ class SwapRuntime:
         """Check ``plan`` (R7), predict its step time, and lay it out per event for the hooks."""
         assert self.trace is not None and self.budget_bytes is not None
         plan.validate(self.trace)
-        res = simulate(self.trace, plan, self.hardware, self.budget_bytes, validate=False)
+        res = simulate(self.trace, plan, self.hardware, self.budget_bytes, validate=False, r4_at_pack=True)
         self.plan, self.predicted_s = plan, (None if res.oom else res.iteration_s)
         n = self.trace.n_events
         self.out_at: list[list[int]] = [[] for _ in range(n)]

@@ -42,6 +42,17 @@ def test_allocation_waits_for_swap_out(two_tensors, hw):
     assert r.peak_bytes == 100
 
 
+def test_r4_at_pack_waits_after_the_producing_gap(two_tensors, hw):
+    # As the live runtime applies R4: T1's gap runs 1 -> 2 regardless; at its pack (t=2) T0's
+    # swap-out is complete, so no stall. e2 at 4 frees T1, T0's prefetch runs 4 -> 5, e3 at 5.
+    r = simulate(two_tensors, [Eviction(0, 0, 2)], hw, 100, r4_at_pack=True)
+    assert r.stall_s == 0.0 and r.iteration_s == 5.0 and r.peak_bytes == 100
+    # with a slower link the swap-out (1 -> 3) is still in flight at the pack: the wait is 3 - 2
+    slow = _with(hw, d2h_bytes_per_s=50.0)
+    r = simulate(two_tensors, [Eviction(0, 0, 2)], slow, 100, r4_at_pack=True)
+    assert r.stall_fwd_s == 1.0 and simulate(two_tensors, [Eviction(0, 0, 2)], slow, 100).stall_fwd_s == 2.0
+
+
 def test_prefetch_waits_for_room(hw):
     # T0,T1,T2 of 100 B, 1 s gaps, budget 200. T0 out 1 -> 2. T2 allocated at t=2 (used 200).
     # Prefetch of T0 issued at e2 (t=3) finds no room; e3 (t=4) frees T2, the prefetch starts then:
