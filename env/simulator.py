@@ -255,11 +255,13 @@ class Simulation:
                 self._stall(c - self.t, event)
         return True
 
-    def _allocate(self, need: int, i: int) -> bool:
-        """Event ``i``'s new tensors (``need`` bytes of them) become resident (R4). False on OOM."""
+    def _allocate(self, i: int, tensors: bool = True) -> bool:
+        """Room for the non-saved bytes of gap ``i`` and, with ``tensors``, for event ``i``'s new
+        tensors, which then become resident (R4). False on OOM."""
+        need = self.tb.alloc_bytes[i] if tensors else 0
         if not self._make_room(need, i):
             return False
-        if need:
+        if tensors:
             for k in self.tb.alloc[i]:
                 self.loc[k] = RESIDENT
             self.used += need
@@ -293,9 +295,9 @@ class Simulation:
             # -- the gap before event i: room to produce its new tensors (R4)
             self._drain(self.t)
             self.cur_other = tb.other[i]
-            need = tb.alloc_bytes[i]
-            if (need and not self.r4_at_pack) or self.cur_other:
-                if not self._allocate(0 if self.r4_at_pack else need, i):
+            at_gap = not self.r4_at_pack
+            if (at_gap and tb.alloc[i]) or self.cur_other:
+                if not self._allocate(i, tensors=at_gap):
                     return
             if self.host_debt:
                 self._pay_host()
@@ -304,7 +306,7 @@ class Simulation:
                 self._compute.append((self.t, self.t + gap))
             self.t += gap
             self._drain(self.t)
-            if need and self.r4_at_pack and not self._allocate(need, i):
+            if not at_gap and tb.alloc[i] and not self._allocate(i):
                 return
             # -- (a) an unpack of a tensor that is not resident waits for its swap-in (R5a)
             if tb.is_unpack[i]:

@@ -214,18 +214,18 @@ class SwapRuntime:
         """One training step (forward and backward) under the runtime."""
         if self._exec is not None:
             raise UserError("runtime.step() is already active; steps cannot nest")
-        self.steps += 1
-        if self.plan is None or self.trace is None:
-            ex: _StepExecution = _ProfileStep(self)
-        else:
-            ex = _ExecuteStep(self)
-        self._exec = ex
         cuda = self.backend.name == "cuda"
         if cuda:
             # the step is timed on the device: what is queued before it (the last optimizer step)
             # finishes first, and the step ends when the device has run it (below)
             torch.cuda.synchronize(self.backend.device)
             self.backend.take_device_stall_s()  # waits of an earlier, aborted step do not count
+        self.steps += 1
+        if self.plan is None or self.trace is None:
+            ex: _StepExecution = _ProfileStep(self)
+        else:
+            ex = _ExecuteStep(self)
+        self._exec = ex
         t0 = time.perf_counter()
         try:
             with torch.autograd.graph.saved_tensors_hooks(ex.pack, ex.unpack):
