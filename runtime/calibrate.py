@@ -169,7 +169,7 @@ def _measure_workload(model: str, size: str, backend_name: str, bandwidth: float
     return reports, rt.trace.n_events
 
 
-def calibrate_host(backend_name: str, bandwidth: float | None = None, rounds: int = 16) -> HostCosts:
+def calibrate_host(backend_name: str, bandwidth: float | None = None, rounds: int = 32) -> HostCosts:
     """Measure the runtime's host costs on the fixed ``WORKLOADS``.
 
     On each, four plans run (see ``_measure_workload``): one that evicts nothing, two that send
@@ -180,7 +180,8 @@ def calibrate_host(backend_name: str, bandwidth: float | None = None, rounds: in
     same round (median over the rounds), six observations in all, is fitted by non-negative least
     squares as ``copies * copy_issue_s + bytes * copy_host_s_per_byte + waits * wait_resume_s``.
     On this machine 8 rounds let the per-byte cost move by half or more from one calibration to the
-    next; 16 rounds (about 9 s) kept three calibrations within 80-100 us per copy."""
+    next. Four calibrations in a row gave 76-152 us per copy with 16 rounds (about 9 s each) and
+    103-115 us with 32 (about 17 s), alternating, so 32 it is."""
     med = statistics.median
 
     def net(r) -> float:  # the step less its waits
