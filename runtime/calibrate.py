@@ -33,8 +33,10 @@ from swapsched.trace import Trace
 
 if TYPE_CHECKING:
     from swapsched.runtime.swapper import StepReport, SwapRuntime
+    from swapsched.zoo import ModelCase
 
-__all__ = ["Calibration", "HostCosts", "calibrate_link", "calibrate_host", "calibrate", "execute_in_rounds"]
+__all__ = ["Calibration", "HostCosts", "calibrate_link", "calibrate_host", "calibrate", "execute_in_rounds",
+           "training_step"]
 
 SIZES = [2**16, 2**18, 2**20, 2**22, 2**24, 2**25]
 
@@ -115,6 +117,19 @@ def _round_trips(trace: Trace, half: str) -> SwapPlan:
     return SwapPlan(trace.name, f"calibration-round-trips-{half}", ev)
 
 
+def training_step(rt: "SwapRuntime", case: "ModelCase") -> Callable[[], "StepReport"]:
+    """One training step of ``case`` under ``rt``, as ``execute_in_rounds`` runs them: forward and
+    backward in ``rt.step()`` (which on CUDA ends with the device), gradients cleared; its report."""
+
+    def step() -> "StepReport":
+        with rt.step():
+            case.loss().backward()
+        case.model.zero_grad(set_to_none=True)
+        return rt.report()
+
+    return step
+
+
 def execute_in_rounds(rt: "SwapRuntime", train_step: Callable[[], "StepReport"],
                       plans: Sequence[tuple[SwapPlan, int | None]], rounds: int, steps: int = 2,
                       seed: int = 0) -> list[list[list["StepReport"]]]:
@@ -146,14 +161,7 @@ def _measure_workload(model: str, size: str, backend_name: str, bandwidth: float
     device = "cuda" if backend_name == "cuda" else "cpu"
     case = build_model(model, size, device=device)
     rt = SwapRuntime(budget="100%", policy="no-swap", backend=backend_name, model=case.model, bandwidth=bandwidth)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-
-    def train_step() -> StepReport:
-        with rt.step():
-            case.loss().backward()
-        sync()
-        case.model.zero_grad(set_to_none=True)
-        return rt.report()
+    train_step = training_step(rt, case)
 
     try:
         for _ in range(rt.profile_steps + rt.retime_steps + 1):

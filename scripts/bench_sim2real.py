@@ -37,8 +37,8 @@ from swapsched.agents.registry import get_policy  # noqa: E402
 from swapsched.budget import BudgetError, parse_budget  # noqa: E402
 from swapsched.env.simulator import simulate  # noqa: E402
 from swapsched.hardware import Hardware  # noqa: E402
-from swapsched.runtime.calibrate import calibrate, calibrate_host, execute_in_rounds  # noqa: E402
-from swapsched.runtime.swapper import StepReport, SwapRuntime, timed_by_execution  # noqa: E402
+from swapsched.runtime.calibrate import calibrate, calibrate_host, execute_in_rounds, training_step  # noqa: E402
+from swapsched.runtime.swapper import SwapRuntime, timed_by_execution  # noqa: E402
 from swapsched.zoo import build_model  # noqa: E402
 
 FULL_MODELS = [("gpt", "small"), ("resnet", "small"), ("vgg", "small"), ("unet", "small")]
@@ -94,15 +94,7 @@ def measure_model(model: str, size: str, budgets: list[str], policies: list[str]
     case = build_model(model, size, device=device)
     rt = SwapRuntime(budget="100%", policy="no-swap", backend=backend, bandwidth=bandwidth, hardware=str(hw_path),
                      model=case.model)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-
-    def train_step() -> StepReport:
-        with rt.step():
-            case.loss().backward()
-        sync()
-        case.model.zero_grad(set_to_none=True)
-        return rt.report()
-
+    train_step = training_step(rt, case)
     for _ in range(rt.profile_steps + rt.retime_steps + 1):
         train_step()
     trace = rt.trace
