@@ -28,7 +28,7 @@ HEAVY_OPS = frozenset({"convolution", "_convolution", "cudnn_convolution", "mkld
 def planned_demand(trace: Trace, evictions: list[Eviction] | tuple[Eviction, ...], hardware: Hardware) -> np.ndarray:
     """Device bytes at the end of each gap if the plan ran without stalls (a planning estimate).
 
-    A tensor counts from the gap of its first pack to the gap of its last unpack (R2), except, if
+    A tensor counts from the gap of its first pack to the gap it is freed in (R2), except, if
     evicted, from the first gap that starts after its swap-out would finish to the gap before its
     prefetch event (the swap-in allocates at that event, R6).
     """
@@ -36,7 +36,7 @@ def planned_demand(trace: Trace, evictions: list[Eviction] | tuple[Eviction, ...
     b = trace.tensor_bytes
     delta = np.zeros(n + 1, dtype=np.int64)
     np.add.at(delta, trace.first_pack, b)
-    np.add.at(delta, trace.last_unpack + 1, -b)
+    np.add.at(delta, trace.freed + 1, -b)
     starts = trace.event_times - trace.gaps
     for e in evictions:
         rel = _release_gap(trace, starts, e.tensor, e.swap_out_at, hardware)
@@ -47,8 +47,10 @@ def planned_demand(trace: Trace, evictions: list[Eviction] | tuple[Eviction, ...
 
 
 def _release_gap(trace: Trace, starts: np.ndarray, k: int, so: int, hw: Hardware) -> int:
+    """The first gap ``k`` is off the device: its swap-out is complete and the program has
+    released it (R2)."""
     done = trace.event_times[so] + hw.d2h_time(int(trace.tensor_bytes[k]))
-    return max(so + 1, int(np.searchsorted(starts, done, side="left")))
+    return max(so + 1, int(trace.release[k]) + 1, int(np.searchsorted(starts, done, side="left")))
 
 
 @dataclass(frozen=True)
@@ -118,9 +120,9 @@ def _release_gaps(trace: Trace, hw: Hardware) -> np.ndarray:
 
 def _removable(trace: Trace, gap: int, evicted: np.ndarray) -> np.ndarray:
     """Tensors whose eviction can lower the demand of ``gap``: swapped out (at their last forward
-    pack) before the gap starts and not needed until after it. If the copy has not finished by
-    then, compute waits for it (R4): a stall, not an OOM."""
-    ok = ~evicted & (trace.last_forward_pack < gap) & (gap < trace.first_unpack)
+    pack) and released by the program (R2) before the gap starts, and not needed until after it.
+    If the copy has not finished by then, compute waits for it (R4): a stall, not an OOM."""
+    ok = ~evicted & (trace.release < gap) & (gap < trace.first_unpack)
     return np.flatnonzero(ok)
 
 

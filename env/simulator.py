@@ -110,6 +110,18 @@ class EventTables:
             self.alloc[fp].append(k)
             self.free[lu].append(k)
         self.alloc_bytes = [sum(self.bytes[k] for k in ks) for ks in self.alloc]
+        # R2: the event after whose gap the program no longer holds each tensor
+        self.release: list[list[int]] = [[] for _ in range(n)]
+        for k, r in enumerate(trace.release.tolist()):
+            self.release[r].append(k)
+        # R2: tensors whose memory outlives their last unpack (the node that read them still runs)
+        # are freed after the gap of this event instead
+        self.freed_late: list[list[int]] = [[] for _ in range(n)]
+        self.late = [False] * trace.n_tensors
+        for k, (f, lu) in enumerate(zip(trace.freed.tolist(), trace.last_unpack.tolist())):
+            if f > lu:
+                self.freed_late[f].append(k)
+                self.late[k] = True
 
 
 def event_tables(trace: Trace) -> EventTables:
@@ -124,15 +136,15 @@ class Simulation:
     """Incremental simulation of one step. Events are processed in order; evictions may be added
     until the simulation reaches their swap-out event."""
 
-    def __init__(self, trace: Trace, hardware: Hardware, budget: int, *, record: bool = False,
-                 r4_at_pack: bool = False):
+    def __init__(self, trace: Trace, hardware: Hardware, budget: int, *, record: bool = False):
         self.trace, self.hw, self.budget = trace, hardware, int(budget)
-        # R4 where the live runtime can apply it: its hooks see a tensor only at its pack, after
-        # the gap that produced it, so room is made (and waited for) after that gap, not before
-        self.r4_at_pack = r4_at_pack
         tb = self.tb = event_tables(trace)
         nt = trace.n_tensors
         self.loc = [NOT_YET] * nt
+        # R2: a swap-out frees its bytes once it completed *and* the program released the tensor
+        self.released = [False] * nt
+        self.held_after_copy = [False] * nt  # copied out, still held by the program
+        self.held_late = [False] * nt  # last unpacked, still held by the node that reads it
         self.out_done = [0.0] * nt
         self.in_done = [0.0] * nt
         self.issue_time = [0.0] * nt
@@ -198,7 +210,10 @@ class Simulation:
     def _complete_one_swapout(self) -> float:
         """Retire the oldest in-flight swap-out (R6 FIFO); returns its completion time."""
         done, k = self.d2h_q.popleft()
-        self.used -= self.tb.bytes[k]
+        if self.released[k]:
+            self.used -= self.tb.bytes[k]
+        else:
+            self.held_after_copy[k] = True
         if self.loc[k] == OUT:
             self.loc[k] = HOST
         if self.record:
@@ -255,16 +270,15 @@ class Simulation:
                 self._stall(c - self.t, event)
         return True
 
-    def _allocate(self, i: int, tensors: bool = True) -> bool:
-        """Room for the non-saved bytes of gap ``i`` and, with ``tensors``, for event ``i``'s new
-        tensors, which then become resident (R4). False on OOM."""
-        need = self.tb.alloc_bytes[i] if tensors else 0
+    def _allocate(self, i: int) -> bool:
+        """Room for the non-saved bytes of gap ``i`` and for event ``i``'s new tensors, which then
+        become resident (R4: before the gap starts). False on OOM."""
+        need = self.tb.alloc_bytes[i]
         if not self._make_room(need, i):
             return False
-        if tensors:
-            for k in self.tb.alloc[i]:
-                self.loc[k] = RESIDENT
-            self.used += need
+        for k in self.tb.alloc[i]:
+            self.loc[k] = RESIDENT
+        self.used += need
         self._note_mem()
         return True
 
@@ -295,9 +309,8 @@ class Simulation:
             # -- the gap before event i: room to produce its new tensors (R4)
             self._drain(self.t)
             self.cur_other = tb.other[i]
-            at_gap = not self.r4_at_pack
-            if (at_gap and tb.alloc[i]) or self.cur_other:
-                if not self._allocate(i, tensors=at_gap):
+            if tb.alloc[i] or self.cur_other:
+                if not self._allocate(i):
                     return
             if self.host_debt:
                 self._pay_host()
@@ -306,8 +319,20 @@ class Simulation:
                 self._compute.append((self.t, self.t + gap))
             self.t += gap
             self._drain(self.t)
-            if not at_gap and tb.alloc[i] and not self._allocate(i):
-                return
+            # -- the program lets go of tensors after this gap, and nodes that ran free theirs (R2)
+            for k in tb.freed_late[i]:
+                if self.held_late[k]:
+                    self.held_late[k] = False
+                    self.used -= tb.bytes[k]
+                    if self.waiting:
+                        self._admit(self.t)
+            for k in tb.release[i]:
+                self.released[k] = True
+                if self.held_after_copy[k]:
+                    self.held_after_copy[k] = False
+                    self.used -= tb.bytes[k]
+                    if self.waiting:
+                        self._admit(self.t)
             # -- (a) an unpack of a tensor that is not resident waits for its swap-in (R5a)
             if tb.is_unpack[i]:
                 k = tb.tensor[i]
@@ -327,7 +352,10 @@ class Simulation:
             # -- (b) free tensors whose last use is i
             for k in tb.free[i]:
                 if loc[k] == RESIDENT:
-                    self.used -= tb.bytes[k]
+                    if tb.late[k]:
+                        self.held_late[k] = True
+                    else:
+                        self.used -= tb.bytes[k]
                 loc[k] = FREED
             if tb.free[i]:
                 if self.record:
@@ -391,15 +419,12 @@ class Simulation:
 
 
 def simulate(trace: Trace, plan: SwapPlan | list[Eviction], hardware: Hardware, budget: int, *, record: bool = False,
-             validate: bool = True, r4_at_pack: bool = False) -> SimResult:
-    """Simulate one step of ``trace`` executing ``plan`` under ``budget`` bytes on ``hardware``.
-
-    ``r4_at_pack``: apply R4 after the gap that produces a tensor, at its pack, as the live runtime
-    does (what ``SwapRuntime`` predicts with); by default before that gap, as R4 states it."""
+             validate: bool = True) -> SimResult:
+    """Simulate one step of ``trace`` executing ``plan`` under ``budget`` bytes on ``hardware``."""
     evictions = plan.evictions if isinstance(plan, SwapPlan) else tuple(plan)
     if validate:
         (plan if isinstance(plan, SwapPlan) else SwapPlan(trace.name, "?", evictions)).validate(trace)
-    sim = Simulation(trace, hardware, budget, record=record, r4_at_pack=r4_at_pack)
+    sim = Simulation(trace, hardware, budget, record=record)
     for e in evictions:
         sim.schedule(e.tensor, e.swap_out_at, e.prefetch_at)
     return sim.finish()

@@ -261,7 +261,8 @@ class _DecisionTable:
         self.bytes = b.tolist()
         self.swap_out = so.tolist()
         self.first_unpack = fu.tolist()
-        self.keep_from = (so + 1).tolist()  # keeping occupies the gaps after the last forward pack
+        # keeping occupies the gaps after the program releases it (R2; its last forward pack by default)
+        self.keep_from = (tr.release[order] + 1).tolist()
         times = tr.event_times
         h2d = hw.copy_latency_s + b / hw.h2d_bytes_per_s
         pf_cols = []

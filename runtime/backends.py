@@ -75,6 +75,7 @@ class Ticket:
     start_s: float = 0.0
     end_s: float = 0.0
     error: BaseException | None = field(default=None, repr=False)
+    device: Any = None  # the device side of the copy (CUDA: whose streams ran it)
 
 
 class Backend:
@@ -85,7 +86,8 @@ class Backend:
     def copy_out(self, src: torch.Tensor) -> Ticket:
         raise NotImplementedError
 
-    def copy_in(self, host: torch.Tensor, after: Ticket | None) -> Ticket:
+    def copy_in(self, host: torch.Tensor, after: Ticket | None, device: Any = None) -> Ticket:
+        """Back to ``device`` (default: the device ``after`` copied from)."""
         raise NotImplementedError
 
     def done(self, t: Ticket) -> bool:
@@ -110,9 +112,9 @@ class Backend:
         self.wait_host(t)
         return t.dst
 
-    def copy_in_now(self, host: torch.Tensor) -> torch.Tensor:
+    def copy_in_now(self, host: torch.Tensor, device: Any = None) -> torch.Tensor:
         """A synchronous swap-in (the profiling steps): the device buffer, complete on return."""
-        t = self.copy_in(host, None)
+        t = self.copy_in(host, None, device)
         self.wait_host(t)
         return t.dst
 
@@ -130,7 +132,6 @@ class _CopyEngine(threading.Thread):
         self.queue: deque[tuple[Ticket, Callable[[], None]]] = deque()
         self.cv = threading.Condition()
         self.stopped = False
-        self.busy_s = 0.0
         self.start()
 
     def submit(self, t: Ticket, copy: Callable[[], None]) -> None:
@@ -159,8 +160,12 @@ class _CopyEngine(threading.Thread):
                 if delay > 0:
                     time.sleep(delay)
             t.end_s = time.perf_counter()
-            self.busy_s += t.end_s - t.start_s
-            t.done_event.set()
+            # the closure holds the copy's source and destination: this thread lets go of them
+            # before it says the copy is done, so a swap-out's source can die as soon as the
+            # swapper drops the ticket (the swapper counts a storage until it dies)
+            done = t.done_event
+            del t, copy
+            done.set()
 
     def stop(self) -> None:
         with self.cv:
@@ -196,7 +201,7 @@ class CpuBackend(Backend):
         self.d2h.submit(t, copy)
         return t
 
-    def copy_in(self, host: torch.Tensor, after: Ticket | None) -> Ticket:
+    def copy_in(self, host: torch.Tensor, after: Ticket | None, device: Any = None) -> Ticket:
         dev = torch.empty(host.numel(), dtype=torch.uint8)
         t = Ticket(host.numel(), src=host, dst=dev, after=after, done_event=threading.Event())
         self.h2d.submit(t, lambda: dev.copy_(host))
@@ -221,7 +226,7 @@ class CpuBackend(Backend):
         host.copy_(src)
         return host
 
-    def copy_in_now(self, host: torch.Tensor) -> torch.Tensor:
+    def copy_in_now(self, host: torch.Tensor, device: Any = None) -> torch.Tensor:
         return host.clone()
 
     def shutdown(self) -> None:
@@ -232,8 +237,9 @@ class CpuBackend(Backend):
 
 
 class CudaBackend(Backend):
-    """Two copy streams named by role, an event per copy, a pinned pool; never synchronizes the
-    device on the hot path."""
+    """Two copy streams named by role per device, an event per copy, a pinned pool; never
+    synchronizes the device on the hot path. The device of each copy is the tensor's own (a model
+    on ``cuda:1`` while ``cuda:0`` is current gets its copies on ``cuda:1``'s streams)."""
 
     name = "cuda"
 
@@ -241,40 +247,51 @@ class CudaBackend(Backend):
         if not torch.cuda.is_available():
             raise UserError("backend 'cuda' needs a CUDA device; use backend='cpu' here")
         self.device = torch.device("cuda", torch.cuda.current_device() if device is None else torch.device(device).index or 0)
-        self.d2h_stream = torch.cuda.Stream(self.device)  # swap-outs: device -> pinned host
-        self.h2d_stream = torch.cuda.Stream(self.device)  # swap-ins: pinned host -> device
+        self.streams: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
         self.pool = HostPool(pin=True)
         # timing events around each stream wait on the compute stream: the wait is on the device,
         # so the host clock cannot see the stall (take_device_stall_s reads them)
         self.device_waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
+    def _streams(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        """(swap-outs: device -> pinned host, swap-ins: pinned host -> device) of ``device``."""
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        pair = self.streams.get(idx)
+        if pair is None:
+            pair = self.streams[idx] = (torch.cuda.Stream(idx), torch.cuda.Stream(idx))
+        return pair
+
     def copy_out(self, src: torch.Tensor) -> Ticket:
-        compute = torch.cuda.current_stream(self.device)
+        device = src.device
+        d2h_stream = self._streams(device)[0]
+        compute = torch.cuda.current_stream(device)
         produced = torch.cuda.Event()
         produced.record(compute)  # the producer kernels were queued on compute before this point
         host = self.pool.take(src.numel())
         done = torch.cuda.Event()
         # wait_stream/wait_event on the copy stream itself; the "current" stream inside the
         # context is the copy stream, so never call current_stream() in there
-        self.d2h_stream.wait_event(produced)
-        with torch.cuda.stream(self.d2h_stream):
+        d2h_stream.wait_event(produced)
+        with torch.cuda.stream(d2h_stream):
             host.copy_(src, non_blocking=True)
-        done.record(self.d2h_stream)
-        return Ticket(src.numel(), src=src, dst=host, done_event=done)
+        done.record(d2h_stream)
+        return Ticket(src.numel(), src=src, dst=host, done_event=done, device=device)
 
-    def copy_in(self, host: torch.Tensor, after: Ticket | None) -> Ticket:
-        compute = torch.cuda.current_stream(self.device)
-        dev = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)  # owned by compute
+    def copy_in(self, host: torch.Tensor, after: Ticket | None, device: Any = None) -> Ticket:
+        device = torch.device(device) if device is not None else (after.device if after is not None else self.device)
+        h2d_stream = self._streams(device)[1]
+        compute = torch.cuda.current_stream(device)
+        dev = torch.empty(host.numel(), dtype=torch.uint8, device=device)  # owned by compute
         allocated = torch.cuda.Event()
         allocated.record(compute)
-        self.h2d_stream.wait_event(allocated)
+        h2d_stream.wait_event(allocated)
         if after is not None:
-            self.h2d_stream.wait_event(after.done_event)
-        with torch.cuda.stream(self.h2d_stream):
+            h2d_stream.wait_event(after.done_event)
+        with torch.cuda.stream(h2d_stream):
             dev.copy_(host, non_blocking=True)
         done = torch.cuda.Event()
-        done.record(self.h2d_stream)
-        return Ticket(host.numel(), src=host, dst=dev, after=after, done_event=done)
+        done.record(h2d_stream)
+        return Ticket(host.numel(), src=host, dst=dev, after=after, done_event=done, device=device)
 
     def done(self, t: Ticket) -> bool:
         return t.done_event.query()
@@ -283,7 +300,7 @@ class CudaBackend(Backend):
         t.done_event.synchronize()
 
     def wait_for_use(self, t: Ticket) -> None:
-        compute = torch.cuda.current_stream(self.device)
+        compute = torch.cuda.current_stream(t.device)
         if t.done_event.query():
             return  # already complete: compute will not wait
         before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -33,7 +33,8 @@ from swapsched.errors import UserError
 from swapsched.hardware import Hardware, load_hardware
 from swapsched.trace import Event, TensorInfo, Trace
 
-__all__ = ["profile", "ProfileError", "TraceRecorder", "StorageIds", "is_parameter", "storage_key", "static_bytes_of"]
+__all__ = ["profile", "ProfileError", "TraceRecorder", "StorageIds", "is_parameter", "is_cached_cast", "storage_key",
+           "static_bytes_of"]
 
 
 class ProfileError(UserError):
@@ -66,11 +67,28 @@ class StorageIds:
 
 
 def is_parameter(t: torch.Tensor) -> bool:
-    """A parameter or a view of one: a leaf that requires grad, directly or through ``_base``."""
+    """A parameter or a view of one: a leaf that requires grad, directly or through ``_base``;
+    or autocast's cached cast of one (see :func:`is_cached_cast`)."""
     if t.is_leaf:
         return t.requires_grad
     base = t._base
-    return base is not None and base.is_leaf and base.requires_grad
+    if base is not None and base.is_leaf and base.requires_grad:
+        return True
+    return is_cached_cast(t)
+
+
+def is_cached_cast(t: torch.Tensor) -> bool:
+    """A cast of a leaf that requires grad (a parameter), or a view of one: what autocast caches for
+    the rest of its region. The cache keeps the storage alive, so evicting it would free nothing
+    and its swap-in would allocate a second copy; it stays, like the parameter it was cast from.
+    (Saved-tensor hooks run with autocast turned off, so the cast is recognised by its graph: a
+    ``ToCopyBackward0`` whose only input is a leaf's ``AccumulateGrad``.)"""
+    for x in (t, t._base):
+        fn = None if x is None else x.grad_fn
+        if fn is not None and type(fn).__name__ == "ToCopyBackward0":
+            nxt = fn.next_functions
+            return len(nxt) == 1 and nxt[0][0] is not None and type(nxt[0][0]).__name__ == "AccumulateGrad"
+    return False
 
 
 class _OpNames(TorchDispatchMode):
@@ -223,8 +241,13 @@ class TraceRecorder:
                 self.cuda_exit.append(ev)
         self.hook_s = self._hook_s_before + (self._last - self._hook_t0)
 
-    def finish(self, name: str, device: str, static: int, timing: str) -> Trace:
-        """Build the Trace. Tensors never unpacked are dropped; their gaps merge into the next event's."""
+    def finish(self, name: str, device: str, static: int, timing: str, exclude: frozenset[int] = frozenset(),
+               released: dict[int, int] | None = None, freed: dict[int, int] | None = None) -> Trace:
+        """Build the Trace. Tensors never unpacked, and those in ``exclude`` (ids in order of first
+        sight: storages the runtime found held by someone else), are dropped; their gaps merge into
+        the next event's. ``released``: id -> the hook call before which the program let go of the
+        tensor, which becomes its ``released_at`` (R2); ``freed``: id -> the hook call before which
+        its last unpacked copy died, which becomes its ``freed_at`` (R2)."""
         end = time.perf_counter()
         n = len(self.kinds)
         if self.clock == "cuda":
@@ -240,12 +263,14 @@ class TraceRecorder:
         total_flops = float(self.flops.get_total_flops()) if self.flops is not None else None
         marks_f = [0.0, *self.flop_marks] if self.flops is not None else None
         unpacked = {self.tensor_of[i] for i in range(n) if self.kinds[i] == "unpack"}
-        keep = sorted(unpacked)
+        keep = sorted(unpacked - exclude)
         remap = {old: new for new, old in enumerate(keep)}
         self.remap = remap  # order of first sight -> trace tensor id (the live runtime replays it)
         events: list[Event] = []
+        new_index = [0] * (n + 1)  # recorded hook call -> trace event (a dropped one merges into the next)
         carry_s, carry_f = 0.0, 0.0
         for i in range(n):
+            new_index[i] = len(events)
             g = gaps[i]
             f = (marks_f[i + 1] - marks_f[i]) if marks_f else None
             if self.tensor_of[i] not in remap:
@@ -255,14 +280,23 @@ class TraceRecorder:
             events.append(Event(self.kinds[i], remap[self.tensor_of[i]], g + carry_s,
                                 None if f is None else f + carry_f))
             carry_s, carry_f = 0.0, 0.0
-        tensors = tuple(replace(self.tensors[old], id=new, op=self.op_names[old]) for new, old in enumerate(keep))
+        new_index[n] = len(events)
+        def event_of(calls: dict[int, int] | None, old: int) -> int | None:
+            # died in the gap before hook call r: held through the gap of the event r became
+            if not calls or old not in calls:
+                return None
+            return min(new_index[calls[old]], len(events) - 1)
+
+        tensors = tuple(replace(self.tensors[old], id=new, op=self.op_names[old], released_at=event_of(released, old),
+                                freed_at=event_of(freed, old))
+                        for new, old in enumerate(keep))
         if not events:
             raise ProfileError(f"{name}: the step saved no tensors for backward; there is nothing to swap")
         tail_flops = (total_flops - marks_f[-1] + carry_f) if marks_f else 0.0
         return Trace(
             name=name, timing=timing, device=device, static_bytes=int(static), tail_compute_s=float(tail + carry_s),
             tensors=tensors, events=tuple(events),
-            meta={"tail_flops": tail_flops, "hook_s_per_event": self.hook_s / max(n, 1), "dropped_never_unpacked": len(self.tensors) - len(keep)},
+            meta={"tail_flops": tail_flops, "hook_s_per_event": self.hook_s / max(n, 1), "dropped_never_unpacked": len(self.tensors) - len(unpacked)},
         )
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:

@@ -48,7 +48,7 @@ from swapsched.errors import UserError
 from swapsched.hardware import Hardware, load_hardware
 from swapsched.plan import SwapPlan
 from swapsched.runtime.backends import Backend, CpuBackend, Ticket, make_backend
-from swapsched.runtime.profiler import StorageIds, TraceRecorder, is_parameter, static_bytes_of
+from swapsched.runtime.profiler import StorageIds, TraceRecorder, is_cached_cast, is_parameter, static_bytes_of, storage_key
 from swapsched.trace import Trace
 
 __all__ = ["SwapRuntime", "StepReport", "timed_by_execution"]
@@ -85,14 +85,16 @@ class _Packed:
 
     def __init__(self, rec: _Record | None, tensor: torch.Tensor | None):
         self.rec, self.tensor = rec, tensor
-        # (dtype, size, stride, storage offset): taken when the tensor reference is dropped
+        # (dtype, size, stride, storage offset, conj bit, neg bit): taken when the tensor reference
+        # is dropped. The two bits are lazy views over the same bytes (a complex tensor's conj()),
+        # so the raw storage alone would give back the unconjugated values.
         self.geometry: tuple[Any, ...] | None = None
 
     def let_go(self) -> None:
         """Drop the tensor reference, keeping what is needed to rebuild the view."""
         t = self.tensor
         if t is not None:
-            self.geometry = (t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+            self.geometry = (t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.is_conj(), t.is_neg())
             self.tensor = None
 
 
@@ -121,6 +123,13 @@ class StepReport:
     # the host clock (what ``timed_by_execution`` re-times a trace from)
     gaps_s: tuple[float, ...] | None = field(default=None, repr=False)
     tail_s: float | None = None
+    # SwapRuntime(audit=True): static bytes plus the most bytes of saved storages (every storage
+    # packed, whoever holds it, and every buffer made for a swap-in) alive at once, measured from
+    # the storages' own lifetimes (CPU backend) or torch's allocator peak (CUDA); None without audit
+    measured_peak_bytes: int | None = None
+    # saved storages the runtime found held by someone else (the caller's inputs, module buffers,
+    # autocast's cached casts): left resident and counted in the trace's static bytes
+    unowned_bytes: int = 0
 
     def __str__(self) -> str:
         pred = f"{1e3 * self.predicted_step_s:.2f} ms" if self.predicted_step_s is not None else "-"
@@ -131,7 +140,8 @@ class StepReport:
             f"on demand {format_bytes(self.on_demand_bytes)}",
             (f"  peak device {format_bytes(self.peak_device_bytes)} of budget {format_bytes(self.budget_bytes)}"
              if self.peak_device_bytes is not None else "  profiling step: every saved tensor on the host, back on demand")
-            + (f" (torch peak {format_bytes(self.cuda_peak_bytes)})" if self.cuda_peak_bytes is not None else ""),
+            + (f" (torch peak {format_bytes(self.cuda_peak_bytes)})" if self.cuda_peak_bytes is not None else "")
+            + (f"; measured {format_bytes(self.measured_peak_bytes)}" if self.measured_peak_bytes is not None else ""),
             f"  plan followed: {'yes' if self.plan_followed else 'no'}; guard evictions {self.guard_evictions}; "
             f"small tensors kept {self.kept_small}"
             + (f"; runtime's own hook time {1e3 * self.hook_s:.2f} ms" if self.hook_s is not None else ""),
@@ -158,12 +168,19 @@ class SwapRuntime:
     ``retime_steps``: on the CPU backend, after this many executed steps the trace's gaps are
     re-measured from them, the policy plans again on them (a plan given by ``use_plan`` stays) and
     the prediction is redone (0: keep the profiled timing).
+    ``audit``: measure the memory really held, independently of the accounting, into
+    ``report().measured_peak_bytes`` (on the CPU backend a finalizer per saved storage: slower).
+
+    Only what the runtime owns is evicted. Storages the profiling steps find alive after autograd
+    let go of them (the caller's inputs and outputs, module buffers) and autocast's cached casts of
+    parameters stay resident; their bytes are counted once, in the trace's ``static_bytes``, and
+    reported as ``unowned_bytes``.
     """
 
     def __init__(self, budget: str | int = "60%", policy: Any = "default", hardware: Hardware | str | None = None,
                  backend: str | Backend | None = None, *, bandwidth: float | None = None, min_bytes: int = 0,
                  model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-                 profile_steps: int = 3, retime_steps: int = 3):
+                 profile_steps: int = 3, retime_steps: int = 3, audit: bool = False):
         self.budget_spec = budget
         if isinstance(policy, str):
             from swapsched.agents.registry import get_policy
@@ -199,6 +216,9 @@ class SwapRuntime:
         self._policy_planned = False  # the plan is the policy's (re-planned after re-timing), not use_plan's
         # parameters, gradients and optimizer state: counted in absolute budgets when the model is given
         self.static_bytes = static_bytes_of(model, optimizer) if model is not None else 0
+        # storages already in static_bytes that a step may pack (BatchNorm saves its running stats)
+        self._static_keys = frozenset(storage_key(b) for b in model.buffers()) if model is not None else frozenset()
+        self.audit = bool(audit)
         self.trace: Trace | None = None
         self.first_sight: dict[int, int] = {}
         self.plan: SwapPlan | None = None
@@ -241,6 +261,8 @@ class SwapRuntime:
         step_s = time.perf_counter() - t0
         self._report = ex.report(step_s)
         if isinstance(ex, _ProfileStep):
+            if ex.trace is None:  # nothing was unpacked (no backward): nothing learned, profile again
+                return
             self._profiled += 1
             self._profiles.append(ex.trace)
             if self._profiled >= self.profile_steps:
@@ -300,7 +322,7 @@ class SwapRuntime:
         """Check ``plan`` (R7), predict its step time, and lay it out per event for the hooks."""
         assert self.trace is not None and self.budget_bytes is not None
         plan.validate(self.trace)
-        res = simulate(self.trace, plan, self.hardware, self.budget_bytes, validate=False, r4_at_pack=True)
+        res = simulate(self.trace, plan, self.hardware, self.budget_bytes, validate=False)
         self.plan, self.predicted_s = plan, (None if res.oom else res.iteration_s)
         n = self.trace.n_events
         self.out_at: list[list[int]] = [[] for _ in range(n)]
@@ -346,11 +368,11 @@ def _median_timing(trace: Trace, gaps: list, tails: list[float], meta_key: str) 
 
 
 class _StepExecution:
-    """Common bookkeeping of one step: identities, accounting, counters."""
+    """Common bookkeeping of one step: identities, accounting, counters, and the audit meter."""
 
     # slots: the hooks read and write these at every saved-tensor event
     __slots__ = ("rt", "backend", "records", "static", "used", "peak", "stall_s", "evicted", "prefetched",
-                 "on_demand", "copies", "waits", "guard", "diverged")
+                 "on_demand", "copies", "waits", "guard", "diverged", "audit", "alive", "alive_peak", "dead_bytes")
 
     def __init__(self, rt: SwapRuntime):
         self.rt = rt
@@ -364,6 +386,13 @@ class _StepExecution:
         self.copies = self.waits = 0
         self.guard = 0
         self.diverged = False
+        # the audit meter: bytes of the saved storages alive now, kept by finalizers on the storages
+        # themselves, so it sees what really holds memory whoever keeps it (never our accounting)
+        self.audit = rt.audit and self.backend.name == "cpu"
+        self.alive = self.alive_peak = 0
+        # finalizers may run on a copy thread (the CPU backend drops a source there): they only
+        # append here, and the step's thread does the arithmetic
+        self.dead_bytes: deque[int] = deque()
         if self.backend.name == "cuda":
             torch.cuda.reset_peak_memory_stats()
 
@@ -372,10 +401,28 @@ class _StepExecution:
         if self.static + self.used > self.peak:
             self.peak = self.static + self.used
 
+    def _watch(self, storage: Any, nbytes: int) -> None:
+        """Audit: count ``storage`` as alive until it dies."""
+        dead = self.dead_bytes
+        while dead:
+            self.alive -= dead.popleft()
+        self.alive += nbytes
+        if self.alive > self.alive_peak:
+            self.alive_peak = self.alive
+        weakref.finalize(storage, dead.append, nbytes)
+
+    def measured_peak(self) -> int | None:
+        if self.backend.name == "cuda" and self.rt.audit:
+            return int(torch.cuda.max_memory_allocated())
+        return self.rt.static_bytes + self.alive_peak if self.audit else None
+
     @staticmethod
     def _rebuild(p: _Packed, flat: torch.Tensor) -> torch.Tensor:
-        dtype, size, stride, offset = p.geometry
-        return torch.empty(0, dtype=dtype, device=flat.device).set_(flat.untyped_storage(), offset, size, stride)
+        dtype, size, stride, offset, conj, neg = p.geometry
+        out = torch.empty(0, dtype=dtype, device=flat.device).set_(flat.untyped_storage(), offset, size, stride)
+        if neg:
+            out = torch._neg_view(out)
+        return out.conj() if conj else out
 
     @staticmethod
     def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -393,9 +440,16 @@ class _StepExecution:
 
 class _ProfileStep(_StepExecution):
     """Step 1: record the trace; every saved tensor goes to the host at once and comes back on
-    demand, synchronously inside the hook (the recorder excludes hook time from the gaps)."""
+    demand, synchronously inside the hook (the recorder excludes hook time from the gaps).
 
-    __slots__ = ("ids", "recorder", "trace", "moved", "device")
+    It also finds the saved storages the runtime does not own: at the end of the step, a storage
+    that is still alive although autograd dropped every handle to it is held by someone else (the
+    caller's batch or output, a module buffer). Evicting it would free nothing, so the trace leaves
+    it out and counts its bytes as static. A graph kept with ``retain_graph`` keeps its handles, so
+    its storages are not judged."""
+
+    __slots__ = ("ids", "recorder", "trace", "moved", "device", "owners", "cast_keys", "cast_bytes", "released",
+                 "freed", "unpacked", "devices")
 
     def __init__(self, rt: SwapRuntime):
         super().__init__(rt)
@@ -406,35 +460,98 @@ class _ProfileStep(_StepExecution):
         self.trace: Trace | None = None
         self.moved = 0
         self.device = "cuda" if self.backend.name == "cuda" else "cpu"
+        # trace id (order of first sight) -> (storage, handles autograd holds, bytes, key), all weak
+        self.owners: dict[int, tuple[weakref.ref[Any], list[weakref.ref[_Packed]], int, int]] = {}
+        self.cast_keys: set[int] = set()
+        self.cast_bytes = 0
+        # trace id -> the hook call before which its storage died: here the runtime holds no device
+        # copy, so that is when the program itself let go of it (R2's release)
+        self.released: dict[int, int] = {}
+        # trace id -> the hook call before which its last unpacked copy died: when autograd's node
+        # that read it let go (R2's free)
+        self.freed: dict[int, int] = {}
+        self.unpacked: set[int] = set()
+        self.devices: dict[int, torch.device] = {}
 
     def pack(self, t: torch.Tensor) -> Any:
         tid = self.recorder.pack(t)
-        if tid is None or t.untyped_storage().nbytes() < self.rt.min_bytes:
-            return ("keep", tid, t)
+        if tid is None:
+            if is_cached_cast(t):  # stays like its parameter; its bytes are counted once, as static
+                st = t.untyped_storage()
+                if st._cdata not in self.cast_keys:
+                    self.cast_keys.add(st._cdata)
+                    self.cast_bytes += st.nbytes()
+            # detached: the tensor itself would tie it to its own grad_fn in a reference cycle
+            return ("keep", None, _Packed(None, t.detach()))
+        st = t.untyped_storage()
+        if st.nbytes() < self.rt.min_bytes:
+            p = _Packed(None, t.detach())
+            self._own(tid, st, p)
+            return ("keep", tid, p)
         rec = self.ids.get(t)
         if rec is None:
             flat = self._flat(t)
             rec = _Record(tid, flat.numel(), host=self.backend.copy_out_now(flat), state=HOST)
+            self.devices[tid] = t.device  # it comes back to the tensor's own device
             self.ids.add(t, rec)
             self.records.append(rec)
             self.moved += rec.nbytes
             self.recorder.hook_done()  # the copy was hook time, not compute
         p = _Packed(rec, t)
         p.let_go()  # the device copy may go: unpack rebuilds from the host
+        self._own(tid, st, p)
         return ("host", tid, p)
 
+    def _own(self, tid: int, st: Any, p: _Packed) -> None:
+        entry = self.owners.get(tid)
+        if entry is None:
+            self.owners[tid] = (weakref.ref(st), [weakref.ref(p)], st.nbytes(), st._cdata)
+            weakref.finalize(st, self._died, tid)
+        else:
+            entry[1].append(weakref.ref(p))
+
+    def _died(self, tid: int) -> None:
+        """The packed storage died: before its first unpack the program let go of it (it was on
+        the host already); after, autograd did (a kept tensor)."""
+        if tid in self.unpacked:
+            self._freed(tid)
+        else:
+            self.released.setdefault(tid, len(self.recorder.kinds))
+
+    def _freed(self, tid: int) -> None:
+        self.freed[tid] = max(self.freed.get(tid, 0), len(self.recorder.kinds))
+
     def unpack(self, packed: Any) -> torch.Tensor:
-        kind, tid, obj = packed
+        kind, tid, p = packed
         self.recorder.unpack(tid)
+        if tid is not None:
+            self.unpacked.add(tid)
         if kind == "keep":
-            return obj
-        p: _Packed = obj
-        out = self._rebuild(p, self.backend.copy_in_now(p.rec.host))
+            return p.tensor
+        out = self._rebuild(p, self.backend.copy_in_now(p.rec.host, self.devices[p.rec.tid]))
+        weakref.finalize(out.untyped_storage(), self._freed, tid)
         self.recorder.hook_done()
         return out
 
+    def unowned(self) -> dict[int, int]:
+        """Trace id -> bytes of the storages alive though autograd let go of every handle."""
+        out = {}
+        for tid, (st, handles, nbytes, key) in self.owners.items():
+            if st() is not None and all(h() is None for h in handles):
+                out[tid] = 0 if key in self.rt._static_keys else nbytes  # a buffer is static already
+        return out
+
     def finish(self) -> None:
-        self.trace = self.recorder.finish(f"runtime-step-{self.rt.steps}", self.device, self.rt.static_bytes, "measured")
+        unowned = self.unowned()
+        static = self.rt.static_bytes + self.cast_bytes + sum(unowned.values())
+        if "unpack" not in self.recorder.kinds:  # a step without backward: no trace to learn from
+            self.abort()
+            return
+        self.trace = self.recorder.finish(f"runtime-step-{self.rt.steps}", self.device, static, "measured",
+                                          exclude=frozenset(unowned), released=dict(self.released),
+                                          freed=dict(self.freed))
+        self.trace = replace(self.trace, meta={**self.trace.meta, "unowned_bytes": static - self.rt.static_bytes,
+                                               "unowned_tensors": len(unowned)})
         self.rt.first_sight = self.recorder.remap
         self.abort()
 
@@ -445,33 +562,44 @@ class _ProfileStep(_StepExecution):
                 rec.host = None
         self.records.clear()
         self.ids.clear()
+        self.owners.clear()
 
     def report(self, step_s: float) -> StepReport:
+        unowned = int(self.trace.meta.get("unowned_bytes", 0)) if self.trace is not None else 0
         return StepReport(
             step=self.rt.steps, mode="profile", step_s=step_s, stall_s=0.0, predicted_step_s=None,
             evicted_bytes=self.moved, prefetched_bytes=0, on_demand_bytes=self.moved,
             peak_device_bytes=None, budget_bytes=None, plan_followed=True, guard_evictions=0, kept_small=0,
+            unowned_bytes=unowned,
         )
 
 
 class _ExecuteStep(_StepExecution):
-    """Steps 2..: execute the plan event by event (R4-R7)."""
+    """Steps 2..: execute the plan event by event (R4-R7).
+
+    The accounting is the memory really held, not the plan's view of it: a saved storage (and a
+    swap-in buffer) counts from its first pack (its allocation) until a finalizer on the storage
+    says it died. So an evicted tensor leaves the budget only once its swap-out completed *and* the
+    program let go of it (R2's release), and a tensor last used at an unpack only once autograd's
+    node that read it is done with it; until then, R4's waits and the guard see it."""
 
     __slots__ = ("trace", "budget", "room", "out_at", "prefetch_at", "tensor_bytes", "frees", "expected", "work",
                  "keys", "by_tid", "i", "outs", "waiting", "ins", "n_seen", "first_sight", "gaps", "hook_s",
-                 "last_exit", "tail_s")
+                 "last_exit", "tail_s", "deaths", "alloc")
 
     def __init__(self, rt: SwapRuntime):
         super().__init__(rt)
         tr, plan = rt.trace, rt.plan
         assert tr is not None and plan is not None and rt.budget_bytes is not None
         self.trace = tr
+        self.static = tr.static_bytes  # the model's, plus what the profiling found held by others
         self.budget = rt.budget_bytes
         self.room = self.budget - self.static  # for saved tensors
         self.out_at, self.prefetch_at = rt.out_at, rt.prefetch_at  # the plan per event (_adopt)
         tb = event_tables(tr)  # the simulator's per-trace lists, shared
         self.tensor_bytes = tb.bytes
         self.frees = tb.free  # tensors whose last unpack is each event
+        self.alloc = tb.alloc_bytes  # bytes of the tensors first packed at each event (made in its gap)
         # the hooks' hot path reads two flat lists: the expected event (tensor id for a pack, its
         # complement ~id for an unpack) and whether anything happens after it (a free, a planned
         # swap-out or prefetch). Diverging empties both, which turns every later check off.
@@ -487,6 +615,9 @@ class _ExecuteStep(_StepExecution):
         self.outs: deque[_Record] = deque()  # swap-outs in flight, in issue order
         self.waiting: deque[_Record] = deque()  # prefetches waiting for room (R6)
         self.ins: list[_Record] = []
+        # bytes of device storages of ours that died: finalizers append (maybe on a copy thread),
+        # the step's thread subtracts them from the accounting
+        self.deaths: deque[int] = deque()
         self.n_seen = 0
         self.first_sight = rt.first_sight
         # host clock per trace event: the compute gap before its hook, and the time in the hooks
@@ -499,6 +630,9 @@ class _ExecuteStep(_StepExecution):
 
     # ------------------------------------------------------------------ memory (R4, R6)
     def _drain(self) -> None:
+        deaths = self.deaths
+        while deaths:
+            self.used -= deaths.popleft()
         while self.outs and self.backend.done(self.outs[0].out):
             self._retire_out(self.outs.popleft())
         if self.waiting:
@@ -511,7 +645,7 @@ class _ExecuteStep(_StepExecution):
         t.src = None  # the copy is complete: the device storage may go (see backends.py)
         if rec.state == OUT:
             rec.state = HOST
-        self._account(-rec.nbytes)
+        # no accounting here: the bytes go when the storage dies (see _ExecuteStep's docstring)
 
     def _admit(self) -> None:
         room = self.budget - self.static
@@ -523,15 +657,28 @@ class _ExecuteStep(_StepExecution):
     def _start_in(self, rec: _Record) -> None:
         self._account(rec.nbytes)
         rec.inn = self.backend.copy_in(rec.host, rec.out)
+        weakref.finalize(rec.inn.dst.untyped_storage(), self.deaths.append, rec.nbytes)
+        if self.audit:
+            self._watch(rec.inn.dst.untyped_storage(), rec.nbytes)
         self.copies += 1
         rec.state = IN
         self.ins.append(rec)
+
+    def _room_for_next(self, need: int) -> None:
+        """R4 before the gap: the next gap produces ``need`` bytes of new saved tensors (by the
+        trace); compute waits here, while nothing of it exists yet, for room under the budget."""
+        self._drain()
+        if self.used + need > self.room:
+            self._make_room(need, None)
 
     def _make_room(self, need: int, now_tid: int | None) -> None:
         if self.diverged:
             return  # finishing safely on demand: the plan no longer describes this step
         room = self.budget - self.static
         while self.used + need > room:
+            if self.deaths:
+                self.used -= self.deaths.popleft()
+                continue
             if self.outs:
                 t0 = time.perf_counter()
                 self.waits += not self.backend.done(self.outs[0].out)
@@ -558,7 +705,7 @@ class _ExecuteStep(_StepExecution):
         flat = rec.flat
         if flat is None:
             flat = self._flat(next(h.tensor for h in rec.live_handles() if h.tensor is not None))
-        # from now on nothing of ours keeps the storage alive: forget its key when it dies
+        # from now on nothing of ours but the ticket keeps the storage alive: forget its key when it dies
         weakref.finalize(flat.untyped_storage(), self.keys.pop, rec.key, None)
         rec.out = self.backend.copy_out(flat)
         self.copies += 1
@@ -576,7 +723,7 @@ class _ExecuteStep(_StepExecution):
         """The step's events left the trace: nothing more is planned, and what is evicted comes
         back on demand."""
         self.diverged = True
-        self.expected = self.work = ()
+        self.expected = self.work = self.alloc = ()
         self.waiting.clear()
 
     def pack(self, t: torch.Tensor) -> Any:
@@ -590,8 +737,10 @@ class _ExecuteStep(_StepExecution):
         if rec is None:
             if is_parameter(t):  # parameters stay (counted in static_bytes), and get no trace id
                 self.keys[key] = _UNTRACKED
-                return _Packed(None, t)
+                return _Packed(None, t.detach())  # detached: see the alias below
             nbytes = st.nbytes()
+            if self.audit:
+                self._watch(st, nbytes)
             # ids in order of first sight, as the profiling step numbered them; a storage the
             # trace does not have (never unpacked there) is not tracked and just stays
             tid = self.first_sight.get(self.n_seen, -1)
@@ -599,7 +748,7 @@ class _ExecuteStep(_StepExecution):
             if tid < 0:
                 self.keys[key] = _UNTRACKED
                 weakref.finalize(st, self.keys.pop, key, None)
-                return _Packed(None, t)
+                return _Packed(None, t.detach())
             rec = _Record(tid, nbytes, key)
             self.keys[key] = rec
             self.records.append(rec)
@@ -607,15 +756,18 @@ class _ExecuteStep(_StepExecution):
             ex = self.expected
             if i >= len(ex) or ex[i] != tid or self.tensor_bytes[tid] != nbytes:
                 self._diverge()
-            if self.outs:
+            if self.outs or self.deaths:
                 self._drain()
-            if self.used + nbytes > self.room:
-                self._make_room(nbytes, tid)  # R4: it is already made; the guard keeps the total in budget
+            # it is already made: counted now, so an overshoot shows in the peak; room for it was
+            # made before its gap (R4, _room_for_next), and this only catches what that missed
             self.used += nbytes
+            weakref.finalize(st, self.deaths.append, nbytes)
             if self.static + self.used > self.peak:
                 self.peak = self.static + self.used
+            if self.used > self.room:
+                self._make_room(0, tid)
         elif rec is _UNTRACKED:
-            return _Packed(None, t)
+            return _Packed(None, t.detach())
         else:
             ex = self.expected
             if i >= len(ex) or ex[i] != rec.tid:
@@ -631,6 +783,9 @@ class _ExecuteStep(_StepExecution):
         work = self.work
         if i < len(work) and work[i]:
             self._after_event(i)
+        alloc = self.alloc
+        if i + 1 < len(alloc) and self.used + alloc[i + 1] > self.room:
+            self._room_for_next(alloc[i + 1])
         now = time.perf_counter()
         self.gaps.append(t_in - self.last_exit)  # the compute since the previous event's hook
         self.hook_s += now - t_in
@@ -653,6 +808,9 @@ class _ExecuteStep(_StepExecution):
         work = self.work
         if i < len(work) and work[i]:
             self._after_event(i)
+        alloc = self.alloc
+        if i + 1 < len(alloc) and self.used + alloc[i + 1] > self.room:
+            self._room_for_next(alloc[i + 1])
         now = time.perf_counter()
         self.gaps.append(t_in - self.last_exit)
         self.hook_s += now - t_in
@@ -662,7 +820,7 @@ class _ExecuteStep(_StepExecution):
     def _make_resident(self, p: _Packed) -> torch.Tensor:
         """(a) of an unpack whose tensor was evicted: wait for its prefetch, or bring it on demand."""
         rec = p.rec
-        if self.outs:
+        if self.outs or self.deaths:
             self._drain()
         # a freed tensor unpacked again (the step diverged) comes back from its host copy, which
         # stays until the step ends
@@ -686,11 +844,12 @@ class _ExecuteStep(_StepExecution):
         # (b) free what is last used here
         for tid in self.frees[i]:
             rec = self.by_tid[tid]
-            if rec.state == RESIDENT:
-                self._account(-rec.nbytes)
-            # our own reference goes; autograd drops its handles itself. A host copy stays until
-            # the step ends, in case an unplanned unpack (divergence) needs it again.
+            # our own references go (the swap-in buffer is held by rec.flat and by the swap-in
+            # ticket's dst); autograd drops its handles itself, which frees the storage here as
+            # plain PyTorch would. A host copy stays until the step ends, in case an unplanned
+            # unpack (divergence) needs it again.
             rec.flat = None
+            rec.inn = None
             rec.state = FREED
             if self.keys.get(rec.key) is rec:
                 del self.keys[rec.key]  # no pack of it may follow; its address may be reused
@@ -724,7 +883,8 @@ class _ExecuteStep(_StepExecution):
         for rec in self.outs:
             self.backend.wait_host(rec.out)
         for rec in self.ins:
-            self.backend.wait_host(rec.inn)
+            if rec.inn is not None:  # None: waited for at its use and released at its last one
+                self.backend.wait_host(rec.inn)
         pool = self.backend.pool
         for rec in self.records:
             if rec.host is not None:
@@ -740,6 +900,8 @@ class _ExecuteStep(_StepExecution):
         self.records.clear()
         self.keys.clear()
         self.by_tid.clear()
+        while self.deaths:  # what died since the last hook (a storage still alive stays counted)
+            self.used -= self.deaths.popleft()
 
     def report(self, step_s: float) -> StepReport:
         cuda_peak = torch.cuda.max_memory_allocated() if self.backend.name == "cuda" else None
@@ -754,4 +916,5 @@ class _ExecuteStep(_StepExecution):
             guard_evictions=self.guard, kept_small=int(self.rt.plan.meta.get("kept_small", 0)), cuda_peak_bytes=cuda_peak,
             hook_s=self.hook_s, copies=self.copies, waits=self.waits,
             gaps_s=tuple(self.gaps) if timed else None, tail_s=self.tail_s if timed else None,
+            measured_peak_bytes=self.measured_peak(), unowned_bytes=int(self.trace.meta.get("unowned_bytes", 0)),
         )

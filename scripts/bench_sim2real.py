@@ -123,7 +123,7 @@ def measure_model(model: str, size: str, budgets: list[str], policies: list[str]
     runs = []
     for c in cases:
         reps, rounds_of_c = c.pop("reports"), c.pop("rounds")
-        sim = simulate(timed, c.pop("plan"), hw, c["budget_bytes"], r4_at_pack=True)  # as the runtime applies R4
+        sim = simulate(timed, c.pop("plan"), hw, c["budget_bytes"])  # R4 before the gap, as the runtime applies it
         pred = None if sim.oom else sim.iteration_s
         measured = statistics.median(r.step_s for r in reps)
         q = statistics.quantiles([r.step_s for r in reps], n=4)

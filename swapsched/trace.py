@@ -47,6 +47,14 @@ class TensorInfo:
     dtype: str = "float32"
     op: str = ""  # the aten op whose backward saved it (the op that packed it first)
     module: str = ""  # module path active when it was first packed
+    # R2: the event through whose gap the program itself (not autograd) still holds the storage;
+    # a swap-out frees the bytes only after it. Measured by the live runtime's profiling steps;
+    # None: through the last forward pack (where the program hands it to autograd a last time)
+    released_at: int | None = None
+    # R2: the event through whose gap the storage lives after its last unpack (autograd's node that
+    # read it frees it once it has run, and a node reads all its saved tensors before it runs);
+    # None: freed at its last unpack
+    freed_at: int | None = None
 
 
 @dataclass(frozen=True)
@@ -144,6 +152,26 @@ class Trace:
         return out
 
     @cached_property
+    def release(self) -> np.ndarray:
+        """Per tensor, the event through whose gap the program holds it (R2): ``released_at``
+        where the trace measured it, else the last forward pack."""
+        out = self.last_forward_pack.copy()
+        for t in self.tensors:
+            if t.released_at is not None:
+                out[t.id] = max(int(t.released_at), int(out[t.id]))
+        return out
+
+    @cached_property
+    def freed(self) -> np.ndarray:
+        """Per tensor, the event through whose gap it occupies memory after its last use (R2):
+        ``freed_at`` where the trace measured it, else its last unpack."""
+        out = self.last_unpack.copy()
+        for t in self.tensors:
+            if t.freed_at is not None:
+                out[t.id] = max(int(t.freed_at), int(out[t.id]))
+        return out
+
+    @cached_property
     def backward_start(self) -> int:
         """Index of the first unpack: events before it are forward, the rest backward."""
         idx = np.flatnonzero(self.event_kind_is_unpack)
@@ -162,21 +190,21 @@ class Trace:
         a tensor counts from the gap of its first pack through the gap of its last unpack."""
         delta = np.zeros(self.n_events + 1, dtype=np.int64)
         np.add.at(delta, self.first_pack, self.tensor_bytes)
-        np.add.at(delta, self.last_unpack + 1, -self.tensor_bytes)
+        np.add.at(delta, self.freed + 1, -self.tensor_bytes)
         return np.cumsum(delta)[:-1]
 
     @cached_property
     def must_resident_bytes(self) -> np.ndarray:
         """Saved bytes that every plan must hold during the gap before each event (R4/R7): a tensor
-        from the gap of its first pack through its last forward pack (code that packs it again is
-        still holding it, so evicting it earlier frees nothing in a real step), and from its first
-        unpack through its last."""
+        from the gap of its first pack through the gap of its release (the program still holds it
+        there, so evicting it frees nothing in a real step; R2), and from its first unpack through
+        its last."""
         delta = np.zeros(self.n_events + 1, dtype=np.int64)
         b = self.tensor_bytes
         np.add.at(delta, self.first_pack, b)
-        np.add.at(delta, self.last_forward_pack + 1, -b)
+        np.add.at(delta, np.minimum(self.release, self.first_unpack - 1) + 1, -b)
         np.add.at(delta, self.first_unpack, b)
-        np.add.at(delta, self.last_unpack + 1, -b)
+        np.add.at(delta, self.freed + 1, -b)
         return np.cumsum(delta)[:-1]
 
     @cached_property
@@ -278,10 +306,7 @@ class Trace:
             "static_bytes": int(self.static_bytes),
             "tail_compute_s": float(self.tail_compute_s),
             "meta": self.meta,
-            "tensors": [
-                {"id": t.id, "bytes": t.bytes, "shape": list(t.shape), "dtype": t.dtype, "op": t.op, "module": t.module}
-                for t in self.tensors
-            ],
+            "tensors": [_tensor_dict(t) for t in self.tensors],
             "events": [ev(e) for e in self.events],
         }
 
@@ -290,6 +315,16 @@ class Trace:
 
 
 # -------------------------------------------------------------------- JSON I/O shared with plans
+
+
+def _tensor_dict(t: TensorInfo) -> dict[str, Any]:
+    d: dict[str, Any] = {"id": t.id, "bytes": t.bytes, "shape": list(t.shape), "dtype": t.dtype, "op": t.op,
+                         "module": t.module}
+    if t.released_at is not None:
+        d["released_at"] = t.released_at
+    if t.freed_at is not None:
+        d["freed_at"] = t.freed_at
+    return d
 
 
 def open_json(path: str | Path, error: type[ValueError]) -> Any:
@@ -408,6 +443,8 @@ def trace_from_dict(data: Any, source: str = "<dict>") -> Trace:
                 dtype=f.get(t, "dtype", f"{w}.dtype", str, optional=True) or "",
                 op=f.get(t, "op", f"{w}.op", str, optional=True) or "",
                 module=f.get(t, "module", f"{w}.module", str, optional=True) or "",
+                released_at=f.number(t, "released_at", f"{w}.released_at", optional=True, integer=True),
+                freed_at=f.number(t, "freed_at", f"{w}.freed_at", optional=True, integer=True),
             )
         )
     raw_events = f.get(data, "events", "events", list)
@@ -455,6 +492,10 @@ def _validate(trace: Trace, source: str) -> None:
             fail(f"tensors[{k}].id", f"tensor ids must be 0..n-1 in order, got {t.id!r}")
         if t.bytes < 0:
             fail(f"tensors[{k}].bytes", f"must be >= 0, got {t.bytes!r}")
+        if t.released_at is not None and not 0 <= t.released_at < len(trace.events):
+            fail(f"tensors[{k}].released_at", f"must be an event index in [0, {len(trace.events)}), got {t.released_at!r}")
+        if t.freed_at is not None and not 0 <= t.freed_at < len(trace.events):
+            fail(f"tensors[{k}].freed_at", f"must be an event index in [0, {len(trace.events)}), got {t.freed_at!r}")
     packed = [False] * n
     unpacked = [False] * n
     for i, e in enumerate(trace.events):

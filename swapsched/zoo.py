@@ -216,11 +216,13 @@ def _classify(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def _build_family(family: str, cfg: dict[str, Any], device: str, gen: torch.Generator) -> tuple[nn.Module, tuple, Callable]:
     b = int(cfg["batch_size"])
 
+    # drawn on the CPU, where the generator lives, then moved: inside ``torch.device("cuda")`` a
+    # factory call without a device would draw on CUDA, which rejects a CPU generator
     def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(device)
+        return torch.randn(*shape, generator=gen, device="cpu").to(device)
 
     def randint(high: int, *shape: int) -> torch.Tensor:
-        return torch.randint(0, high, shape, generator=gen).to(device)
+        return torch.randint(0, high, shape, generator=gen, device="cpu").to(device)
 
     if family == "mlp":
         model = MLP(cfg["in_features"], cfg["width"], cfg["depth"], cfg["classes"])
@@ -331,7 +333,7 @@ def _build_hf(model_type: str, size: str | None, batch_size: int | None, seq_len
         except ValueError:
             model = transformers.AutoModel.from_config(config)
     gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, config.vocab_size, (b, t), generator=gen).to(device)
+    idx = torch.randint(0, config.vocab_size, (b, t), generator=gen, device="cpu").to(device)
 
     def loss_fn(out: Any) -> torch.Tensor:
         logits = out.logits if hasattr(out, "logits") else out.last_hidden_state

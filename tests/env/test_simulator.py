@@ -42,15 +42,38 @@ def test_allocation_waits_for_swap_out(two_tensors, hw):
     assert r.peak_bytes == 100
 
 
-def test_r4_at_pack_waits_after_the_producing_gap(two_tensors, hw):
-    # As the live runtime applies R4: T1's gap runs 1 -> 2 regardless; at its pack (t=2) T0's
-    # swap-out is complete, so no stall. e2 at 4 frees T1, T0's prefetch runs 4 -> 5, e3 at 5.
-    r = simulate(two_tensors, [Eviction(0, 0, 2)], hw, 100, r4_at_pack=True)
-    assert r.stall_s == 0.0 and r.iteration_s == 5.0 and r.peak_bytes == 100
-    # with a slower link the swap-out (1 -> 3) is still in flight at the pack: the wait is 3 - 2
-    slow = _with(hw, d2h_bytes_per_s=50.0)
-    r = simulate(two_tensors, [Eviction(0, 0, 2)], slow, 100, r4_at_pack=True)
-    assert r.stall_fwd_s == 1.0 and simulate(two_tensors, [Eviction(0, 0, 2)], slow, 100).stall_fwd_s == 2.0
+def test_a_tensor_the_program_still_holds_is_freed_only_at_its_release(two_tensors, hw):
+    # R2: T0's swap-out completes at 2, but the program holds T0 through the gap of e1 (released_at
+    # 1): T1's 100 B (made in gap e1, from t=1) find no room at a 100 B budget and nothing frees it
+    # by waiting: OOM at e1. At 200 B it fits; T0 leaves at e1 (t=2), after the copy (done at 2).
+    from dataclasses import replace
+
+    held = replace(two_tensors, tensors=(replace(two_tensors.tensors[0], released_at=1), two_tensors.tensors[1]))
+    assert simulate(two_tensors, [Eviction(0, 0, 2)], hw, 100).oom is False
+    r = simulate(held, [Eviction(0, 0, 2)], hw, 100)
+    assert r.oom and r.oom_event == 1
+    assert held.min_feasible_bytes == 200 and two_tensors.min_feasible_bytes == 100
+    r = simulate(held, [Eviction(0, 0, 2)], hw, 200)
+    assert not r.oom and r.iteration_s == 5.0 and r.peak_bytes == 200
+
+
+def test_a_tensor_freed_after_its_node_runs_holds_memory_one_gap_longer(hw):
+    # R2: T1 last unpacked at e3 but freed only after the gap of e4 (freed_at 4: the node that read
+    # it still runs). Budget 150. T0 out at e0: 1 -> 2; T1's gap (from t=1) waits for it: 1 s
+    # forward stall, e1 at 3, e2 at 5, e3 at 6. T0's prefetch is issued at e3 (t=6):
+    # - freed at its last unpack: T1 frees at e3, the prefetch runs 6 -> 7 = e4's time: step 7;
+    # - freed_at 4: no room until after e4's gap (t=7), the prefetch runs 7 -> 8: 1 s backward stall.
+    from dataclasses import replace
+
+    tr = make_trace([100, 100], [("pack", 0, 1.0), ("pack", 1, 1.0), ("unpack", 1, 2.0), ("unpack", 1, 1.0),
+                                 ("unpack", 0, 1.0)])
+    r = simulate(tr, [Eviction(0, 0, 3)], hw, 150)
+    assert r.iteration_s == 7.0 and r.stall_fwd_s == 1.0 and r.stall_bwd_s == 0.0
+    late = replace(tr, tensors=(tr.tensors[0], replace(tr.tensors[1], freed_at=4)))
+    r = simulate(late, [Eviction(0, 0, 3)], hw, 150)
+    assert r.iteration_s == 8.0 and r.stall_bwd_s == 1.0
+    assert tr.resident_bytes_no_swap.tolist() == [100, 200, 200, 200, 100]
+    assert late.resident_bytes_no_swap.tolist() == [100, 200, 200, 200, 200]
 
 
 def test_prefetch_waits_for_room(hw):

@@ -92,7 +92,8 @@ def test_cuda_copy_streams_are_not_the_compute_stream():
 
     be = CudaBackend()
     compute = torch.cuda.current_stream()
-    assert be.d2h_stream != compute and be.h2d_stream != compute and be.d2h_stream != be.h2d_stream
+    d2h_stream, h2d_stream = be._streams(torch.device("cuda"))
+    assert d2h_stream != compute and h2d_stream != compute and d2h_stream != h2d_stream
     x = torch.randn(1 << 20, device="cuda")
     flat = torch.empty(0, dtype=torch.uint8, device="cuda").set_(x.untyped_storage())
     out = be.copy_out(flat)
@@ -128,3 +129,20 @@ def test_cuda_stall_is_measured_on_the_device():
     assert be.take_device_stall_s() > 1e-4
     assert be.take_device_stall_s() == 0.0  # each wait is counted once
     assert torch.equal(t.dst[-4:].cpu(), host[-4:])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cuda_copies_run_on_the_tensors_own_device():
+    """A model on cuda:1 while cuda:0 is current: its swap-in comes back to cuda:1, on cuda:1's
+    streams (it used to go to the current device)."""
+    from swapsched.runtime.backends import CudaBackend
+
+    be = CudaBackend()
+    x = torch.randn(1 << 16, device="cuda:1")
+    flat = torch.empty(0, dtype=torch.uint8, device="cuda:1").set_(x.untyped_storage())
+    out = be.copy_out(flat)
+    back = be.copy_in(out.dst, out)
+    be.wait_host(back)
+    assert back.dst.device == torch.device("cuda:1") and out.device == torch.device("cuda:1")
+    assert torch.equal(back.dst, flat)

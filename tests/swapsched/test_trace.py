@@ -96,3 +96,18 @@ def test_retiming_needs_flops(two_tensors):
 def test_never_unpacked_tensor_is_rejected():
     with pytest.raises(TraceError, match="never unpacked"):
         make_trace([10, 10], [("pack", 0, 1), ("pack", 1, 1), ("unpack", 0, 1)])
+
+
+def test_release_and_free_events_round_trip_and_are_validated(tmp_path, two_tensors):
+    from dataclasses import replace
+
+    t = replace(two_tensors, tensors=(replace(two_tensors.tensors[0], released_at=1, freed_at=3),
+                                      replace(two_tensors.tensors[1], freed_at=3)))
+    back = load_trace(t.save(tmp_path / "r.json"))
+    assert back == t and list(back.release) == [1, 1] and list(back.freed) == [3, 3]
+    # without them: released at the last forward pack, freed at the last unpack (R2)
+    assert list(two_tensors.release) == [0, 1] and list(two_tensors.freed) == [3, 2]
+    data = t.to_dict()
+    data["tensors"][0]["released_at"] = 9
+    with pytest.raises(TraceError, match=r"tensors\[0\]\.released_at"):
+        load_trace(_write(tmp_path, data))
