@@ -192,3 +192,40 @@ def test_zoo_inputs_are_drawn_on_the_cpu_generator_inside_a_device_context():
             case = build_model(family, "tiny", device="meta")
         assert all(t.device.type == "meta" for t in case.inputs)
     assert seen and set(seen) == {"cpu"}
+
+
+def _paired_steps(a, b, rt, step_a, step_b, steps=6):
+    for _ in range(steps):
+        with rt.step():
+            step_a()
+        step_b()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters()))
+        a.zero_grad(), b.zero_grad()
+
+
+def test_activation_checkpointing_on_some_blocks_composes_within_budget():
+    from torch.utils.checkpoint import checkpoint
+
+    a = build_model("gpt", "tiny", seed=6)
+    b = build_model("gpt", "tiny", seed=6)
+    blocks = [m for m in a.model.modules() if type(m).__name__ == "TransformerBlock"]
+    fwd = blocks[0].forward
+    blocks[0].forward = lambda *x, _f=fwd: checkpoint(_f, *x, use_reentrant=False)  # the first block recomputes
+    rt = SwapRuntime(budget="80%", policy="min", backend="cpu", model=a.model, audit=True)
+    _paired_steps(a.model, b.model, rt, lambda: a.loss().backward(), lambda: b.loss().backward())
+    _assert_within(rt.report())
+    rt.close()
+
+
+def test_gradient_accumulation_in_one_step_composes_within_budget():
+    a = build_model("mlp", "tiny", seed=7)
+    b = build_model("mlp", "tiny", seed=7)
+
+    def two_micro_batches(case):
+        for _ in range(2):  # several forward/backward passes per optimizer step
+            case.loss().backward()
+
+    rt = SwapRuntime(budget="80%", policy="capuchin", backend="cpu", model=a.model, audit=True)
+    _paired_steps(a.model, b.model, rt, lambda: two_micro_batches(a), lambda: two_micro_batches(b))
+    _assert_within(rt.report())
+    rt.close()
