@@ -629,10 +629,14 @@ class _ExecuteStep(_StepExecution):
         self.tail_s = 0.0
 
     # ------------------------------------------------------------------ memory (R4, R6)
-    def _drain(self) -> None:
+    def _count_deaths(self) -> None:
+        """Take the storages that died since the last look out of the accounting."""
         deaths = self.deaths
         while deaths:
             self.used -= deaths.popleft()
+
+    def _drain(self) -> None:
+        self._count_deaths()
         while self.outs and self.backend.done(self.outs[0].out):
             self._retire_out(self.outs.popleft())
         if self.waiting:
@@ -657,9 +661,10 @@ class _ExecuteStep(_StepExecution):
     def _start_in(self, rec: _Record) -> None:
         self._account(rec.nbytes)
         rec.inn = self.backend.copy_in(rec.host, rec.out)
-        weakref.finalize(rec.inn.dst.untyped_storage(), self.deaths.append, rec.nbytes)
+        st = rec.inn.dst.untyped_storage()
+        weakref.finalize(st, self.deaths.append, rec.nbytes)
         if self.audit:
-            self._watch(rec.inn.dst.untyped_storage(), rec.nbytes)
+            self._watch(st, rec.nbytes)
         self.copies += 1
         rec.state = IN
         self.ins.append(rec)
@@ -677,7 +682,7 @@ class _ExecuteStep(_StepExecution):
         room = self.budget - self.static
         while self.used + need > room:
             if self.deaths:
-                self.used -= self.deaths.popleft()
+                self._count_deaths()
                 continue
             if self.outs:
                 t0 = time.perf_counter()
@@ -900,8 +905,7 @@ class _ExecuteStep(_StepExecution):
         self.records.clear()
         self.keys.clear()
         self.by_tid.clear()
-        while self.deaths:  # what died since the last hook (a storage still alive stays counted)
-            self.used -= self.deaths.popleft()
+        self._count_deaths()  # what died since the last hook (a storage still alive stays counted)
 
     def report(self, step_s: float) -> StepReport:
         cuda_peak = torch.cuda.max_memory_allocated() if self.backend.name == "cuda" else None
