@@ -270,6 +270,14 @@ class Simulation:
                 self._stall(c - self.t, event)
         return True
 
+    def _let_go(self, held: list[bool], k: int) -> None:
+        """R2: whoever held ``k`` past the point its bytes would otherwise go lets go now."""
+        if held[k]:
+            held[k] = False
+            self.used -= self.tb.bytes[k]
+            if self.waiting:
+                self._admit(self.t)
+
     def _allocate(self, i: int) -> bool:
         """Room for the non-saved bytes of gap ``i`` and for event ``i``'s new tensors, which then
         become resident (R4: before the gap starts). False on OOM."""
@@ -321,18 +329,10 @@ class Simulation:
             self._drain(self.t)
             # -- the program lets go of tensors after this gap, and nodes that ran free theirs (R2)
             for k in tb.freed_late[i]:
-                if self.held_late[k]:
-                    self.held_late[k] = False
-                    self.used -= tb.bytes[k]
-                    if self.waiting:
-                        self._admit(self.t)
+                self._let_go(self.held_late, k)
             for k in tb.release[i]:
                 self.released[k] = True
-                if self.held_after_copy[k]:
-                    self.held_after_copy[k] = False
-                    self.used -= tb.bytes[k]
-                    if self.waiting:
-                        self._admit(self.t)
+                self._let_go(self.held_after_copy, k)
             # -- (a) an unpack of a tensor that is not resident waits for its swap-in (R5a)
             if tb.is_unpack[i]:
                 k = tb.tensor[i]

@@ -155,20 +155,21 @@ class Trace:
     def release(self) -> np.ndarray:
         """Per tensor, the event through whose gap the program holds it (R2): ``released_at``
         where the trace measured it, else the last forward pack."""
-        out = self.last_forward_pack.copy()
-        for t in self.tensors:
-            if t.released_at is not None:
-                out[t.id] = max(int(t.released_at), int(out[t.id]))
-        return out
+        return self._measured_or(self.last_forward_pack, "released_at")
 
     @cached_property
     def freed(self) -> np.ndarray:
         """Per tensor, the event through whose gap it occupies memory after its last use (R2):
         ``freed_at`` where the trace measured it, else its last unpack."""
-        out = self.last_unpack.copy()
+        return self._measured_or(self.last_unpack, "freed_at")
+
+    def _measured_or(self, default: np.ndarray, field: str) -> np.ndarray:
+        """Per tensor, the event a profile measured in ``field``, never before ``default``'s."""
+        out = default.copy()
         for t in self.tensors:
-            if t.freed_at is not None:
-                out[t.id] = max(int(t.freed_at), int(out[t.id]))
+            e = getattr(t, field)
+            if e is not None:
+                out[t.id] = max(int(e), int(out[t.id]))
         return out
 
     @cached_property
