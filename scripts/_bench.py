@@ -6,12 +6,13 @@ import json
 import platform
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from swapsched.compare import format_grid
+from swapsched.report import format_grid
 
 
 def environment() -> dict[str, Any]:

@@ -16,10 +16,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 from _bench import table, write  # noqa: E402
 
+from swapsched.agents.evaluate import compare, summarize  # noqa: E402
 from swapsched.agents.registry import policy_names  # noqa: E402
-from swapsched.compare import compare, format_summary, summarize  # noqa: E402
 from swapsched.env.corpus import load_corpus  # noqa: E402
 from swapsched.hardware import load_hardware  # noqa: E402
+from swapsched.report import format_summary  # noqa: E402
 
 
 def small_traces(n: int, seed: int = 0) -> list:
@@ -57,19 +58,19 @@ def main() -> int:
     print(f"{len(traces)} traces x {len(budgets)} budgets x {len(hws)} hardware = {len(traces) * len(budgets) * len(hws)} cases")
     print(format_summary(summary))
     held = {t.name for t in load_corpus(split="test")}
-    held_rows = [r for r in rows if r["trace"] in held]
+    held_rows = [r for r in rows if r.trace in held]
     held_summary = summarize(held_rows, policies)
     print("\nheld-out traces only (never seen by the learned policy):")
     print(format_summary(held_summary))
     # the yardstick: distance to the exact optimum on traces small enough to solve
     small = small_traces(args.small)
     small_rows = compare(small, ["40%", "60%", "80%"], hws[:1], policies, search_seconds=args.search_seconds)
-    best = {(r["trace"], r["budget"]): r["overhead"] for r in small_rows if r["policy"] == "optimal" and not r.get("skipped")}
+    best = {(r.trace, r.budget): r.overhead for r in small_rows if r.policy == "optimal" and r.solved}
     gaps = []
     for p in policies:
-        d = [r["overhead"] - best[(r["trace"], r["budget"])] for r in small_rows
-             if r["policy"] == p and not r.get("skipped") and not r["oom"] and (r["trace"], r["budget"]) in best]
-        ooms = sum(1 for r in small_rows if r["policy"] == p and r.get("oom"))
+        d = [r.overhead - best[(r.trace, r.budget)] for r in small_rows
+             if r.policy == p and r.overhead is not None and (r.trace, r.budget) in best]
+        ooms = sum(1 for r in small_rows if r.policy == p and r.oom)
         gaps.append({"policy": p, "mean_gap_to_optimal": float(np.mean(d)) if d else None,
                      "max_gap_to_optimal": float(np.max(d)) if d else None,
                      "optimal_in": int(sum(1 for x in d if x <= 1e-9)), "cases": len(best), "oom": ooms})
@@ -79,7 +80,8 @@ def main() -> int:
                   "-" if g["max_gap_to_optimal"] is None else f"{100 * g['max_gap_to_optimal']:.1f} pts",
                   f"{g['optimal_in']}/{g['cases']}", g["oom"]] for g in gaps]))
     write(args.out, {"budgets": budgets, "hardware": [h.name for h in hws], "search_seconds": args.search_seconds,
-                     "summary": summary, "held_out_summary": held_summary, "small_vs_optimal": gaps, "rows": rows})
+                     "summary": [s.to_dict() for s in summary], "held_out_summary": [s.to_dict() for s in held_summary],
+                     "small_vs_optimal": gaps, "rows": [r.to_dict() for r in rows]})
     return 0
 
 

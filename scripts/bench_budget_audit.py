@@ -16,7 +16,7 @@ from _bench import table, write
 from tqdm import tqdm
 
 from swapsched.budget import BudgetError, format_bytes
-from swapsched.runtime.swapper import SwapRuntime
+from swapsched.deploy import SwapRuntime
 from swapsched.zoo import build_model
 
 

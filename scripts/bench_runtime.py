@@ -20,8 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import table, write  # noqa: E402
 
+from swapsched.deploy import SwapRuntime  # noqa: E402
 from swapsched.run import run_runtime  # noqa: E402
-from swapsched.runtime.swapper import SwapRuntime  # noqa: E402
 from swapsched.zoo import build_model  # noqa: E402
 
 
@@ -78,7 +78,7 @@ def overhead_nothing_evicted(model: str, size: str, backend: str, rounds: int) -
     rt.close()
 
     def ratios(k: str) -> tuple[float, float, float]:
-        q = statistics.quantiles([a / b - 1.0 for a, b in zip(times[k], times["plain"])], n=4)
+        q = statistics.quantiles([a / b - 1.0 for a, b in zip(times[k], times["plain"], strict=False)], n=4)
         return q[1], q[0], q[2]
 
     n = rt.trace.n_events

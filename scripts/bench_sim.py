@@ -44,7 +44,7 @@ def main() -> int:
     for name, plan in (("no evictions", []), ("swap-all", SwapAll().plan(tr, budget, hw)),
                        ("capuchin", Capuchin().plan(tr, budget, hw))):
         b = budget if plan else tr.peak_bytes_no_swap
-        n, dt = timed(lambda: (simulate(tr, plan, hw, b, validate=False), tr.n_events)[1], args.seconds)
+        n, dt = timed(lambda plan=plan, b=b: (simulate(tr, plan, hw, b, validate=False), tr.n_events)[1], args.seconds)
         results[f"simulate/{name}"] = n / dt
         rows.append([f"simulate ({name})", f"{n / dt:,.0f} events/s", "200,000", "yes" if n / dt >= 2e5 else "NO"])
     env = SwapEnv(traces=[tr], hardware=[hw])

@@ -35,10 +35,11 @@ from tqdm import tqdm  # noqa: E402
 
 from swapsched.agents.registry import get_policy  # noqa: E402
 from swapsched.budget import BudgetError, parse_budget  # noqa: E402
+from swapsched.deploy import SwapRuntime  # noqa: E402
 from swapsched.env.simulator import simulate  # noqa: E402
 from swapsched.hardware import Hardware  # noqa: E402
 from swapsched.runtime.calibrate import calibrate, calibrate_host, execute_in_rounds, training_step  # noqa: E402
-from swapsched.runtime.swapper import SwapRuntime, timed_by_execution  # noqa: E402
+from swapsched.runtime.swapper import timed_by_execution  # noqa: E402
 from swapsched.zoo import build_model  # noqa: E402
 
 FULL_MODELS = [("gpt", "small"), ("resnet", "small"), ("vgg", "small"), ("unet", "small")]
@@ -63,7 +64,7 @@ def kendall_agree(pred: list[float], per_round: list[list[float | None]], resolv
     pairs = agree = 0
     for i in range(len(pred)):
         for j in range(i + 1, len(pred)):
-            diffs = [a - b for a, b in zip(per_round[i], per_round[j]) if a is not None and b is not None]
+            diffs = [a - b for a, b in zip(per_round[i], per_round[j], strict=False) if a is not None and b is not None]
             if not diffs:
                 continue
             if resolvable_only:
@@ -113,7 +114,7 @@ def measure_model(model: str, size: str, budgets: list[str], policies: list[str]
     everything = [reference, *cases]
     per_round = execute_in_rounds(rt, train_step, [(c["plan"], c["budget_bytes"]) for c in everything], rounds, steps, seed)
     rt.close()
-    for c, rounds_of_c in zip(everything, per_round):
+    for c, rounds_of_c in zip(everything, per_round, strict=False):
         c["reports"] = [r for rnd in rounds_of_c for r in rnd]
         c["rounds"] = rounds_of_c
     # the compute each prediction starts from: on the CPU backend the no-eviction steps of the same

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Build the shipped trace corpus: python scripts/build_traces.py [--out env/traces]
+"""Build the shipped trace corpus: python scripts/build_traces.py [--out swapsched/env/traces]
 
 Every zoo family at three sizes is profiled on this machine's CPU (``timing: measured``), and the
 same models plus a few large ones are profiled on the ``meta`` device with roofline timing for a
@@ -41,7 +41,7 @@ HELD_OUT_SIZES = {("gpt", "1.3b"), ("bert", "base")}  # larger than anything tra
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "env" / "traces"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "swapsched" / "env" / "traces"))
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

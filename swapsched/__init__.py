@@ -38,7 +38,7 @@ def __getattr__(name: str):  # heavy parts (torch, the policies) load on first u
 
         return build_model
     if name == "SwapRuntime":
-        from swapsched.runtime.swapper import SwapRuntime
+        from swapsched.deploy import SwapRuntime
 
         return SwapRuntime
     raise AttributeError(f"module 'swapsched' has no attribute {name!r}")

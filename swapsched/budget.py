@@ -25,7 +25,7 @@ class BudgetError(UserError):
     """A budget string is malformed, out of range, or below what any plan can meet."""
 
 
-def parse_budget(spec: "str | int | float", trace: "Trace | None" = None, *, check_feasible: bool = True) -> int:
+def parse_budget(spec: str | int | float, trace: Trace | None = None, *, check_feasible: bool = True) -> int:
     """Device-memory budget in bytes.
 
     ``"60%"`` is ``static_bytes`` + 60% of the no-swap peak above ``static_bytes`` (needs ``trace``);

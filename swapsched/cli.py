@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from swapsched.errors import UserError
 
@@ -144,8 +145,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from swapsched.agents.evaluate import run_policy
     from swapsched.agents.registry import get_policy
-    from swapsched.compare import run_policy
 
     trace, hw, budget = _load_case(args.trace, args.hardware, args.budget)
     policy = get_policy(args.policy, seed=args.seed, search_seconds=args.search_seconds)
@@ -161,10 +162,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    from swapsched.agents.evaluate import compare, run_policy, summarize
     from swapsched.agents.registry import expand_policies
-    from swapsched.compare import compare, format_summary, format_table, run_policy, summarize
     from swapsched.env.corpus import load_corpus
     from swapsched.hardware import load_hardware
+    from swapsched.report import format_summary, format_table
     from swapsched.trace import load_trace
 
     policies = expand_policies(args.policies)
@@ -177,7 +179,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     summary = summarize(rows, policies)
     print(format_summary(summary))
     if args.json:
-        _write_json({"rows": rows, "summary": summary}, args.json)
+        _write_json({"rows": [r.to_dict() for r in rows], "summary": [s.to_dict() for s in summary]}, args.json)
     if args.plot:
         from swapsched.agents.registry import get_policy
         from swapsched.budget import parse_budget
@@ -186,20 +188,20 @@ def cmd_compare(args: argparse.Namespace) -> int:
         plot_compare(rows, policies, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
         # one case in detail: the first that some policy solved, every policy's memory timeline
-        solved = [r for r in rows if not r.get("skipped") and not r["oom"]]
+        solved = [r for r in rows if r.solved]
         if solved:
             first = solved[0]
-            tr = next(t for t in traces if t.name == first["trace"])
-            hw = next(h for h in hws if h.name == first["hardware"])
-            b = parse_budget(first["budget"], tr)
+            tr = next(t for t in traces if t.name == first.trace)
+            hw = next(h for h in hws if h.name == first.hardware)
+            b = parse_budget(first.budget, tr)
             detail = []
             for r in rows:
-                if (r["trace"], r["budget"], r["hardware"]) == (tr.name, first["budget"], hw.name) and not r.get("skipped"):
-                    pol = get_policy(r["policy"], seed=args.seed, search_seconds=args.search_seconds)
-                    detail.append((r["policy"], run_policy(pol, tr, b, hw, record=True)[1]))
+                if r.case == first.case and not r.skipped:
+                    pol = get_policy(r.policy, seed=args.seed, search_seconds=args.search_seconds)
+                    detail.append((r.policy, run_policy(pol, tr, b, hw, record=True)[1]))
             stem = Path(args.plot)
             timeline_path = stem.with_name(stem.stem + "-timeline" + stem.suffix)
-            plot_timelines(detail, b, timeline_path, title=f"{tr.name} at {first['budget']} on {hw.name}")
+            plot_timelines(detail, b, timeline_path, title=f"{tr.name} at {first.budget} on {hw.name}")
             print(f"wrote {timeline_path}", file=sys.stderr)
     return 0
 
@@ -226,13 +228,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     results = [main_run]
     if args.compare:
         from swapsched.agents.registry import policy_names
+        from swapsched.runtime.backends import resolve_backend
 
         others = args.compare_policies or [p for p in policy_names() if p not in (args.policy, "optimal", "swapadvisor")]
         others = [p for p in others if p != args.policy]
         for pol in others:
             results.append(run_runtime(args.model, pol, args.budget, args.steps, backend=args.backend,
                                        bandwidth=args.bandwidth, hardware=args.hardware, **common))
-        device = "cuda" if (args.backend or ("cuda" if _cuda() else "cpu")) == "cuda" else "cpu"
+        device = resolve_backend(args.backend)
         for peer in PEERS:
             results.append(run_peer(peer, args.model, args.steps, device=device, **common))
     base = next((r.step_s_median for r in results if r.method == "plain"), None)
@@ -249,12 +252,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if main_run.loss_matches else 1
 
 
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def _run_json(r: Any) -> dict[str, Any]:
     d = r.to_dict()
     d.pop("extra", None)
@@ -264,7 +261,7 @@ def _run_json(r: Any) -> dict[str, Any]:
 
 def _run_table(results: list[Any], base: float | None) -> str:
     from swapsched.budget import format_bytes
-    from swapsched.compare import format_grid
+    from swapsched.report import format_grid
 
     rows = []
     for r in results:
@@ -282,10 +279,10 @@ def _run_table(results: list[Any], base: float | None) -> str:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    from swapsched.runtime.backends import resolve_backend
     from swapsched.runtime.calibrate import calibrate
 
-    if args.backend == "cuda" and not _cuda():
-        raise UserError("--backend cuda: no CUDA device is available here; use --backend cpu")
+    resolve_backend(args.backend)  # a clear error where there is no CUDA device
     cal = calibrate(args.backend, bandwidth=args.bandwidth, name=args.name)
     hw = cal.hardware
     when = __import__("time").strftime("%Y-%m-%d")
@@ -319,11 +316,12 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
     config = load_train_config(args.config)
     out = train_policy(config, args.out, progress=not args.no_progress, timesteps=args.timesteps)
     meta = json.loads(out.with_suffix(".json").read_text())
-    from swapsched.compare import format_summary
+    from swapsched.agents.evaluate import PolicySummary
+    from swapsched.report import format_summary
 
     print(f"wrote {out} and {out.with_suffix('.json').name} ({meta['timesteps']} steps in {meta['train_seconds']} s)")
     print(f"held-out traces: {', '.join(meta['held_out']['traces'])}")
-    print(format_summary([{**s, "mean_overhead": float("nan") if s["mean_overhead"] is None else s["mean_overhead"]}
+    print(format_summary([PolicySummary(**{**s, "mean_overhead": float("nan") if s["mean_overhead"] is None else s["mean_overhead"]})
                           for s in meta["held_out"]["summary"]]))
     return 0
 
@@ -343,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("profile", cmd_profile, "Profile one training step of a zoo model into a trace.")
     sp.add_argument("model", help="zoo family (mlp, vgg, resnet, gpt, bert, unet), hf:MODEL_TYPE, or package.module:function")
     sp.add_argument("--size", help="size from configs/models/FAMILY.yaml (default: small)")
-    sp.add_argument("--batch-size", type=_positive_int)
+    sp.add_argument("--batch-size", type=_positive_int, help="batch size (default: the size's own)")
     sp.add_argument("--seq-len", type=_positive_int, help="sequence length (gpt, bert, hf:)")
     sp.add_argument("--device", choices=["cpu", "cuda", "meta"], default="cpu",
                     help="meta: no memory, no data; roofline timing for --hardware (default h100-pcie5)")
@@ -355,20 +353,20 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true", help="print JSON")
 
     sp = add("simulate", cmd_simulate, "Simulate a plan on a trace (rules R1-R8).")
-    sp.add_argument("--trace", required=True)
-    sp.add_argument("--plan", required=True)
+    sp.add_argument("--trace", required=True, help="trace file (.json or .json.gz)")
+    sp.add_argument("--plan", required=True, help="plan file written by swapsched plan")
     sp.add_argument("--hardware", required=True, help="name (configs/hardware) or YAML path")
     sp.add_argument("--budget", required=True, help="'6GiB', '6e9' or '60%%' of the activation peak")
     sp.add_argument("--json", metavar="OUT", help="write the result as JSON")
     sp.add_argument("--plot", metavar="PNG", help="draw memory over time and the three streams")
 
     sp = add("plan", cmd_plan, "Make a plan with a policy and write it as JSON.")
-    sp.add_argument("--trace", required=True)
+    sp.add_argument("--trace", required=True, help="trace file (.json or .json.gz)")
     sp.add_argument("--policy", required=True, help="registry name (see compare --help) or a checkpoint .zip")
-    sp.add_argument("--hardware", required=True)
-    sp.add_argument("--budget", required=True)
-    sp.add_argument("--out", required=True)
-    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--hardware", required=True, help="name (configs/hardware) or YAML path")
+    sp.add_argument("--budget", required=True, help="'6GiB', '6e9' or '60%%' of the activation peak")
+    sp.add_argument("--out", required=True, help="plan file to write (JSON)")
+    sp.add_argument("--seed", type=int, default=0, help="seed of the randomized policies (default 0)")
     sp.add_argument("--search-seconds", type=_positive_float, default=10.0, help="time box of swapadvisor")
 
     sp = add("compare", cmd_compare, "Compare policies on traces x budgets x hardware in one table.")
@@ -377,17 +375,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--hardware", type=_csv, default=["h100-pcie5"], help="comma list of names or YAML paths")
     sp.add_argument("--policies", default="all",
                     help="'all' or a comma list of: no-swap, swap-all, vdnn-all, vdnn-conv, min, capuchin, swapadvisor, optimal, default")
-    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--seed", type=int, default=0, help="seed of the randomized policies (default 0)")
     sp.add_argument("--search-seconds", type=_positive_float, default=2.0, help="time box of swapadvisor per case")
-    sp.add_argument("--json", metavar="OUT")
+    sp.add_argument("--json", metavar="OUT", help="write every row and the summary as JSON")
     sp.add_argument("--plot", metavar="PNG", help="bar chart of overheads (+ PNG-timeline for the first case)")
-    sp.add_argument("--no-progress", action="store_true")
+    sp.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     sp = add("run", cmd_run, "Train a zoo model with the live runtime; --compare runs every policy and PyTorch's peers.")
     sp.add_argument("model", help="zoo family, hf:MODEL_TYPE, or package.module:function")
-    sp.add_argument("--size")
-    sp.add_argument("--batch-size", type=_positive_int)
-    sp.add_argument("--seq-len", type=_positive_int)
+    sp.add_argument("--size", help="size from configs/models/FAMILY.yaml (default: small)")
+    sp.add_argument("--batch-size", type=_positive_int, help="batch size (default: the size's own)")
+    sp.add_argument("--seq-len", type=_positive_int, help="sequence length (gpt, bert, hf:)")
     sp.add_argument("--budget", default="50%", help="'60%%' of the activation peak, or bytes like '6GiB' (default 50%%)")
     sp.add_argument("--policy", default="default", help="registry name or checkpoint .zip (default: the learned policy)")
     sp.add_argument("--steps", type=_positive_int, default=10, help="training steps, the first 3 are profiled (default 10)")
@@ -396,21 +394,21 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--hardware", help="profile the plan is made for (default: cpu-emulated on cpu, h100-pcie5 on cuda)")
     sp.add_argument("--compare", action="store_true", help="also run the other policies, plain, save_on_cpu and checkpointing")
     sp.add_argument("--compare-policies", type=_csv, help="with --compare: which other policies (default: all but optimal, swapadvisor)")
-    sp.add_argument("--json", metavar="OUT")
+    sp.add_argument("--json", metavar="OUT", help="write one record per method as JSON")
     sp.add_argument("--plot", metavar="PNG", help="step time and peak memory per method")
     sp.add_argument("--no-progress", action="store_true", help="no per-step lines")
 
     sp = add("calibrate", cmd_calibrate, "Measure this machine's link and the runtime's host costs into a hardware YAML for the simulator.")
-    sp.add_argument("--backend", choices=["cpu", "cuda"], default="cpu")
+    sp.add_argument("--backend", choices=["cpu", "cuda"], default="cpu", help="backend whose copies are measured (default cpu)")
     sp.add_argument("--bandwidth", type=_positive_float, help="CPU backend: measure the engines throttled to this many bytes/s")
     sp.add_argument("--name", help="profile name (default calibrated-BACKEND)")
-    sp.add_argument("--out", default="calibrated.yaml")
+    sp.add_argument("--out", default="calibrated.yaml", help="hardware YAML to write (default calibrated.yaml)")
 
     sp = add("train-policy", cmd_train_policy, "Train a swap policy (MaskablePPO on SwapEnv) and evaluate it on held-out traces.")
     sp.add_argument("--config", default=str(_default_train_config()), help="PPO settings YAML (default: configs/train/default.yaml)")
     sp.add_argument("--out", default="checkpoints/mine.zip", help="checkpoint path; NAME.json is written beside it")
     sp.add_argument("--timesteps", type=_positive_int, help="override the config's total_timesteps")
-    sp.add_argument("--no-progress", action="store_true")
+    sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 

@@ -16,7 +16,8 @@ import yaml
 from swapsched._paths import config_dir
 from swapsched.errors import UserError
 
-__all__ = ["Hardware", "HardwareError", "load_hardware", "hardware_names"]
+__all__ = ["Hardware", "HardwareError", "load_hardware", "hardware_names", "default_hardware", "DEFAULT_GPU_HARDWARE",
+           "DEFAULT_CPU_HARDWARE", "TRAINING_HARDWARE"]
 
 
 class HardwareError(UserError):
@@ -108,15 +109,29 @@ def hardware_from_dict(data: Any, source: str) -> Hardware:
     for k in _POSITIVE:
         if vals[k] <= 0:
             raise HardwareError(f"{source}: field {k}: must be > 0, got {data[k]!r}")
-    vals["device_memory_bytes"] = int(vals["device_memory_bytes"])
-    return Hardware(name=data["name"], **vals)
+    memory = int(vals.pop("device_memory_bytes"))
+    return Hardware(name=data["name"], device_memory_bytes=memory, **vals)
 
 
 def hardware_names() -> list[str]:
     return sorted(p.stem for p in (config_dir() / "hardware").glob("*.yaml"))
 
 
-def load_hardware(spec: "str | Path | Hardware") -> Hardware:
+#: The profile a plan is made for when none is given and the device is a GPU.
+DEFAULT_GPU_HARDWARE = "h100-pcie5"
+#: ... and on the CPU backend's emulated device.
+DEFAULT_CPU_HARDWARE = "cpu-emulated"
+#: The profiles policies train on by default: every shipped GPU link, PCIe 3 to NVLink-C2C, and the
+#: emulated CPU device.
+TRAINING_HARDWARE = ("v100-pcie3", "a100-pcie4", "h100-pcie5", "rtx4090-pcie4", "gh200-c2c", "cpu-emulated")
+
+
+def default_hardware(backend: str) -> str:
+    """The profile name a plan is made for on ``backend`` ("cpu" or "cuda") when none is given."""
+    return DEFAULT_CPU_HARDWARE if backend == "cpu" else DEFAULT_GPU_HARDWARE
+
+
+def load_hardware(spec: str | Path | Hardware) -> Hardware:
     """A profile by name (``h100-pcie5``) or by YAML path."""
     if isinstance(spec, Hardware):
         return spec

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Eviction", "SwapPlan", "PlanError", "load_plan", "save_plan",
-    "LEADS", "swap_out_event", "prefetch_event", "lead_eviction",
+    "LEADS", "swap_out_event", "on_demand_plan", "prefetch_event", "lead_eviction",
 ]
 
 FORMAT = "swapsched.plan"
@@ -48,14 +49,14 @@ class SwapPlan:
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @classmethod
-    def of(cls, trace: "Trace", policy: str, evictions: Iterable[Eviction], **meta: Any) -> "SwapPlan":
+    def of(cls, trace: Trace, policy: str, evictions: Iterable[Eviction], **meta: Any) -> SwapPlan:
         return cls(trace=trace.name, policy=policy, evictions=tuple(sorted(evictions)), meta=dict(meta))
 
     @property
     def evicted(self) -> frozenset[int]:
         return frozenset(e.tensor for e in self.evictions)
 
-    def validate(self, trace: "Trace", source: str = "<plan>") -> "SwapPlan":
+    def validate(self, trace: Trace, source: str = "<plan>") -> SwapPlan:
         """Check R7 against ``trace``; raise :class:`PlanError` naming the eviction and the rule."""
         seen: set[int] = set()
         fp, fu = trace.first_pack, trace.first_unpack
@@ -121,7 +122,7 @@ def plan_from_dict(data: Any, source: str = "<dict>") -> SwapPlan:
     )
 
 
-def load_plan(path: str | Path, trace: "Trace | None" = None) -> SwapPlan:
+def load_plan(path: str | Path, trace: Trace | None = None) -> SwapPlan:
     """Load a plan; with ``trace``, also check it against R7 and that it was made for that trace."""
     plan = plan_from_dict(open_json(path, PlanError), source=str(path))
     if trace is not None:
@@ -141,12 +142,19 @@ def save_plan(plan: SwapPlan, path: str | Path) -> Path:
 LEADS: tuple[float, ...] = (0.0, 1.0, 2.0, 4.0, 8.0, math.inf)
 
 
-def swap_out_event(trace: "Trace", tensor: int) -> int:
+def swap_out_event(trace: Trace, tensor: int) -> int:
     """Where evicting a tensor first pays off: its last pack before its first unpack (R7)."""
     return int(trace.last_forward_pack[tensor])
 
 
-def prefetch_event(trace: "Trace", tensor: int, lead_s: float, swap_out_at: int | None = None) -> int:
+def on_demand_plan(trace: Trace, policy: str) -> SwapPlan:
+    """Every saved tensor out at its last forward pack (R7), back on demand at its first unpack:
+    ``torch.autograd.graph.save_on_cpu``'s schedule."""
+    return SwapPlan.of(trace, policy, [Eviction(k, swap_out_event(trace, k), int(trace.first_unpack[k]))
+                                       for k in range(trace.n_tensors)])
+
+
+def prefetch_event(trace: Trace, tensor: int, lead_s: float, swap_out_at: int | None = None) -> int:
     """The latest event whose ideal time is at least ``lead_s`` before the tensor's first unpack,
     clamped to R7's window ``[swap_out_at, first_unpack]``."""
     so = swap_out_event(trace, tensor) if swap_out_at is None else swap_out_at
@@ -160,7 +168,7 @@ def prefetch_event(trace: "Trace", tensor: int, lead_s: float, swap_out_at: int 
     return min(max(e, so), fu)
 
 
-def lead_eviction(trace: "Trace", tensor: int, lead_index: int, hardware: "Hardware") -> Eviction:
+def lead_eviction(trace: Trace, tensor: int, lead_index: int, hardware: Hardware) -> Eviction:
     """Evict ``tensor`` at its last forward pack, prefetching ``LEADS[lead_index]`` transfers ahead."""
     lead = LEADS[lead_index] * hardware.h2d_time(trace.tensors[tensor].bytes)
     so = swap_out_event(trace, tensor)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from swapsched.agents.evaluate import CaseResult
 
 __all__ = ["plot_timelines", "plot_compare", "plot_runs"]
 
@@ -65,11 +68,11 @@ def plot_timelines(results: Sequence[tuple[str, Any]], budget: int, path: str | 
     return _save(plt, fig, path, title)
 
 
-def plot_compare(rows: Sequence[dict[str, Any]], policies: Sequence[str], path: str | Path) -> Path:
+def plot_compare(rows: Sequence[CaseResult], policies: Sequence[str], path: str | Path) -> Path:
     """Grouped bars: overhead per case (trace x budget x hardware) and policy; OOM drawn as an x."""
     plt = _pyplot()
-    cases = list(dict.fromkeys((r["trace"], r["budget"], r["hardware"]) for r in rows))
-    by = {(r["trace"], r["budget"], r["hardware"], r["policy"]): r for r in rows}
+    cases = list(dict.fromkeys(r.case for r in rows))
+    by = {(*r.case, r.policy): r for r in rows}
     width = 0.8 / max(len(policies), 1)
     fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(cases) * max(1, len(policies) / 3)), 4.5))
     ymax = 0.0
@@ -77,14 +80,14 @@ def plot_compare(rows: Sequence[dict[str, Any]], policies: Sequence[str], path: 
         xs, ys, oom_x = [], [], []
         for i, c in enumerate(cases):
             r = by.get((*c, pol))
-            if r is None or r.get("skipped"):
+            if r is None or r.skipped:
                 continue
             x = i + (j - (len(policies) - 1) / 2) * width
-            if r["oom"] or r["overhead"] is None or not math.isfinite(r["overhead"]):
+            if r.overhead is None:
                 oom_x.append(x)
             else:
                 xs.append(x)
-                ys.append(100 * r["overhead"])
+                ys.append(100 * r.overhead)
         bars = ax.bar(xs, ys, width, label=pol)
         ymax = max([ymax, *ys])
         if oom_x:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -93,11 +94,10 @@ def _train(case: ModelCase, ref: ModelCase, steps: int, device: str, wrap: Calla
 def run_runtime(model: str, policy: Any, budget: str, steps: int, *, size: str | None = None, batch_size: int | None = None,
                 seq_len: int | None = None, backend: str | None = None, bandwidth: float | None = None,
                 hardware: str | None = None, on_step: Callable[..., None] | None = None) -> RunResult:
-    from swapsched.runtime.swapper import SwapRuntime
+    from swapsched.deploy import SwapRuntime
+    from swapsched.runtime.backends import resolve_backend
 
-    backend = backend or ("cuda" if torch.cuda.is_available() else "cpu")
-    if backend == "cuda" and not torch.cuda.is_available():
-        raise UserError("--backend cuda: no CUDA device is available here; use --backend cpu")
+    backend = resolve_backend(backend)
     device = "cuda" if backend == "cuda" else "cpu"
     case, ref = _pair(model, size, batch_size, seq_len, device)
     rt = SwapRuntime(budget=budget, policy=policy, backend=backend, bandwidth=bandwidth, hardware=hardware,
@@ -123,7 +123,7 @@ def run_runtime(model: str, policy: Any, budget: str, steps: int, *, size: str |
     peak = accounted
     if peaks:  # CUDA: the same figure as the peers' rows (run_peer), torch's allocator peak, not our accounting
         resident = sum(t.untyped_storage().nbytes() for t in [*case.model.parameters(), *case.model.buffers()])
-        peak = resident + max(p for p, r in zip(peaks, reports) if r.mode == "execute")
+        peak = resident + max(p for p, r in zip(peaks, reports, strict=False) if r.mode == "execute")
     return RunResult(
         method=name, steps=len(run), step_s_median=statistics.median(r.step_s for r in run),
         step_s=tuple(r.step_s for r in run), peak_device_bytes=peak,

@@ -255,7 +255,7 @@ class Trace:
             "device": self.device,
         }
 
-    def retimed(self, hardware: "Hardware") -> "Trace":
+    def retimed(self, hardware: Hardware) -> Trace:
         """This trace with every gap re-timed by roofline for ``hardware``.
 
         A gap's time is ``max(flops / peak_flops, traffic / memory_bytes_per_s)``, where traffic is
@@ -276,7 +276,7 @@ class Trace:
                 traffic = 2.0 * self.tensors[e.tensor].bytes if fp[e.tensor] == i else 0.0
             else:
                 traffic = 2.0 * self.tensors[e.tensor].bytes
-            t = max(float(e.flops) / hardware.peak_flops, traffic / hardware.memory_bytes_per_s)
+            t = max(float(e.flops or 0.0) / hardware.peak_flops, traffic / hardware.memory_bytes_per_s)
             new_events.append(replace(e, compute_s=t))
         tail_flops = float(self.meta.get("tail_flops", 0.0))
         tail = tail_flops / hardware.peak_flops
@@ -465,12 +465,12 @@ def trace_from_dict(data: Any, source: str = "<dict>") -> Trace:
             )
         )
     trace = object.__new__(Trace)
-    fields = dict(
+    fields: dict[str, Any] = dict(
         name=name, timing=timing, device=device, static_bytes=static, tail_compute_s=float(tail),
         tensors=tuple(tensors), events=tuple(events), meta=meta,
     )
-    for k, v in fields.items():
-        object.__setattr__(trace, k, v)
+    for attr, value in fields.items():
+        object.__setattr__(trace, attr, value)
     _validate(trace, source)
     return trace
 

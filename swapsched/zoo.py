@@ -14,8 +14,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -104,7 +105,7 @@ class ResNet(nn.Module):
         self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU())
         stages = []
         c = widths[0]
-        for i, (w, n) in enumerate(zip(widths, blocks)):
+        for i, (w, n) in enumerate(zip(widths, blocks, strict=False)):
             for j in range(n):
                 stages.append(BasicBlock(c, w, 2 if (i > 0 and j == 0) else 1))
                 c = w
@@ -201,7 +202,7 @@ class UNet(nn.Module):
             if i < len(self.down) - 1:
                 skips.append(x)
                 x = F.max_pool2d(x, 2)
-        for up, merge in zip(self.up, self.merge):
+        for up, merge in zip(self.up, self.merge, strict=False):
             x = merge(torch.cat([up(x), skips.pop()], dim=1))
         return self.out(x)
 

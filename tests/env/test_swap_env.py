@@ -87,22 +87,6 @@ def test_return_includes_the_copies_host_costs(corpus):
         assert r.host_s > 0 and total == pytest.approx(-r.overhead, abs=1e-9)
 
 
-def test_masked_ppo_never_picks_a_masked_action(corpus):
-    from sb3_contrib import MaskablePPO
-
-    env = SwapEnv(traces=corpus[:4], budget_range=(0.3, 0.4))
-    model = MaskablePPO("MlpPolicy", env, n_steps=64, batch_size=32, seed=0, device="cpu")
-    for seed in range(5):
-        obs, _ = env.reset(seed=seed)
-        done = False
-        while not done:
-            mask = env.action_masks()
-            a, _ = model.predict(obs, action_masks=mask, deterministic=False)
-            assert mask[int(a)]
-            obs, _, term, trunc, _ = env.step(int(a))
-            done = term or trunc
-
-
 def test_keep_is_masked_when_it_cannot_fit():
     # Two 100 B tensors alive together, budget 150: keeping T0 leaves no room for T1 (certain OOM).
     tr = make_trace([100, 100], [("pack", 0, 1), ("pack", 1, 1), ("unpack", 1, 1), ("unpack", 0, 1)])

@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
+from swapsched.deploy import SwapRuntime
 from swapsched.runtime.backends import CpuBackend, HostPool
-from swapsched.runtime.swapper import SwapRuntime
 from swapsched.zoo import build_model
 
 
@@ -32,7 +32,7 @@ def test_engine_runs_copies_one_at_a_time_in_issue_order():
     tickets = [be.copy_out(torch.zeros(1_000_000, dtype=torch.uint8)) for _ in range(3)]
     for t in tickets:
         be.wait_host(t)
-    for a, b in zip(tickets, tickets[1:]):
+    for a, b in zip(tickets, tickets[1:], strict=False):
         assert b.start_s >= a.end_s
     be.shutdown()
 
@@ -65,7 +65,7 @@ def test_cuda_gradients_bit_identical_and_peak_near_budget(family):
         lb.backward()
         torch.cuda.synchronize()
         assert torch.equal(la, lb)
-        assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.model.parameters(), b.model.parameters()))
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.model.parameters(), b.model.parameters(), strict=False))
     rep = rt.report()
     assert rep.mode == "execute" and rep.peak_device_bytes <= rep.budget_bytes
     assert rep.cuda_peak_bytes is not None  # reported beside the accounting (allocator slack)

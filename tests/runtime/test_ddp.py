@@ -21,7 +21,7 @@ def _free_port() -> int:
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from swapsched.runtime.swapper import SwapRuntime
+    from swapsched.deploy import SwapRuntime
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

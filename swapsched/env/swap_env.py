@@ -3,22 +3,23 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
 from swapsched.budget import BudgetError, parse_budget
-from swapsched.env.simulator import Simulation
-from swapsched.hardware import Hardware, load_hardware
+from swapsched.env.simulator import SimResult, Simulation
+from swapsched.hardware import TRAINING_HARDWARE, Hardware, load_hardware
 from swapsched.plan import LEADS, Eviction
 from swapsched.trace import Trace
 
 __all__ = ["SwapEnv", "N_FEATURES", "DEFAULT_HARDWARE"]
 
 N_FEATURES = 13
-DEFAULT_HARDWARE = ("v100-pcie3", "a100-pcie4", "h100-pcie5", "rtx4090-pcie4")
+DEFAULT_HARDWARE = TRAINING_HARDWARE
 
 
 class SwapEnv(gym.Env):
@@ -151,8 +152,9 @@ class SwapEnv(gym.Env):
         self.lower = (base + tr.must_resident_bytes).astype(np.int64)  # every plan holds at least this
         self.if_kept = (base + tr.resident_bytes_no_swap).astype(np.int64)  # undecided tensors all kept
         self.last_cost = 0.0
-        self.result = None
+        self.result: SimResult | None = None
         self._mask_pos = -1
+        self._mask: np.ndarray = np.ones(self.n_actions, dtype=bool)
         self.above = max(tr.peak_bytes_no_swap - tr.static_bytes, 1)
         self._advance()
 
@@ -164,7 +166,7 @@ class SwapEnv(gym.Env):
     def action_masks(self) -> np.ndarray:
         if self._mask_pos == self.pos:
             return self._mask.copy()
-        mask = np.ones(self.action_space.n, dtype=bool)
+        mask = np.ones(self.n_actions, dtype=bool)
         if self.pos < len(self.order):
             t = self.table
             p = self.pos

@@ -19,15 +19,16 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from scipy.optimize import nnls
 
-from swapsched.hardware import Hardware, load_hardware
-from swapsched.plan import Eviction, SwapPlan
+from swapsched.hardware import DEFAULT_GPU_HARDWARE, Hardware, load_hardware
+from swapsched.plan import Eviction, SwapPlan, on_demand_plan
 from swapsched.runtime.backends import Backend, CpuBackend, CudaBackend
 from swapsched.trace import Trace
 
@@ -117,11 +118,11 @@ def _round_trips(trace: Trace, half: str) -> SwapPlan:
     return SwapPlan(trace.name, f"calibration-round-trips-{half}", ev)
 
 
-def training_step(rt: "SwapRuntime", case: "ModelCase") -> Callable[[], "StepReport"]:
+def training_step(rt: SwapRuntime, case: ModelCase) -> Callable[[], StepReport]:
     """One training step of ``case`` under ``rt``, as ``execute_in_rounds`` runs them: forward and
     backward in ``rt.step()`` (which on CUDA ends with the device), gradients cleared; its report."""
 
-    def step() -> "StepReport":
+    def step() -> StepReport:
         with rt.step():
             case.loss().backward()
         case.model.zero_grad(set_to_none=True)
@@ -130,9 +131,9 @@ def training_step(rt: "SwapRuntime", case: "ModelCase") -> Callable[[], "StepRep
     return step
 
 
-def execute_in_rounds(rt: "SwapRuntime", train_step: Callable[[], "StepReport"],
+def execute_in_rounds(rt: SwapRuntime, train_step: Callable[[], StepReport],
                       plans: Sequence[tuple[SwapPlan, int | None]], rounds: int, steps: int = 2,
-                      seed: int = 0) -> list[list[list["StepReport"]]]:
+                      seed: int = 0) -> list[list[list[StepReport]]]:
     """Execute each ``(plan, budget bytes or None)`` on ``rt`` in ``rounds`` rounds, the plans in
     a shuffled order each round, so that the machine's drift hits them alike: after each switch
     one step that warms the host pool for the plan's sizes, then ``steps`` measured ones.
@@ -154,13 +155,12 @@ def _measure_workload(model: str, size: str, backend_name: str, bandwidth: float
                       rounds: int) -> tuple[list[list[list[StepReport]]], int]:
     """Reports of four plans on one workload (no eviction, round trips of the smaller and of the
     larger half of the tensors, swap-all) from ``execute_in_rounds``; and its event count."""
-    from swapsched.agents.registry import get_policy
     from swapsched.runtime.swapper import SwapRuntime
     from swapsched.zoo import build_model
 
     device = "cuda" if backend_name == "cuda" else "cpu"
     case = build_model(model, size, device=device)
-    rt = SwapRuntime(budget="100%", policy="no-swap", backend=backend_name, model=case.model, bandwidth=bandwidth)
+    rt = SwapRuntime(budget="100%", policy=None, backend=backend_name, model=case.model, bandwidth=bandwidth)
     train_step = training_step(rt, case)
 
     try:
@@ -168,7 +168,7 @@ def _measure_workload(model: str, size: str, backend_name: str, bandwidth: float
             train_step()
         assert rt.trace is not None and rt.budget_bytes is not None and rt.plan is not None
         plans = [rt.plan, _round_trips(rt.trace, "smaller"), _round_trips(rt.trace, "larger"),
-                 get_policy("swap-all").plan(rt.trace, rt.budget_bytes, rt.hardware)]
+                 on_demand_plan(rt.trace, "swap-all")]
         reports = execute_in_rounds(rt, train_step, [(p, None) for p in plans], rounds)
     finally:
         rt.close()
@@ -205,7 +205,7 @@ def calibrate_host(backend_name: str, bandwidth: float | None = None, rounds: in
                          med(r.waits for r in reps)])
             # what the plan adds, against the no-eviction steps of the same round (the machine's
             # speed drifts by tens of percent over minutes, much less within one round)
-            ys.append(med(med(net(r) for r in mv) - med(net(r) for r in kp) for mv, kp in zip(plan_rounds, keep)))
+            ys.append(med(med(net(r) for r in mv) - med(net(r) for r in kp) for mv, kp in zip(plan_rounds, keep, strict=False)))
     a = np.array(rows, dtype=np.float64)
     scale = np.maximum(np.abs(a).max(axis=0), 1.0)  # columns of very different magnitudes (copies, bytes)
     # non-negative least squares: a cost the data would make negative is 0, and the others are
@@ -218,7 +218,7 @@ def calibrate_host(backend_name: str, bandwidth: float | None = None, rounds: in
 def calibrate(backend_name: str = "cpu", bandwidth: float | None = None, name: str | None = None,
               base: str = "cpu-emulated") -> Calibration:
     """Measure link and hooks; the result keeps ``base``'s compute peaks (used for roofline only)."""
-    ref = load_hardware(base if backend_name == "cpu" else "h100-pcie5")
+    ref = load_hardware(base if backend_name == "cpu" else DEFAULT_GPU_HARDWARE)
     # the CPU engines throttled to the bandwidth alone (no added latency): the latency measured is
     # what the machine adds, thread wake-up included; unthrottled without a bandwidth
     backend = CpuBackend(bandwidth, bandwidth, 0.0) if backend_name == "cpu" else CudaBackend()

@@ -36,8 +36,9 @@ import contextlib
 import time
 import weakref
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,9 +46,10 @@ import torch
 from swapsched.budget import format_bytes, parse_budget
 from swapsched.env.simulator import event_tables, simulate
 from swapsched.errors import UserError
-from swapsched.hardware import Hardware, load_hardware
+from swapsched.hardware import Hardware, default_hardware, load_hardware
 from swapsched.plan import SwapPlan
-from swapsched.runtime.backends import Backend, CpuBackend, Ticket, make_backend
+from swapsched.policy import Policy
+from swapsched.runtime.backends import Backend, CpuBackend, Ticket, make_backend, resolve_backend
 from swapsched.runtime.profiler import StorageIds, TraceRecorder, is_cached_cast, is_parameter, static_bytes_of, storage_key
 from swapsched.trace import Trace
 
@@ -71,7 +73,7 @@ class _Record:
         # is what frees a kept tensor as early as plain PyTorch would
         self.handles: list[weakref.ref[_Packed]] = []
 
-    def live_handles(self) -> list["_Packed"]:
+    def live_handles(self) -> list[_Packed]:
         return [h for h in (r() for r in self.handles) if h is not None]
 
 
@@ -152,8 +154,10 @@ class StepReport:
 class SwapRuntime:
     """Executes a swap plan in real training; see the module docstring.
 
-    ``budget``: ``"60%"`` of the profiled activation peak, or bytes (``"6GiB"``). ``policy``: a
-    registry name (``default`` is the shipped learned policy), a checkpoint path, or a policy object.
+    ``budget``: ``"60%"`` of the profiled activation peak, or bytes (``"6GiB"``). ``policy``: the
+    object that plans (anything with ``plan(trace, budget, hardware) -> SwapPlan``; names such as
+    ``"default"`` are resolved by ``swapsched.SwapRuntime`` or ``swapsched.get_policy``, one layer up);
+    ``None`` plans nothing: every tensor stays until a plan is given with ``use_plan``.
     ``hardware``: the profile the policy plans for (default: ``cpu-emulated`` on the CPU backend,
     ``h100-pcie5`` on CUDA; best: one written by ``swapsched calibrate``). ``backend``: ``"cuda"``,
     ``"cpu"`` or ``None`` (CUDA when available). ``bandwidth``: throttle of the CPU backend's copy
@@ -177,21 +181,20 @@ class SwapRuntime:
     reported as ``unowned_bytes``.
     """
 
-    def __init__(self, budget: str | int = "60%", policy: Any = "default", hardware: Hardware | str | None = None,
+    def __init__(self, budget: str | int = "60%", policy: Policy | None = None, hardware: Hardware | str | None = None,
                  backend: str | Backend | None = None, *, bandwidth: float | None = None, min_bytes: int = 0,
                  model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  profile_steps: int = 3, retime_steps: int = 3, audit: bool = False):
         self.budget_spec = budget
-        if isinstance(policy, str):
-            from swapsched.agents.registry import get_policy
-
-            policy = get_policy(policy)
+        if policy is not None and not isinstance(policy, Policy):
+            raise UserError(f"policy must be an object with plan(trace, budget, hardware), got {policy!r}; "
+                            "for a name such as 'default' use swapsched.SwapRuntime or swapsched.get_policy(name)")
         self.policy = policy
-        name = backend.name if isinstance(backend, Backend) else (backend or ("cuda" if torch.cuda.is_available() else "cpu"))
+        name = backend.name if isinstance(backend, Backend) else resolve_backend(backend)
         if bandwidth is not None and not bandwidth > 0:
             raise UserError(f"bandwidth must be positive bytes/s, got {bandwidth!r}")
         if hardware is None:
-            hw = load_hardware("cpu-emulated" if name == "cpu" else "h100-pcie5")
+            hw = load_hardware(default_hardware(name))
             if bandwidth is not None:  # plan for the link the copies really get
                 hw = replace(hw, name=f"{hw.name}@{bandwidth:.3g}B/s", d2h_bytes_per_s=bandwidth, h2d_bytes_per_s=bandwidth)
         else:
@@ -230,7 +233,7 @@ class SwapRuntime:
 
     # ------------------------------------------------------------------ the public surface
     @contextlib.contextmanager
-    def step(self) -> Iterator["SwapRuntime"]:
+    def step(self) -> Iterator[SwapRuntime]:
         """One training step (forward and backward) under the runtime."""
         if self._exec is not None:
             raise UserError("runtime.step() is already active; steps cannot nest")
@@ -310,7 +313,10 @@ class SwapRuntime:
     def _plan_from(self, trace: Trace) -> None:
         self.trace = trace
         self.budget_bytes = parse_budget(self.budget_spec, trace)
-        plan = self.policy.plan(trace, self.budget_bytes, self.hardware)
+        if self.policy is None:  # nothing plans: every tensor stays until use_plan()
+            plan = SwapPlan.of(trace, "keep-all", [])
+        else:
+            plan = self.policy.plan(trace, self.budget_bytes, self.hardware)
         small = [e for e in plan.evictions if trace.tensors[e.tensor].bytes < self.min_bytes]
         if small:  # tiny tensors stay: copying them costs more than it saves
             plan = SwapPlan(plan.trace, plan.policy, tuple(e for e in plan.evictions if e not in small),
@@ -331,8 +337,8 @@ class SwapRuntime:
             self.out_at[e.swap_out_at].append(e.tensor)
             self.prefetch_at[e.prefetch_at].append(e.tensor)
         tb = event_tables(self.trace)
-        self.expected_codes = [~t if u else t for t, u in zip(tb.tensor, tb.is_unpack)]
-        self.work_at = [bool(f or o or p) for f, o, p in zip(tb.free, self.out_at, self.prefetch_at)]
+        self.expected_codes = [~t if u else t for t, u in zip(tb.tensor, tb.is_unpack, strict=False)]
+        self.work_at = [bool(f or o or p) for f, o, p in zip(tb.free, self.out_at, self.prefetch_at, strict=False)]
 
 
 def timed_by_execution(trace: Trace, reports: list[StepReport]) -> Trace:
@@ -362,7 +368,7 @@ def _median_timing(trace: Trace, gaps: list, tails: list[float], meta_key: str) 
     """``trace`` with each gap and the tail the median over several timings of the same events;
     ``meta[meta_key]`` says how many."""
     median = np.median(np.array(gaps, dtype=np.float64), axis=0)
-    events = tuple(replace(e, compute_s=float(g)) for e, g in zip(trace.events, median))
+    events = tuple(replace(e, compute_s=float(g)) for e, g in zip(trace.events, median, strict=False))
     return replace(trace, events=events, tail_compute_s=float(np.median(tails)),
                    meta={**trace.meta, meta_key: len(tails)})
 

@@ -8,14 +8,14 @@ and differ in *which* tensors they evict and *when* they prefetch.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
 from swapsched.env.simulator import simulate
 from swapsched.hardware import Hardware
-from swapsched.plan import LEADS, Eviction, SwapPlan, prefetch_event, swap_out_event
+from swapsched.plan import LEADS, Eviction, SwapPlan, on_demand_plan, prefetch_event, swap_out_event
 from swapsched.trace import Trace
 
 __all__ = ["NoSwap", "SwapAll", "VDNN", "Belady", "Capuchin", "planned_demand", "repair", "HEAVY_OPS"]
@@ -71,8 +71,7 @@ class SwapAll:
     name: str = "swap-all"
 
     def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
-        evs = [Eviction(k, swap_out_event(trace, k), int(trace.first_unpack[k])) for k in range(trace.n_tensors)]
-        return SwapPlan.of(trace, self.name, evs)
+        return on_demand_plan(trace, self.name)
 
 
 @dataclass(frozen=True)
@@ -127,7 +126,7 @@ def _removable(trace: Trace, gap: int, evicted: np.ndarray) -> np.ndarray:
 
 
 def _evict_until_fits(trace: Trace, demand: np.ndarray, budget: int, release: np.ndarray, score: np.ndarray,
-                      back_at: "Callable[[int, int], int]") -> list[int]:
+                      back_at: Callable[[int, int], int]) -> list[int]:
     """Walk the gaps over budget in order; at each, evict the removable tensor of highest ``score``
     until the planned demand fits. ``back_at(k, gap)`` is the gap from which ``k`` is planned back
     on the device. Updates ``demand``; returns the tensors in the order chosen."""

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -30,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from swapsched.errors import UserError
-from swapsched.hardware import Hardware, load_hardware
+from swapsched.hardware import DEFAULT_GPU_HARDWARE, Hardware, load_hardware
 from swapsched.trace import Event, TensorInfo, Trace
 
 __all__ = ["profile", "ProfileError", "TraceRecorder", "StorageIds", "is_parameter", "is_cached_cast", "storage_key",
@@ -130,7 +131,7 @@ class _ModulePath:
         self.names = {id(m): n for n, m in model.named_modules()}
         self.stack: list[str] = []
 
-    def __enter__(self) -> "_ModulePath":
+    def __enter__(self) -> _ModulePath:
         reg = torch.nn.modules.module
         self._handles = [reg.register_module_forward_pre_hook(self._enter), reg.register_module_forward_hook(self._leave)]
         return self
@@ -254,7 +255,7 @@ class TraceRecorder:
             end_ev = torch.cuda.Event(enable_timing=True)
             end_ev.record()
             torch.cuda.synchronize()
-            gaps = [a.elapsed_time(b) / 1e3 for a, b in zip(self.cuda_exit[:n], self.cuda_entry)]
+            gaps = [a.elapsed_time(b) / 1e3 for a, b in zip(self.cuda_exit[:n], self.cuda_entry, strict=False)]
             tail = self.cuda_exit[n].elapsed_time(end_ev) / 1e3
         elif self.clock == "cpu":
             gaps, tail = self.gaps, end - self._last
@@ -407,7 +408,7 @@ def profile(
     structural = structure.finish(name, str(dev), static, "roofline")
 
     if dev.type == "meta":
-        hw = load_hardware(hardware or "h100-pcie5")
+        hw = load_hardware(hardware or DEFAULT_GPU_HARDWARE)
         return replace(structural.retimed(hw), device=f"meta->{hw.name}")
 
     _restore(snap)
@@ -421,7 +422,7 @@ def profile(
             f"{name}: two runs of the same step saved different tensors (data-dependent control flow?); "
             "profile a step whose saved tensors do not depend on the data"
         )
-    events = tuple(replace(m, flops=s.flops) for m, s in zip(measured.events, structural.events))
+    events = tuple(replace(m, flops=s.flops) for m, s in zip(measured.events, structural.events, strict=False))
     trace = replace(
         measured, tensors=structural.tensors, events=events,
         meta={**measured.meta, "tail_flops": structural.meta["tail_flops"]},

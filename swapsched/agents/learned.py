@@ -7,7 +7,6 @@ on the given trace, budget and hardware; its decisions are the plan. A checkpoin
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,11 +52,6 @@ class LearnedPolicy:
         self.path = resolve_checkpoint(self.checkpoint)
         if self.name == "learned":
             self.name = "default" if self.path.stem == "default" else f"learned:{self.path.stem}"
-
-    @property
-    def info(self) -> dict[str, Any]:
-        meta = self.path.with_suffix(".json")
-        return json.loads(meta.read_text()) if meta.is_file() else {}
 
     def _load(self) -> Any:
         if self._model is None:

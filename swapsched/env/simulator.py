@@ -106,7 +106,7 @@ class EventTables:
         self.backward_start = trace.backward_start
         self.alloc: list[list[int]] = [[] for _ in range(n)]
         self.free: list[list[int]] = [[] for _ in range(n)]
-        for k, (fp, lu) in enumerate(zip(trace.first_pack.tolist(), trace.last_unpack.tolist())):
+        for k, (fp, lu) in enumerate(zip(trace.first_pack.tolist(), trace.last_unpack.tolist(), strict=False)):
             self.alloc[fp].append(k)
             self.free[lu].append(k)
         self.alloc_bytes = [sum(self.bytes[k] for k in ks) for ks in self.alloc]
@@ -118,7 +118,7 @@ class EventTables:
         # are freed after the gap of this event instead
         self.freed_late: list[list[int]] = [[] for _ in range(n)]
         self.late = [False] * trace.n_tensors
-        for k, (f, lu) in enumerate(zip(trace.freed.tolist(), trace.last_unpack.tolist())):
+        for k, (f, lu) in enumerate(zip(trace.freed.tolist(), trace.last_unpack.tolist(), strict=False)):
             if f > lu:
                 self.freed_late[f].append(k)
                 self.late[k] = True
@@ -317,9 +317,8 @@ class Simulation:
             # -- the gap before event i: room to produce its new tensors (R4)
             self._drain(self.t)
             self.cur_other = tb.other[i]
-            if tb.alloc[i] or self.cur_other:
-                if not self._allocate(i):
-                    return
+            if (tb.alloc[i] or self.cur_other) and not self._allocate(i):
+                return
             if self.host_debt:
                 self._pay_host()
             gap = tb.gaps[i] + self.hook

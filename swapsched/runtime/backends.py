@@ -22,14 +22,15 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from swapsched.errors import UserError
 
-__all__ = ["Ticket", "Backend", "CpuBackend", "CudaBackend", "HostPool", "make_backend"]
+__all__ = ["resolve_backend", "Ticket", "Backend", "CpuBackend", "CudaBackend", "HostPool", "make_backend"]
 
 
 class HostPool:
@@ -70,7 +71,7 @@ class Ticket:
     nbytes: int
     src: Any
     dst: Any
-    after: "Ticket | None" = None  # a swap-in never starts before its swap-out completed (R6)
+    after: Ticket | None = None  # a swap-in never starts before its swap-out completed (R6)
     done_event: Any = None  # threading.Event (CPU) or torch.cuda.Event (CUDA)
     start_s: float = 0.0
     end_s: float = 0.0
@@ -317,11 +318,22 @@ class CudaBackend(Backend):
         return sum(before.elapsed_time(after) for before, after in waits) / 1e3  # elapsed_time is in ms
 
 
-def make_backend(name: str | None, hardware: Any = None) -> Backend:
-    """``cuda`` when available unless told otherwise; the CPU backend's engines are throttled to
-    ``hardware``'s link (unthrottled without one, or with an infinite bandwidth)."""
+def resolve_backend(name: str | None) -> str:
+    """The one place that picks a backend: ``cuda`` when available unless told otherwise; a
+    request for ``cuda`` where there is none is a user error."""
     if name is None:
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name not in ("cpu", "cuda"):
+        raise UserError(f"unknown backend {name!r}; use 'cpu' or 'cuda'")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("backend 'cuda': no CUDA device is available here; use backend 'cpu'")
+    return name
+
+
+def make_backend(name: str | None, hardware: Any = None) -> Backend:
+    """The backend ``resolve_backend(name)`` picks; the CPU backend's engines are throttled to
+    ``hardware``'s link (unthrottled without one, or with an infinite bandwidth)."""
+    name = resolve_backend(name)
     if name == "cuda":
         return CudaBackend()
     if name == "cpu":

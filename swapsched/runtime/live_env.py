@@ -5,7 +5,7 @@ made exactly as in :class:`~swapsched.env.swap_env.SwapEnv` (same observations, 
 over the trace this device just measured), and when the last tensor is decided the plan is executed
 by :class:`~swapsched.runtime.swapper.SwapRuntime` in real training steps of the given model.
 
-This adapter imports the runtime (torch); the simulator and ``SwapEnv`` never do.
+It lives with the runtime, which it drives; the simulator and ``SwapEnv`` never import torch.
 """
 
 from __future__ import annotations
@@ -20,18 +20,10 @@ import torch
 
 from swapsched.env.swap_env import SwapEnv
 from swapsched.plan import SwapPlan
+from swapsched.runtime.swapper import SwapRuntime
 from swapsched.zoo import ModelCase, build_model
 
 __all__ = ["LiveSwapEnv"]
-
-
-class _Placeholder:
-    """Plans nothing: the runtime is only asked to profile; episodes supply the plans."""
-
-    name = "live-env"
-
-    def plan(self, trace: Any, budget: int, hardware: Any) -> SwapPlan:
-        return SwapPlan.of(trace, self.name, [])
 
 
 class LiveSwapEnv(gym.Env):
@@ -61,11 +53,9 @@ class LiveSwapEnv(gym.Env):
                  backend: str = "cpu", bandwidth: float | None = None, hardware: str | None = None,
                  steps_per_episode: int = 3, plain_steps: int = 5):
         super().__init__()
-        from swapsched.runtime.swapper import SwapRuntime
-
         device = "cuda" if backend == "cuda" else "cpu"
         self.case = model if isinstance(model, ModelCase) else build_model(model, size, device=device)
-        self.runtime = SwapRuntime(budget=budget, policy=_Placeholder(), backend=backend, bandwidth=bandwidth,
+        self.runtime = SwapRuntime(budget=budget, policy=None, backend=backend, bandwidth=bandwidth,
                                    hardware=hardware, model=self.case.model)
         for _ in range(self.runtime.profile_steps):
             self._train_step(self.runtime.step)

@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from swapsched.errors import UserError
+from swapsched.hardware import TRAINING_HARDWARE
 
 __all__ = ["TrainConfig", "load_train_config", "train_policy", "evaluate"]
 
@@ -33,7 +34,7 @@ class TrainConfig:
     seed: int = 0
     corpus_split: str = "train"
     budget_range: tuple[float, float] = (0.25, 0.9)
-    hardware: tuple[str, ...] = ("v100-pcie3", "a100-pcie4", "h100-pcie5", "rtx4090-pcie4", "cpu-emulated")
+    hardware: tuple[str, ...] = TRAINING_HARDWARE
     eval: dict[str, Any] = field(default_factory=lambda: {"budgets": ["30%", "50%", "70%"], "hardware": ["h100-pcie5"],
                                                           "baselines": ["swap-all", "min", "capuchin"]})
     ppo: dict[str, Any] = field(default_factory=dict)
@@ -135,12 +136,13 @@ def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True,
 
 def evaluate(policy: Any, traces: list, budgets: list[str], hardware: list, baselines: list[str]) -> dict[str, Any]:
     """Mean overhead and OOMs of ``policy`` and each baseline over traces x budgets x hardware."""
-    from swapsched.compare import compare, summarize
+    from swapsched.agents.evaluate import compare, summarize
 
     names = [policy.name, *baselines]
     rows = compare(traces, budgets, hardware, [policy, *baselines], progress=False)
     summary = summarize(rows, names)
     return {
         "traces": [t.name for t in traces], "budgets": budgets, "hardware": [h.name for h in hardware],
-        "summary": [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in s.items()} for s in summary],
+        "summary": [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in s.to_dict().items()}
+                    for s in summary],
     }

@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any
 
 from swapsched.errors import UserError
-from swapsched.hardware import Hardware
-from swapsched.plan import SwapPlan
-from swapsched.trace import Trace
+from swapsched.policy import Policy
 
 __all__ = ["Policy", "get_policy", "policy_names", "expand_policies", "PolicyError"]
 
 
 class PolicyError(UserError):
     """Unknown policy name."""
-
-
-@runtime_checkable
-class Policy(Protocol):
-    name: str
-
-    def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan: ...
 
 
 def _factories() -> dict[str, Callable[..., Policy]]:

@@ -1,0 +1,178 @@
+"""Score policies on the simulator over traces x budgets x hardware: the records every table,
+benchmark and training report is built from (``swapsched compare``, ``train-policy``'s held-out table).
+
+Formatting lives one layer up (``swapsched.report``); this module only measures.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from swapsched.agents.optimal import TooLargeError
+from swapsched.agents.registry import get_policy
+from swapsched.budget import BudgetError, parse_budget
+from swapsched.env.simulator import SimResult, analytic_floor, simulate
+from swapsched.hardware import Hardware
+from swapsched.plan import SwapPlan
+from swapsched.policy import Policy
+from swapsched.trace import Trace
+
+__all__ = ["Case", "CaseResult", "PolicySummary", "compare", "run_policy", "summarize"]
+
+
+@dataclass(frozen=True)
+class Case:
+    trace: Trace
+    budget: str
+    hardware: Hardware
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    """One policy on one case: the simulated result, or why it was skipped (budget below the
+    feasible minimum, trace too large for the policy)."""
+
+    trace: str
+    budget: str
+    hardware: str
+    policy: str
+    result: SimResult | None = None
+    plan_s: float | None = None
+    floor_s: float | None = None
+    skipped: str | None = None
+
+    @property
+    def case(self) -> tuple[str, str, str]:
+        return (self.trace, self.budget, self.hardware)
+
+    @property
+    def oom(self) -> bool | None:
+        return None if self.result is None else self.result.oom
+
+    @property
+    def overhead(self) -> float | None:
+        """Step time over the ideal step, minus 1; ``None`` when skipped or out of memory."""
+        if self.result is None or self.result.oom or not math.isfinite(self.result.overhead):
+            return None
+        return self.result.overhead
+
+    @property
+    def solved(self) -> bool:
+        return self.overhead is not None
+
+    @property
+    def floor_overhead(self) -> float | None:
+        return None if self.result is None or self.floor_s is None else self.floor_s / self.result.ideal_s - 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        row: dict[str, Any] = {"trace": self.trace, "budget": self.budget, "hardware": self.hardware, "policy": self.policy}
+        if self.result is None:
+            row.update(skipped=self.skipped, oom=None, overhead=None)
+            return row
+        row.update(self.result.to_dict())
+        row.update(plan_s=self.plan_s, floor_s=self.floor_s, floor_overhead=self.floor_overhead)
+        return row
+
+
+@dataclass(frozen=True)
+class PolicySummary:
+    """Per policy over a set of cases: mean overhead over the cases it solved, cases won (best or
+    tied), OOMs, skipped cases, mean planning time."""
+
+    policy: str
+    mean_overhead: float
+    won: int
+    oom: int
+    skipped: int
+    cases: int
+    mean_plan_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy, "mean_overhead": self.mean_overhead, "won": self.won, "oom": self.oom,
+                "skipped": self.skipped, "cases": self.cases, "mean_plan_s": self.mean_plan_s}
+
+
+def run_policy(policy: Policy, trace: Trace, budget_bytes: int, hw: Hardware, record: bool = False) -> tuple[SwapPlan, SimResult, float]:
+    """Plan (timed), check the plan against the trace (R7), and score it on the simulator."""
+    t0 = time.perf_counter()
+    plan = policy.plan(trace, budget_bytes, hw)
+    plan_s = time.perf_counter() - t0
+    plan.validate(trace)
+    return plan, simulate(trace, plan, hw, budget_bytes, record=record, validate=False), plan_s
+
+
+def compare(
+    traces: Sequence[Trace],
+    budgets: Sequence[str],
+    hardware: Sequence[Hardware],
+    policies: Sequence[str | Policy],
+    *,
+    seed: int = 0,
+    search_seconds: float = 5.0,
+    progress: bool = True,
+) -> list[CaseResult]:
+    """One result per trace x budget x hardware x policy (``skipped`` where a policy cannot answer).
+
+    ``policies`` are registry names or policy objects (results then carry the object's ``name``)."""
+    pols: dict[str, Policy] = {}
+    for p in policies:
+        pol = get_policy(p, seed=seed, search_seconds=search_seconds) if isinstance(p, str) else p
+        pols[p if isinstance(p, str) else pol.name] = pol
+    cases = [Case(t, b, h) for t in traces for b in budgets for h in hardware]
+    out: list[CaseResult] = []
+    bar = _progress(len(cases) * len(pols), progress)
+    for case in cases:
+        key = (case.trace.name, case.budget, case.hardware.name)
+        try:
+            budget_bytes = parse_budget(case.budget, case.trace)
+        except BudgetError as exc:
+            for name in pols:
+                out.append(CaseResult(*key, name, skipped=str(exc)))
+                bar.update(1)
+            continue
+        floor = analytic_floor(case.trace, budget_bytes, case.hardware)
+        for name, pol in pols.items():
+            bar.set_postfix_str(f"{case.trace.name} {case.budget} {name}", refresh=False)
+            try:
+                _, res, plan_s = run_policy(pol, case.trace, budget_bytes, case.hardware)
+            except TooLargeError as exc:
+                out.append(CaseResult(*key, name, skipped=str(exc)))
+            else:
+                out.append(CaseResult(*key, name, result=res, plan_s=plan_s, floor_s=floor))
+            bar.update(1)
+    bar.close()
+    return out
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, disable=not enabled, unit="plan", leave=False, dynamic_ncols=True)
+
+
+def summarize(results: Iterable[CaseResult], policies: Sequence[str]) -> list[PolicySummary]:
+    """Per policy: mean overhead over cases it solved, cases won, OOMs, skipped, mean planning time."""
+    results = list(results)
+    best: dict[tuple[str, str, str], float] = {}
+    for r in results:
+        if r.overhead is not None:
+            best[r.case] = min(best.get(r.case, math.inf), r.overhead)
+    out = []
+    for p in policies:
+        mine = [r for r in results if r.policy == p]
+        ok = [r.overhead for r in mine if r.overhead is not None]
+        timed = [r.plan_s for r in mine if r.plan_s is not None]
+        out.append(PolicySummary(
+            policy=p,
+            mean_overhead=sum(ok) / len(ok) if ok else math.nan,
+            won=sum(1 for r in mine if r.overhead is not None and r.overhead <= best[r.case] + 1e-12),
+            oom=sum(1 for r in mine if r.oom),
+            skipped=sum(1 for r in mine if r.skipped),
+            cases=len(mine),
+            mean_plan_s=sum(timed) / max(1, len(timed)),
+        ))
+    return out

@@ -1,0 +1,50 @@
+"""agents/evaluate.py: one record per policy and case, and the summary's counts, on a hand-made trace."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from swapsched.agents.evaluate import CaseResult, compare, summarize
+from tests.conftest import make_hw, make_trace
+
+POLICIES = ["no-swap", "swap-all", "min"]
+
+
+@pytest.fixture
+def results() -> list[CaseResult]:
+    # T0, T1 of 100 B, gaps 1,1,2,1 s (ideal 5 s), a 100 B/s link: each copy takes 1 s.
+    tr = make_trace([100, 100], [("pack", 0, 1.0), ("pack", 1, 1.0), ("unpack", 1, 2.0), ("unpack", 0, 1.0)])
+    return compare([tr], ["100%", "50%", "1%"], [make_hw()], POLICIES, progress=False)
+
+
+def test_one_record_per_case_and_policy_in_order(results):
+    assert [(r.budget, r.policy) for r in results] == [(b, p) for b in ["100%", "50%", "1%"] for p in POLICIES]
+
+
+def test_solved_oom_and_skipped_records(results):
+    by = {(r.budget, r.policy): r for r in results}
+    # swap-all at 100%: both tensors come back on demand, 1 s each: 7 s over an ideal 5 s
+    assert by[("100%", "swap-all")].overhead == pytest.approx(0.4)
+    assert by[("100%", "no-swap")].overhead == 0.0 and by[("100%", "no-swap")].solved
+    # 50% = 100 B: keeping both is an OOM, which has no overhead and is not "solved"
+    oom = by[("50%", "no-swap")]
+    assert oom.oom and oom.overhead is None and not oom.solved
+    # 1% = 2 B is below the smallest feasible budget (100 B): every policy is skipped, with the reason
+    skipped = by[("1%", "min")]
+    assert skipped.result is None and "smallest feasible budget is 100 B" in skipped.skipped
+    assert skipped.to_dict() == {"trace": "hand", "budget": "1%", "hardware": "hand", "policy": "min",
+                                 "skipped": skipped.skipped, "oom": None, "overhead": None}
+    row = by[("50%", "min")].to_dict()
+    assert row["floor_s"] == 5.0 and row["floor_overhead"] == pytest.approx(5.0 / 5.0 - 1.0) and row["plan_s"] >= 0
+
+
+def test_summary_counts(results):
+    s = {x.policy: x for x in summarize(results, POLICIES)}
+    assert (s["no-swap"].won, s["no-swap"].oom, s["no-swap"].skipped, s["no-swap"].cases) == (1, 1, 1, 3)
+    assert s["no-swap"].mean_overhead == 0.0  # the OOM is not averaged in
+    assert s["swap-all"].won == 0 and s["swap-all"].mean_overhead == pytest.approx((0.4 + 0.6) / 2)
+    assert s["min"].won == 2  # ties no-swap at 100%, alone at 50%
+    empty = summarize([r for r in results if r.budget == "1%"], ["min"])[0]
+    assert math.isnan(empty.mean_overhead) and empty.won == 0

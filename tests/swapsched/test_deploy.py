@@ -1,0 +1,39 @@
+"""deploy.py: names become policies one layer above the runtime, which takes only objects."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swapsched.agents.heuristics import Belady
+from swapsched.deploy import SwapRuntime, resolve_policy
+from swapsched.errors import UserError
+from swapsched.runtime import swapper
+
+
+def test_the_runtime_proper_refuses_a_name_and_says_where_names_go():
+    with pytest.raises(UserError, match="swapsched.SwapRuntime or swapsched.get_policy"):
+        swapper.SwapRuntime(budget="60%", policy="min", backend="cpu")
+
+
+def test_the_facade_resolves_names_and_passes_objects_through():
+    rt = SwapRuntime(budget="60%", policy="min", backend="cpu")
+    try:
+        assert isinstance(rt.policy, Belady) and isinstance(rt, swapper.SwapRuntime)
+    finally:
+        rt.close()
+    obj = Belady()
+    assert resolve_policy(obj) is obj and resolve_policy(None) is None
+
+
+def test_without_a_policy_every_tensor_stays_until_use_plan():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    x = torch.randn(4, 8)
+    rt = swapper.SwapRuntime(budget="100%", policy=None, backend="cpu", profile_steps=1, retime_steps=0)
+    try:
+        for _ in range(2):
+            with rt.step():
+                model(x).sum().backward()
+        assert rt.plan is not None and rt.plan.evictions == () and rt.report().mode == "execute"
+    finally:
+        rt.close()
