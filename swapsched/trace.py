@@ -80,6 +80,10 @@ class Trace:
     tensors: tuple[TensorInfo, ...]
     events: tuple[Event, ...]
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
+    #: Tables derived from this (immutable) trace by the layers above, computed once: the
+    #: simulator's event tables under "sim", the env's decision tables under ("env", hardware).
+    #: Never serialized, never compared.
+    derived: dict[Any, Any] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         _validate(self, source="<trace object>")
@@ -471,6 +475,7 @@ def trace_from_dict(data: Any, source: str = "<dict>") -> Trace:
     )
     for attr, value in fields.items():
         object.__setattr__(trace, attr, value)
+    object.__setattr__(trace, "derived", {})
     _validate(trace, source)
     return trace
 

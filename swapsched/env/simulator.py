@@ -32,6 +32,7 @@ from swapsched.trace import Trace
 
 __all__ = ["SimResult", "Simulation", "simulate", "analytic_floor", "Timeline", "EventTables", "event_tables"]
 
+#: Where a tensor is; the runtime's records use the same values (one set of states for both executors).
 NOT_YET, RESIDENT, OUT, HOST, IN, WAITING, FREED = range(7)
 
 
@@ -125,10 +126,10 @@ class EventTables:
 
 
 def event_tables(trace: Trace) -> EventTables:
-    """The trace's lookup lists, cached on the (immutable) trace like its cached_property tables."""
-    t = trace.__dict__.get("_sim_tables")
+    """The trace's lookup lists, computed once per trace (kept in ``trace.derived``)."""
+    t = trace.derived.get("sim")
     if t is None:
-        t = trace.__dict__["_sim_tables"] = EventTables(trace)
+        t = trace.derived["sim"] = EventTables(trace)
     return t
 
 

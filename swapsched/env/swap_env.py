@@ -292,11 +292,10 @@ class _DecisionTable:
 
 
 def _decision_table(tr: Trace, hw: Hardware) -> _DecisionTable:
-    cache = tr.__dict__.setdefault("_env_tables", {})
-    key = hw
-    if key not in cache:
-        cache[key] = _DecisionTable(tr, hw)
-    return cache[key]
+    key = ("env", hw)  # computed once per trace and hardware (kept in ``trace.derived``)
+    if key not in tr.derived:
+        tr.derived[key] = _DecisionTable(tr, hw)
+    return tr.derived[key]
 
 
 if "swapsched/Swap-v0" not in gym.registry:

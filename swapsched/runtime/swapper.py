@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from swapsched.budget import format_bytes, parse_budget
-from swapsched.env.simulator import event_tables, simulate
+from swapsched.env.simulator import FREED, HOST, IN, OUT, RESIDENT, event_tables, simulate
 from swapsched.errors import UserError
 from swapsched.hardware import Hardware, default_hardware, load_hardware
 from swapsched.plan import SwapPlan
@@ -55,7 +55,7 @@ from swapsched.trace import Trace
 
 __all__ = ["SwapRuntime", "StepReport", "timed_by_execution"]
 
-RESIDENT, OUT, HOST, IN, FREED = range(5)
+# one set of locations for the simulator and the runtime (the runtime never has NOT_YET or WAITING)
 
 
 class _Record:
