@@ -374,7 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--budgets", type=_csv, default=["30%", "50%", "70%"], help="comma list (default 30%%,50%%,70%%)")
     sp.add_argument("--hardware", type=_csv, default=["h100-pcie5"], help="comma list of names or YAML paths")
     sp.add_argument("--policies", default="all",
-                    help="'all' or a comma list of: no-swap, swap-all, vdnn-all, vdnn-conv, min, capuchin, swapadvisor, optimal, default")
+                    help="'all' or a comma list of: no-swap, swap-all, vdnn-all, vdnn-conv, min, capuchin, local-search, swapadvisor, "
+                         "optimal, default, default-greedy, learned:PATH.zip, learned-greedy:PATH.zip")
     sp.add_argument("--seed", type=int, default=0, help="seed of the randomized policies (default 0)")
     sp.add_argument("--search-seconds", type=_positive_float, default=2.0, help="time box of swapadvisor per case")
     sp.add_argument("--json", metavar="OUT", help="write every row and the summary as JSON")

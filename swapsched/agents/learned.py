@@ -7,6 +7,8 @@ on the given trace, budget and hardware; its decisions are the plan. A checkpoin
 
 from __future__ import annotations
 
+import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,7 @@ from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.trace import Trace
 
-__all__ = ["LearnedPolicy", "CheckpointError", "resolve_checkpoint"]
+__all__ = ["LearnedPolicy", "CheckpointError", "resolve_checkpoint", "check_card", "ENV_VERSION"]
 
 
 class CheckpointError(UserError):
@@ -42,28 +44,43 @@ def resolve_checkpoint(name_or_path: str | Path) -> Path:
 
 @dataclass
 class LearnedPolicy:
-    """Plans with a trained MaskablePPO checkpoint (loaded once, on first use)."""
+    """Plans with a trained MaskablePPO checkpoint (loaded once, on first use).
+
+    ``search=False``: the network alone, one deterministic rollout (``default-greedy``), so the
+    learned part's own worth is visible. ``search=True`` (``default``): the network's greedy plan and
+    the single-pass heuristics' exact plans are the candidates; the best, scored on the simulator,
+    is improved by :func:`~swapsched.agents.local_search.improve` until the planning time is spent:
+    ``search_seconds``, or by default 0.9 s up to 500 saved tensors, growing to 2.4 s at 2,000 (all
+    of the planning included, the rollout and the heuristics too). Never worse than the best
+    heuristic on the simulator, since its plan is a candidate.
+    """
 
     checkpoint: str | Path = "default"
     name: str = "learned"
+    search: bool = False
+    search_seconds: float | None = None
+    seed: int = 0
     _model: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.path = resolve_checkpoint(self.checkpoint)
         if self.name == "learned":
-            self.name = "default" if self.path.stem == "default" else f"learned:{self.path.stem}"
+            stem = "default" if self.path.stem == "default" else f"learned:{self.path.stem}"
+            self.name = stem if self.search else ("default-greedy" if stem == "default" else f"learned-greedy:{self.path.stem}")
 
     def _load(self) -> Any:
         if self._model is None:
             from sb3_contrib import MaskablePPO
 
+            check_card(self.path)
             try:
                 self._model = MaskablePPO.load(str(self.path), device="cpu")
             except Exception as exc:  # zip/pickle errors of many kinds: say which file
                 raise CheckpointError(f"cannot load checkpoint {self.path}: {exc}") from None
         return self._model
 
-    def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
+    def rollout(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
+        """The network's own plan: one deterministic rollout in ``SwapEnv``."""
         from swapsched.env.swap_env import SwapEnv
 
         model = self._load()
@@ -75,3 +92,43 @@ class LearnedPolicy:
             obs, _, terminated, truncated, _ = env.step(int(action))
             done = terminated or truncated
         return SwapPlan.of(trace, self.name, env.evictions, checkpoint=str(self.path))
+
+    def planning_seconds(self, trace: Trace) -> float:
+        if self.search_seconds is not None:
+            return self.search_seconds
+        return 0.9 + 1.5 * min(max(trace.n_tensors - 500, 0), 1500) / 1500
+
+    def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
+        t0 = time.perf_counter()
+        greedy = self.rollout(trace, budget, hardware)
+        if not self.search:
+            return greedy
+        from swapsched.agents.local_search import best_plan, heuristic_plans, improve
+
+        cands = [greedy, *heuristic_plans(trace, budget, hardware)]
+        start, _ = best_plan(trace, budget, hardware, cands)
+        left = self.planning_seconds(trace) - (time.perf_counter() - t0)
+        plan, _, evals = improve(trace, budget, hardware, start, seconds=max(left, 0.0), seed=self.seed)
+        return SwapPlan.of(trace, self.name, plan.evictions, checkpoint=str(self.path), start=start.policy,
+                           search_evals=evals)
+
+
+#: What a checkpoint's observations and actions mean; a card recording another version was trained
+#: for a different SwapEnv and cannot be used by this code.
+ENV_VERSION = 1
+
+
+def check_card(path: Path) -> dict[str, Any]:
+    """The checkpoint's card (``NAME.json``), checked against this code's ``ENV_VERSION``."""
+    card_path = path.with_suffix(".json")
+    if not card_path.is_file():
+        return {}
+    try:
+        card = json.loads(card_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint card {card_path} is unreadable ({exc}); delete it or retrain") from None
+    version = card.get("env_version", 1) if isinstance(card, dict) else None
+    if version != ENV_VERSION:
+        raise CheckpointError(f"checkpoint {path.name} was trained for SwapEnv version {version}, this swapsched has "
+                              f"version {ENV_VERSION}; retrain it with: swapsched train-policy --out {path}")
+    return card

@@ -19,6 +19,7 @@ class PolicyError(UserError):
 def _factories() -> dict[str, Callable[..., Policy]]:
     from swapsched.agents.heuristics import VDNN, Belady, Capuchin, NoSwap, SwapAll
     from swapsched.agents.learned import LearnedPolicy
+    from swapsched.agents.local_search import LocalSearch
     from swapsched.agents.optimal import Optimal
     from swapsched.agents.search import SwapAdvisor
 
@@ -29,9 +30,11 @@ def _factories() -> dict[str, Callable[..., Policy]]:
         "vdnn-conv": lambda **kw: VDNN(conv_only=True),
         "min": lambda **kw: Belady(),
         "capuchin": lambda **kw: Capuchin(),
+        "local-search": lambda seed=0, search_seconds=1.0, **kw: LocalSearch(search_seconds=min(search_seconds, 1.0), seed=seed),
         "swapadvisor": lambda seed=0, search_seconds=10.0, **kw: SwapAdvisor(seed=seed, search_seconds=search_seconds),
         "optimal": lambda **kw: Optimal(),
-        "default": lambda **kw: LearnedPolicy("default"),
+        "default": lambda seed=0, **kw: LearnedPolicy("default", search=True, seed=seed),
+        "default-greedy": lambda **kw: LearnedPolicy("default"),
     }
 
 
@@ -46,11 +49,15 @@ def get_policy(name: str, **options: Any) -> Policy:
     facts = _factories()
     if name in facts:
         return facts[name](**options)
+    if name.startswith("learned-greedy:"):
+        from swapsched.agents.learned import LearnedPolicy
+
+        return LearnedPolicy(name.removeprefix("learned-greedy:"))
     if name.endswith(".zip") or Path(name).is_file() or name.startswith("learned:"):
         from swapsched.agents.learned import LearnedPolicy
 
-        return LearnedPolicy(name.removeprefix("learned:"))
-    raise PolicyError(f"unknown policy {name!r}; known: {', '.join(facts)}, or a checkpoint .zip")
+        return LearnedPolicy(name.removeprefix("learned:"), search=True, seed=options.get("seed", 0))
+    raise PolicyError(f"unknown policy {name!r}; known: {', '.join(facts)}, learned:PATH.zip or learned-greedy:PATH.zip")
 
 
 def expand_policies(spec: str) -> list[str]:
@@ -59,6 +66,6 @@ def expand_policies(spec: str) -> list[str]:
     if not names:
         raise PolicyError("no policies given; use 'all' or a comma list like 'capuchin,min'")
     for n in names:
-        if n not in policy_names() and not (n.endswith(".zip") or n.startswith("learned:")):
+        if n not in policy_names() and not (n.endswith(".zip") or n.startswith(("learned:", "learned-greedy:"))):
             raise PolicyError(f"unknown policy {n!r}; known: {', '.join(policy_names())}, or a checkpoint .zip")
     return names
