@@ -1,10 +1,13 @@
 """SwapAdvisor-style genetic search over swap plans, scored by the simulator.
 
 Huang et al., "SwapAdvisor: Pushing Deep Learning Beyond the GPU Memory Limit via Smart Swapping",
-ASPLOS 2020. A genome holds one gene per saved tensor: 0 keeps it, ``1 + l`` evicts it at its last
-forward pack with prefetch lead class ``l`` (``swapsched.plan.LEADS``, the same choices the learned
-policy has). Fitness is the simulated step time; an OOM scores worse than any feasible plan, the
-earlier the worse. The first population is seeded with the heuristics' plans. Departures: SwapAdvisor
+ASPLOS 2020. A genome holds one gene per saved tensor: keep it, or evict it with an exact swap-out
+and prefetch event (R7's window). The first population holds the heuristics' exact plans (not
+rounded to lead classes), and the two best genomes survive every generation, so the search is never
+worse than the best heuristic. Crossover takes each tensor's gene from either parent; mutation keeps
+a tensor, evicts it at its last forward pack with a prefetch one of the lead classes
+(``swapsched.plan.LEADS``) ahead, or moves its prefetch by a few events. Fitness is the simulated
+step time; an OOM scores worse than any feasible plan, the earlier the worse. Departures: SwapAdvisor
 also searches operator order and memory-pool layout, which a saved-tensor trace does not expose.
 
 Deterministic for a seed and a generation count; ``search_seconds`` stops it early at a generation
@@ -13,38 +16,33 @@ boundary (then the result depends on the machine's speed, and the plan says how 
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from swapsched.env.simulator import Simulation
+from swapsched.agents.local_search import heuristic_plans, plan_score
+from swapsched.env.simulator import simulate
 from swapsched.hardware import Hardware
-from swapsched.plan import LEADS, SwapPlan, lead_eviction
+from swapsched.plan import LEADS, Eviction, SwapPlan, prefetch_event
 from swapsched.trace import Trace
 
-__all__ = ["SwapAdvisor", "genes_of_plan", "plan_of_genes"]
+__all__ = ["SwapAdvisor", "genome_of_plan", "plan_of_genome"]
+
+_SHIFTS = np.array([-8, -4, -2, -1, 1, 2, 4, 8])
 
 
-def plan_of_genes(trace: Trace, genes: np.ndarray, hardware: Hardware, name: str) -> SwapPlan:
-    evs = [lead_eviction(trace, k, int(g) - 1, hardware) for k, g in enumerate(genes) if g > 0]
-    return SwapPlan.of(trace, name, evs)
-
-
-def genes_of_plan(trace: Trace, plan: SwapPlan, hardware: Hardware) -> np.ndarray:
-    """The nearest genome to a plan: each eviction's lead rounded to the closest class."""
-    genes = np.zeros(trace.n_tensors, dtype=np.int64)
-    times = trace.event_times
+def genome_of_plan(trace: Trace, plan: SwapPlan) -> tuple[np.ndarray, np.ndarray]:
+    """Per tensor: swap-out event (-1 = kept) and prefetch event, exactly as the plan has them."""
+    out = np.full(trace.n_tensors, -1, dtype=np.int64)
+    pre = np.zeros(trace.n_tensors, dtype=np.int64)
     for e in plan.evictions:
-        fu = int(trace.first_unpack[e.tensor])
-        if e.prefetch_at >= fu:
-            genes[e.tensor] = 1
-            continue
-        lead = (times[fu] - times[e.prefetch_at]) / hardware.h2d_time(int(trace.tensor_bytes[e.tensor]))
-        finite = [abs(math.log2(max(lead, 1e-9)) - math.log2(c)) if c > 0 else math.inf for c in LEADS[:-1]]
-        genes[e.tensor] = 1 + int(np.argmin(finite))
-    return genes
+        out[e.tensor], pre[e.tensor] = e.swap_out_at, e.prefetch_at
+    return out, pre
+
+
+def plan_of_genome(trace: Trace, out: np.ndarray, pre: np.ndarray, name: str) -> SwapPlan:
+    return SwapPlan.of(trace, name, [Eviction(int(k), int(out[k]), int(pre[k])) for k in np.flatnonzero(out >= 0)])
 
 
 @dataclass(frozen=True)
@@ -59,29 +57,35 @@ class SwapAdvisor:
     name: str = "swapadvisor"
 
     def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
-        from swapsched.agents.heuristics import VDNN, Belady, Capuchin, NoSwap, SwapAll
-
         rng = np.random.default_rng(self.seed)
-        n, n_genes = trace.n_tensors, 1 + len(LEADS)
+        n = trace.n_tensors
         deadline = time.perf_counter() + self.search_seconds
-        ideal = trace.ideal_s
+        lfp, fu = trace.last_forward_pack, trace.first_unpack
 
-        def fitness(genes: np.ndarray) -> float:
-            sim = Simulation(trace, hardware, budget)
-            for k, g in enumerate(genes):
-                if g > 0:
-                    e = lead_eviction(trace, k, int(g) - 1, hardware)
-                    sim.schedule(e.tensor, e.swap_out_at, e.prefetch_at)
-            r = sim.finish()
-            if r.oom:  # worse than any feasible plan; an OOM later in the step is less bad
-                return 1e6 * ideal * (2.0 - (r.oom_event or 0) / max(trace.n_events, 1))
-            return r.iteration_s
+        def fitness(g: tuple[np.ndarray, np.ndarray]) -> float:
+            out, pre = g
+            evs = [Eviction(int(k), int(out[k]), int(pre[k])) for k in np.flatnonzero(out >= 0)]
+            return plan_score(simulate(trace, evs, hardware, budget, validate=False), trace)
 
-        seeds = [genes_of_plan(trace, h.plan(trace, budget, hardware), hardware)
-                 for h in (NoSwap(), SwapAll(), VDNN(), VDNN(conv_only=True), Belady(), Capuchin())]
-        pop = seeds + [rng.integers(0, n_genes, n) for _ in range(max(self.population - len(seeds), 0))]
-        scores = [fitness(g) for g in pop]
+        def mutate(g: tuple[np.ndarray, np.ndarray], rate: float) -> tuple[np.ndarray, np.ndarray]:
+            out, pre = g[0].copy(), g[1].copy()
+            for k in np.flatnonzero(rng.random(n) < rate):
+                r = rng.random()
+                if out[k] >= 0 and r < 0.5:  # move the prefetch a few events
+                    pre[k] = int(np.clip(pre[k] + int(rng.choice(_SHIFTS)), out[k], fu[k]))
+                elif r < 0.7:
+                    out[k] = -1
+                else:
+                    out[k] = lfp[k]
+                    lead = LEADS[int(rng.integers(0, len(LEADS)))] * hardware.h2d_time(int(trace.tensor_bytes[k]))
+                    pre[k] = prefetch_event(trace, int(k), lead, int(lfp[k]))
+            return out, pre
+
+        seeds = [genome_of_plan(trace, p) for p in heuristic_plans(trace, budget, hardware)]
         rate = self.mutation if self.mutation is not None else 1.0 / max(n, 1)
+        pop = seeds + [mutate(seeds[int(rng.integers(0, len(seeds)))], max(4 * rate, 0.05))
+                       for _ in range(max(self.population - len(seeds), 0))]
+        scores = [fitness(g) for g in pop]
         gen = 0
         while gen < self.generations and time.perf_counter() < deadline:
             order = np.argsort(scores, kind="stable")
@@ -89,12 +93,12 @@ class SwapAdvisor:
             children = []
             while len(children) < self.population - len(elite):
                 a, b = (pop[min(rng.integers(0, len(pop), 2), key=lambda i: scores[i])] for _ in range(2))
-                child = np.where(rng.random(n) < 0.5, a, b)
-                flip = rng.random(n) < rate
-                child[flip] = rng.integers(0, n_genes, int(flip.sum()))
-                children.append(child)
+                take = rng.random(n) < 0.5
+                child = (np.where(take, a[0], b[0]), np.where(take, a[1], b[1]))
+                children.append(mutate(child, rate))
             pop = elite + children
             scores = [scores[i] for i in order[:2]] + [fitness(c) for c in children]
             gen += 1
-        best = plan_of_genes(trace, pop[int(np.argmin(scores))], hardware, self.name)
+        out, pre = pop[int(np.argmin(scores))]
+        best = plan_of_genome(trace, out, pre, self.name)
         return SwapPlan.of(trace, self.name, best.evictions, generations=gen, seed=self.seed)
