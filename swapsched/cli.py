@@ -313,16 +313,32 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def cmd_train_policy(args: argparse.Namespace) -> int:
     from swapsched.agents.train import load_train_config, train_policy
 
-    config = load_train_config(args.config)
-    out = train_policy(config, args.out, progress=not args.no_progress, timesteps=args.timesteps)
-    meta = json.loads(out.with_suffix(".json").read_text())
+    from dataclasses import replace
+
     from swapsched.agents.evaluate import PolicySummary
     from swapsched.report import format_summary
 
-    print(f"wrote {out} and {out.with_suffix('.json').name} ({meta['timesteps']} steps in {meta['train_seconds']} s)")
-    print(f"held-out traces: {', '.join(meta['held_out']['traces'])}")
+    config = load_train_config(args.config)
+    if args.seed is not None:
+        config = replace(config, seed=args.seed)
+    if args.n_envs is not None:
+        config = replace(config, n_envs=args.n_envs)
+    if args.tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
+    res = train_policy(config, args.out, progress=not args.no_progress, timesteps=args.timesteps, resume=args.resume,
+                       tensorboard=args.tensorboard)
+    print(f"wrote {res.checkpoint} and {res.card.name} ({res.timesteps} steps, {res.train_seconds:.0f} s this run)"
+          + (f"; best on validation: {res.best_checkpoint}" if res.best_checkpoint else ""))
+    if res.interrupted:
+        print(f"interrupted: continue with  swapsched train-policy --config {args.config} --resume {res.checkpoint} "
+              f"--out {res.checkpoint}", file=sys.stderr)
+        return 130
+    print(f"held-out traces: {', '.join(res.held_out['traces'])}")
     print(format_summary([PolicySummary(**{**s, "mean_overhead": float("nan") if s["mean_overhead"] is None else s["mean_overhead"]})
-                          for s in meta["held_out"]["summary"]]))
+                          for s in res.held_out["summary"]]))
     return 0
 
 
@@ -408,7 +424,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("train-policy", cmd_train_policy, "Train a swap policy (MaskablePPO on SwapEnv) and evaluate it on held-out traces.")
     sp.add_argument("--config", default=str(_default_train_config()), help="PPO settings YAML (default: configs/train/default.yaml)")
     sp.add_argument("--out", default="checkpoints/mine.zip", help="checkpoint path; NAME.json is written beside it")
-    sp.add_argument("--timesteps", type=_positive_int, help="override the config's total_timesteps")
+    sp.add_argument("--timesteps", type=_positive_int, help="override the config's total_timesteps (with --resume: steps to add)")
+    sp.add_argument("--seed", type=int, help="override the config's seed (training is deterministic for a seed with --n-envs 1)")
+    sp.add_argument("--n-envs", type=_positive_int, help="override the config's n_envs (more than 1: subprocess environments)")
+    sp.add_argument("--resume", metavar="CKPT", help="continue this checkpoint: its step count, optimizer state and schedule")
+    sp.add_argument("--tensorboard", metavar="DIR", help="write learning curves and the validation ratio to min here")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 

@@ -12,7 +12,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from swapsched.agents.optimal import TooLargeError
 from swapsched.agents.registry import get_policy
 from swapsched.budget import BudgetError, parse_budget
 from swapsched.env.simulator import SimResult, analytic_floor, simulate
@@ -33,8 +32,8 @@ class Case:
 
 @dataclass(frozen=True)
 class CaseResult:
-    """One policy on one case: the simulated result, or why it was skipped (budget below the
-    feasible minimum, trace too large for the policy)."""
+    """One policy on one case: the simulated result, or why it was skipped (a budget below the
+    feasible minimum)."""
 
     trace: str
     budget: str
@@ -44,6 +43,7 @@ class CaseResult:
     plan_s: float | None = None
     floor_s: float | None = None
     skipped: str | None = None
+    bound_s: float | None = None  # a proven lower bound on any plan's step, where the policy gives one (optimal)
 
     @property
     def case(self) -> tuple[str, str, str]:
@@ -75,6 +75,8 @@ class CaseResult:
             return row
         row.update(self.result.to_dict())
         row.update(plan_s=self.plan_s, floor_s=self.floor_s, floor_overhead=self.floor_overhead)
+        if self.bound_s is not None:
+            row.update(bound_s=self.bound_s, gap=(self.result.iteration_s - self.bound_s) / self.result.iteration_s)
         return row
 
 
@@ -137,12 +139,8 @@ def compare(
         floor = analytic_floor(case.trace, budget_bytes, case.hardware)
         for name, pol in pols.items():
             bar.set_postfix_str(f"{case.trace.name} {case.budget} {name}", refresh=False)
-            try:
-                _, res, plan_s = run_policy(pol, case.trace, budget_bytes, case.hardware)
-            except TooLargeError as exc:
-                out.append(CaseResult(*key, name, skipped=str(exc)))
-            else:
-                out.append(CaseResult(*key, name, result=res, plan_s=plan_s, floor_s=floor))
+            plan, res, plan_s = run_policy(pol, case.trace, budget_bytes, case.hardware)
+            out.append(CaseResult(*key, name, result=res, plan_s=plan_s, floor_s=floor, bound_s=plan.meta.get("bound_s")))
             bar.update(1)
     bar.close()
     return out

@@ -19,7 +19,7 @@ from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.trace import Trace
 
-__all__ = ["LearnedPolicy", "CheckpointError", "resolve_checkpoint", "check_card", "ENV_VERSION"]
+__all__ = ["LearnedPolicy", "CheckpointError", "resolve_checkpoint", "check_card", "greedy_rollout", "ENV_VERSION"]
 
 
 class CheckpointError(UserError):
@@ -81,17 +81,8 @@ class LearnedPolicy:
 
     def rollout(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
         """The network's own plan: one deterministic rollout in ``SwapEnv``."""
-        from swapsched.env.swap_env import SwapEnv
-
-        model = self._load()
-        env = SwapEnv(traces=[trace], hardware=[hardware])
-        obs, _ = env.reset(options={"trace": 0, "budget_bytes": budget, "hardware": 0})
-        done = False
-        while not done:
-            action, _ = model.predict(obs, action_masks=env.action_masks(), deterministic=True)
-            obs, _, terminated, truncated, _ = env.step(int(action))
-            done = terminated or truncated
-        return SwapPlan.of(trace, self.name, env.evictions, checkpoint=str(self.path))
+        plan = greedy_rollout(self._load(), trace, budget, hardware, self.name)
+        return SwapPlan.of(trace, self.name, plan.evictions, checkpoint=str(self.path))
 
     def planning_seconds(self, trace: Trace) -> float:
         if self.search_seconds is not None:
@@ -111,6 +102,20 @@ class LearnedPolicy:
         plan, _, evals = improve(trace, budget, hardware, start, seconds=max(left, 0.0), seed=self.seed)
         return SwapPlan.of(trace, self.name, plan.evictions, checkpoint=str(self.path), start=start.policy,
                            search_evals=evals)
+
+
+def greedy_rollout(model: Any, trace: Trace, budget: int, hardware: Hardware, name: str) -> SwapPlan:
+    """One deterministic rollout of a MaskablePPO ``model`` in ``SwapEnv``; its decisions as a plan."""
+    from swapsched.env.swap_env import SwapEnv
+
+    env = SwapEnv(traces=[trace], hardware=[hardware])
+    obs, _ = env.reset(options={"trace": 0, "budget_bytes": budget, "hardware": 0})
+    done = False
+    while not done:
+        action, _ = model.predict(obs, action_masks=env.action_masks(), deterministic=True)
+        obs, _, terminated, truncated, _ = env.step(int(action))
+        done = terminated or truncated
+    return SwapPlan.of(trace, name, env.evictions)
 
 
 #: What a checkpoint's observations and actions mean; a card recording another version was trained

@@ -59,9 +59,10 @@ def best_plan(trace: Trace, budget: int, hardware: Hardware, plans: Sequence[Swa
 
 
 def improve(trace: Trace, budget: int, hardware: Hardware, start: SwapPlan, *, seconds: float,
-            seed: int = 0, max_evals: int | None = None) -> tuple[SwapPlan, float, int]:
-    """Hill-climb from ``start`` for ``seconds`` (or ``max_evals`` scored plans); returns the best
-    plan (named as ``start``), its score and the number of plans scored."""
+            seed: int = 0, max_evals: int | None = None, target: float = 0.0) -> tuple[SwapPlan, float, int]:
+    """Hill-climb from ``start`` for ``seconds`` (or ``max_evals`` scored plans, or until the step
+    time reaches ``target``, a proven lower bound); returns the best plan (named as ``start``), its
+    score and the number of plans scored."""
     rng = np.random.default_rng(seed)
     deadline = time.perf_counter() + seconds
     n = trace.n_tensors
@@ -90,7 +91,7 @@ def improve(trace: Trace, budget: int, hardware: Hardware, start: SwapPlan, *, s
     best = plan_score(res, trace)
     hot = stalled(res)
     evals = 1
-    while time.perf_counter() < deadline and (max_evals is None or evals < max_evals):
+    while time.perf_counter() < deadline and (max_evals is None or evals < max_evals) and best > target * (1 + 1e-9):
         cand = dict(cur)
         move = rng.random()
         evicted = list(cur)

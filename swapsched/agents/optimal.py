@@ -1,33 +1,33 @@
-"""The exact best plan for small traces: the yardstick for "how far from optimal".
+"""The reference every planner is judged against: the best plan found, with a proven lower bound.
 
-The plan space is R7's with the swap-out at each tensor's last forward pack (the earliest point at
-which evicting it frees memory, where every other policy here issues it too): for every tensor,
-keep it, or evict it with a prefetch at any event from its swap-out to its first unpack. Every plan
-in that space is simulated (R1-R8) and the fastest feasible one is returned, so on a trace it
-accepts, ``optimal`` is never worse than any policy whose plans lie in that space — all the
-heuristics, the genetic search and the learned policy do.
+- **Small traces** (at most ``max_plans`` plans in R7's space with the swap-out at each tensor's
+  last forward pack): every plan is simulated (R1-R8) and the fastest feasible one is returned. It
+  is exact over that space, the one every other policy here plans in, and ``status`` is ``optimal``.
+- **Larger traces**: a proven lower bound on the step time of *any* plan (``agents/bound.py``: a
+  mixed-integer relaxation of R1-R8 solved by HiGHS, documented there, never below the R8 floor),
+  and the best plan a simulator-scored search finds in the rest of the time limit (the heuristics'
+  exact plans, improved by ``local_search.improve``; the search stops early when it reaches the
+  bound). The plan is scored on the simulator like every other; ``status`` is ``optimal`` when it
+  meets the bound, else ``time-limit`` with the relative ``gap`` between the plan and the bound.
 
-Exhaustive search is exact but exponential: ``max_plans`` bounds the size of the space, and a
-larger trace is refused with :class:`TooLargeError` rather than answered approximately.
+``meta`` carries ``bound_s``, ``status``, ``gap`` and ``bound_status`` (which model proved the bound).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import time
 from dataclasses import dataclass
 
-from swapsched.env.simulator import Simulation
-from swapsched.errors import UserError
+from swapsched.agents.bound import lower_bound
+from swapsched.agents.local_search import best_plan, heuristic_plans, improve
+from swapsched.env.simulator import simulate
 from swapsched.hardware import Hardware
 from swapsched.plan import Eviction, SwapPlan, swap_out_event
 from swapsched.trace import Trace
 
-__all__ = ["Optimal", "TooLargeError", "plan_space_size"]
-
-
-class TooLargeError(UserError):
-    """The trace's plan space is too large to enumerate exactly."""
+__all__ = ["Optimal"]
 
 
 def _options(trace: Trace) -> list[list[Eviction | None]]:
@@ -38,33 +38,42 @@ def _options(trace: Trace) -> list[list[Eviction | None]]:
     return out
 
 
-def plan_space_size(trace: Trace) -> int:
-    return math.prod(len(o) for o in _options(trace))
-
-
 @dataclass(frozen=True)
 class Optimal:
-    """Exhaustive search of the plan space (see the module docstring)."""
+    """Exhaustive search where the plan space is small, else bound + search (module docstring)."""
 
+    time_limit_s: float = 60.0
     max_plans: int = 200_000
+    seed: int = 0
     name: str = "optimal"
 
     def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
+        t0 = time.perf_counter()
         options = _options(trace)
         size = math.prod(len(o) for o in options)
-        if size > self.max_plans:
-            raise TooLargeError(
-                f"optimal: trace {trace.name!r} has {size:,} plans (> {self.max_plans:,}); "
-                "it is exact only for small traces; use swapadvisor or capuchin"
-            )
+        if size <= self.max_plans:
+            return self._enumerate(trace, budget, hardware, options, size)
+        bound = lower_bound(trace, budget, hardware, time_limit_s=self.time_limit_s / 3)
+        start, _ = best_plan(trace, budget, hardware, heuristic_plans(trace, budget, hardware))
+        left = self.time_limit_s - (time.perf_counter() - t0)
+        plan, score, evals = improve(trace, budget, hardware, start, seconds=max(left, 0.0), seed=self.seed,
+                                     target=bound.bound_s)
+        res = simulate(trace, plan, hardware, budget, validate=False)
+        if res.oom:
+            status, gap = "infeasible", math.inf
+        else:
+            gap = max(res.iteration_s - bound.bound_s, 0.0) / res.iteration_s
+            status = "optimal" if gap <= 1e-6 else "time-limit"
+        return SwapPlan.of(trace, self.name, plan.evictions, bound_s=bound.bound_s, status=status, gap=gap,
+                           bound_status=bound.status, search_evals=evals, start=start.policy)
+
+    def _enumerate(self, trace: Trace, budget: int, hardware: Hardware, options: list[list[Eviction | None]],
+                   size: int) -> SwapPlan:
         best_key: tuple[float, int] | None = None
         best: tuple[Eviction, ...] = ()
         for combo in itertools.product(*options):
             evs = tuple(e for e in combo if e is not None)
-            sim = Simulation(trace, hardware, budget)
-            for e in evs:
-                sim.schedule(e.tensor, e.swap_out_at, e.prefetch_at)
-            r = sim.finish()
+            r = simulate(trace, evs, hardware, budget, validate=False)
             if r.oom:
                 continue
             # ties: fewer bytes moved, then the first in enumeration order
@@ -72,5 +81,6 @@ class Optimal:
             if best_key is None or key < best_key:
                 best_key, best = key, evs
         if best_key is None:  # no plan fits: say so the way every policy does, with an OOM in simulation
-            return SwapPlan.of(trace, self.name, [], plans_searched=size, feasible=False)
-        return SwapPlan.of(trace, self.name, best, plans_searched=size, feasible=True)
+            return SwapPlan.of(trace, self.name, [], plans_searched=size, feasible=False, status="infeasible")
+        return SwapPlan.of(trace, self.name, best, plans_searched=size, feasible=True, status="optimal",
+                           bound_s=best_key[0], gap=0.0, bound_status="enumeration")

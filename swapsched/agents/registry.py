@@ -32,7 +32,7 @@ def _factories() -> dict[str, Callable[..., Policy]]:
         "capuchin": lambda **kw: Capuchin(),
         "local-search": lambda seed=0, search_seconds=1.0, **kw: LocalSearch(search_seconds=min(search_seconds, 1.0), seed=seed),
         "swapadvisor": lambda seed=0, search_seconds=10.0, **kw: SwapAdvisor(seed=seed, search_seconds=search_seconds),
-        "optimal": lambda **kw: Optimal(),
+        "optimal": lambda seed=0, **kw: Optimal(seed=seed),
         "default": lambda seed=0, **kw: LearnedPolicy("default", search=True, seed=seed),
         "default-greedy": lambda **kw: LearnedPolicy("default"),
     }
@@ -49,6 +49,17 @@ def get_policy(name: str, **options: Any) -> Policy:
     facts = _factories()
     if name in facts:
         return facts[name](**options)
+    if name.startswith("optimal:"):  # optimal:60s, a time limit
+        from swapsched.agents.optimal import Optimal
+
+        spec = name.removeprefix("optimal:").removesuffix("s")
+        try:
+            limit = float(spec)
+        except ValueError:
+            limit = -1.0
+        if not limit > 0:
+            raise PolicyError(f"{name!r}: the time limit must be positive seconds, like optimal:60s")
+        return Optimal(time_limit_s=limit, seed=options.get("seed", 0))
     if name.startswith("learned-greedy:"):
         from swapsched.agents.learned import LearnedPolicy
 
@@ -66,6 +77,6 @@ def expand_policies(spec: str) -> list[str]:
     if not names:
         raise PolicyError("no policies given; use 'all' or a comma list like 'capuchin,min'")
     for n in names:
-        if n not in policy_names() and not (n.endswith(".zip") or n.startswith(("learned:", "learned-greedy:"))):
+        if n not in policy_names() and not (n.endswith(".zip") or n.startswith(("learned:", "learned-greedy:", "optimal:"))):
             raise PolicyError(f"unknown policy {n!r}; known: {', '.join(policy_names())}, or a checkpoint .zip")
     return names

@@ -8,6 +8,8 @@ held-out results against the baselines, measured on the simulator at the end of 
 from __future__ import annotations
 
 import json
+import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,9 +20,9 @@ import torch
 import yaml
 
 from swapsched.errors import UserError
-from swapsched.hardware import TRAINING_HARDWARE
+from swapsched.hardware import TRAINING_HARDWARE, load_hardware
 
-__all__ = ["TrainConfig", "load_train_config", "train_policy", "evaluate"]
+__all__ = ["TrainConfig", "TrainResult", "load_train_config", "train_policy", "evaluate", "validation_ratio"]
 
 
 class TrainConfigError(UserError):
@@ -38,6 +40,9 @@ class TrainConfig:
     eval: dict[str, Any] = field(default_factory=lambda: {"budgets": ["30%", "50%", "70%"], "hardware": ["h100-pcie5"],
                                                           "baselines": ["swap-all", "min", "capuchin"]})
     ppo: dict[str, Any] = field(default_factory=dict)
+    # families of the train split kept out of training to choose the best checkpoint by
+    validation_families: tuple[str, ...] = ("bert",)
+    eval_every: int = 50_000
 
 
 def load_train_config(path: str | Path) -> TrainConfig:
@@ -54,84 +59,190 @@ def load_train_config(path: str | Path) -> TrainConfig:
         raise TrainConfigError(f"{p}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
     if "budget_range" in data:
         data["budget_range"] = tuple(float(x) for x in data["budget_range"])
-    if "hardware" in data:
-        data["hardware"] = tuple(data["hardware"])
-    for k in ("total_timesteps", "n_envs"):
+    for k in ("hardware", "validation_families"):
+        if k in data:
+            data[k] = tuple(data[k])
+    for k in ("total_timesteps", "n_envs", "eval_every"):
         if k in data and (not isinstance(data[k], int) or data[k] <= 0):
             raise TrainConfigError(f"{p}: field {k}: expected a positive integer, got {data[k]!r}")
     return TrainConfig(**data)
 
 
-class _ProgressBar:
-    """SB3 callback drawing a tqdm bar over timesteps (SB3's own bar needs rich)."""
+@dataclass(frozen=True)
+class TrainResult:
+    """What ``train_policy`` wrote and measured."""
 
-    def __new__(cls, total: int, enabled: bool):  # built lazily: SB3 imports are heavy
-        from stable_baselines3.common.callbacks import BaseCallback
-        from tqdm import tqdm
+    checkpoint: Path
+    card: Path
+    best_checkpoint: Path | None
+    timesteps: int
+    train_seconds: float
+    interrupted: bool
+    held_out: dict[str, Any]
 
-        class Bar(BaseCallback):
-            def _on_training_start(self) -> None:
-                self.bar = tqdm(total=total, unit="step", disable=not enabled, dynamic_ncols=True, desc="training")
 
-            def _on_step(self) -> bool:
-                self.bar.update(self.training_env.num_envs)
+def _callbacks(total: int, progress: bool, config: TrainConfig, out: Path, validation: list, extra: list) -> Any:
+    """SB3 callbacks: a tqdm bar over timesteps (SB3's own needs rich); every ``eval_every`` steps
+    the greedy policy on the validation traces against min (a short table, TensorBoard scalars,
+    the best checkpoint kept as ``NAME.best.zip``)."""
+    from stable_baselines3.common.callbacks import BaseCallback, CallbackList
+    from tqdm import tqdm
+
+    hws = [load_hardware(h) for h in config.eval["hardware"]]
+
+    class Bar(BaseCallback):
+        def _on_training_start(self) -> None:
+            self.bar = tqdm(total=total, initial=0, unit="step", disable=not progress, dynamic_ncols=True, desc="training")
+
+        def _on_step(self) -> bool:
+            self.bar.update(self.training_env.num_envs)
+            return True
+
+        def _on_training_end(self) -> None:
+            self.bar.close()
+
+    class Validate(BaseCallback):
+        best = math.inf
+        next_at = 0
+
+        def _on_training_start(self) -> None:
+            self.next_at = self.num_timesteps + config.eval_every
+
+        def _on_step(self) -> bool:
+            if not validation or self.num_timesteps < self.next_at:
                 return True
+            self.next_at += config.eval_every
+            ratio = validation_ratio(self.model, validation, config.eval["budgets"], hws)
+            self.logger.record("eval/ratio_to_min", ratio)
+            if progress:
+                tqdm.write(f"step {self.num_timesteps:>9,}  validation step time / min's (geomean): {ratio:.4f}"
+                           + ("  (best so far, kept)" if ratio < self.best else ""))
+            if ratio < self.best:
+                self.best = ratio
+                _save_atomic(self.model, out.with_name(out.stem + ".best.zip"))
+            return True
 
-            def _on_training_end(self) -> None:
-                self.bar.close()
-
-        return Bar()
+    return CallbackList([Bar(), Validate(), *extra])
 
 
-def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True, timesteps: int | None = None) -> Path:
-    """Train, save ``out`` (.zip) and ``out`` with .json (config, traces, held-out evaluation)."""
+def validation_ratio(model: Any, traces: list, budgets: list[str], hws: list) -> float:
+    """Geometric mean over traces x budgets x hardware of the greedy plan's simulated step over min's
+    (an OOM counts as 10x); the number the best checkpoint is chosen by."""
+    from swapsched.agents.heuristics import Belady
+    from swapsched.agents.learned import greedy_rollout
+    from swapsched.budget import BudgetError, parse_budget
+    from swapsched.env.simulator import simulate
+
+    logs = []
+    for tr in traces:
+        for b in budgets:
+            try:
+                budget = parse_budget(b, tr)
+            except BudgetError:
+                continue
+            for hw in hws:
+                ref = simulate(tr, Belady().plan(tr, budget, hw), hw, budget, validate=False)
+                mine = simulate(tr, greedy_rollout(model, tr, budget, hw, "validation"), hw, budget, validate=False)
+                ratio = 10.0 if mine.oom else mine.iteration_s / ref.iteration_s if not ref.oom else 1.0
+                logs.append(math.log(ratio))
+    return math.exp(sum(logs) / len(logs)) if logs else math.nan
+
+
+def _save_atomic(model: Any, path: Path) -> None:
+    """Write a checkpoint to a temporary file, then rename it: a crash never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.stem + ".partial.zip")
+    model.save(str(tmp))
+    os.replace(tmp, path)
+
+
+def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True, timesteps: int | None = None,
+                 resume: str | Path | None = None, tensorboard: str | Path | None = None,
+                 callbacks: list | None = None) -> TrainResult:
+    """Train, save ``out`` (.zip) and its card (``out`` with .json: code version, config, families,
+    seed, wall time, held-out table). ``resume``: continue a checkpoint (step count, optimizer state
+    and learning-rate schedule). Ctrl-C (KeyboardInterrupt) saves the checkpoint reached and returns
+    with ``interrupted=True``."""
     from sb3_contrib import MaskablePPO
-    from stable_baselines3.common.vec_env import DummyVecEnv
+    from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv
 
-    from swapsched.env.corpus import load_corpus
+    from swapsched.agents.learned import ENV_VERSION, LearnedPolicy
+    from swapsched.env.corpus import corpus_index, load_corpus
     from swapsched.env.swap_env import SwapEnv
-    from swapsched.hardware import load_hardware
 
-    torch.set_num_threads(1)  # the MLP is small: one thread is fastest and leaves the other core free
+    torch.set_num_threads(1)  # the MLP is small: one thread is fastest and leaves the other cores free
     out = Path(out)
     if out.suffix != ".zip":
         out = out.with_suffix(".zip")
-    traces = load_corpus(split=config.corpus_split)
+    family = {r["name"]: r["family"] for r in corpus_index()}
+    pool = load_corpus(split=config.corpus_split)
+    traces = [t for t in pool if family.get(t.name) not in config.validation_families]
+    validation = [t for t in pool if family.get(t.name) in config.validation_families]
+    if not traces:
+        raise TrainConfigError(f"no training traces left after holding out {list(config.validation_families)}")
     hws = [load_hardware(h) for h in config.hardware]
 
     def make(i: int):
         return lambda: SwapEnv(traces=traces, hardware=hws, budget_range=config.budget_range)
 
-    venv = DummyVecEnv([make(i) for i in range(config.n_envs)])
+    fns = [make(i) for i in range(config.n_envs)]
+    venv = SubprocVecEnv(fns, start_method="fork") if config.n_envs > 1 else DummyVecEnv(fns)
     venv.seed(config.seed)
-    ppo = dict(config.ppo)
-    net_arch = ppo.pop("net_arch", [128, 128])
-    model = MaskablePPO("MlpPolicy", venv, seed=config.seed, device="cpu", verbose=0,
-                        policy_kwargs={"net_arch": list(net_arch)}, **ppo)
+    tb = str(tensorboard) if tensorboard else None
+    if resume is not None:
+        from swapsched.agents.learned import check_card, resolve_checkpoint
+
+        path = resolve_checkpoint(resume)
+        check_card(path)
+        try:
+            model = MaskablePPO.load(str(path), env=venv, device="cpu", tensorboard_log=tb)
+        except Exception as exc:
+            raise TrainConfigError(f"cannot resume from {path}: {exc}") from None
+    else:
+        ppo = dict(config.ppo)
+        net_arch = ppo.pop("net_arch", [128, 128])
+        model = MaskablePPO("MlpPolicy", venv, seed=config.seed, device="cpu", verbose=0, tensorboard_log=tb,
+                            policy_kwargs={"net_arch": list(net_arch)}, **ppo)
     total = timesteps or config.total_timesteps
+    start_steps = model.num_timesteps
     t0 = time.perf_counter()
-    model.learn(total_timesteps=total, callback=_ProgressBar(total, progress))
+    interrupted = False
+    try:
+        model.learn(total_timesteps=total, callback=_callbacks(total, progress, config, out, validation, callbacks or []),
+                    reset_num_timesteps=resume is None, tb_log_name=out.stem)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        venv.close()
     train_s = time.perf_counter() - t0
-    out.parent.mkdir(parents=True, exist_ok=True)
-    model.save(str(out))
-
-    from swapsched.agents.learned import LearnedPolicy
-
+    _save_atomic(model, out)
+    best = out.with_name(out.stem + ".best.zip")
     held_out = load_corpus(split="test")
     ev = config.eval
-    results = evaluate(LearnedPolicy(out), held_out, ev["budgets"], [load_hardware(h) for h in ev["hardware"]],
-                       ev.get("baselines", []))
-    meta = {
+    results = {} if interrupted else evaluate(LearnedPolicy(out), held_out, ev["budgets"],
+                                              [load_hardware(h) for h in ev["hardware"]], ev.get("baselines", []))
+    card = {
         "checkpoint": out.name,
+        "env_version": ENV_VERSION,
         "algorithm": "MaskablePPO (sb3-contrib)",
-        "timesteps": total,
+        "timesteps": int(model.num_timesteps),
+        "timesteps_this_run": int(model.num_timesteps - start_steps),
+        "resumed_from": str(resume) if resume is not None else None,
+        "interrupted": interrupted,
+        "seed": config.seed,
         "train_seconds": round(train_s, 1),
         "config": asdict(config),
         "trained_on": [t.name for t in traces],
+        "training_families": sorted({family[t.name] for t in traces}),
+        "validation_families": list(config.validation_families),
         "held_out": results,
     }
-    out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
-    return out
+    card_path = out.with_suffix(".json")
+    tmp = card_path.with_name(card_path.stem + ".partial.json")
+    tmp.write_text(json.dumps(card, indent=1) + "\n")
+    os.replace(tmp, card_path)
+    return TrainResult(out, card_path, best if best.is_file() else None, int(model.num_timesteps), train_s,
+                       interrupted, results)
 
 
 def evaluate(policy: Any, traces: list, budgets: list[str], hardware: list, baselines: list[str]) -> dict[str, Any]:

@@ -140,20 +140,79 @@ def test_calibrate_writes_a_loadable_profile(tmp_path):
     assert "measured by swapsched calibrate" in out.read_text()
 
 
-def test_train_policy_smoke(tmp_path, capsys):
+TINY_TRAIN = ("total_timesteps: 256\nn_envs: 1\nhardware: [h100-pcie5]\neval_every: 128\n"
+              "eval: {budgets: ['60%'], hardware: [h100-pcie5], baselines: [min]}\n"
+              "ppo: {n_steps: 64, batch_size: 32, n_epochs: 1, net_arch: [16, 16]}\n")
+
+
+def test_train_policy_writes_a_checkpoint_that_plans_and_resumes(tmp_path, capsys):
     cfg = tmp_path / "tiny.yaml"
-    cfg.write_text("total_timesteps: 256\nn_envs: 2\nhardware: [h100-pcie5]\n"
-                   "eval: {budgets: ['60%'], hardware: [h100-pcie5], baselines: [min]}\n"
-                   "ppo: {n_steps: 64, batch_size: 32, n_epochs: 1, net_arch: [16, 16]}\n")
+    cfg.write_text(TINY_TRAIN)
     out = tmp_path / "p.zip"
-    assert main(["train-policy", "--config", str(cfg), "--out", str(out), "--no-progress"]) == 0
-    meta = json.loads(out.with_suffix(".json").read_text())
-    assert meta["timesteps"] == 256 and meta["held_out"]["summary"][0]["policy"] == "learned:p"
-    # the checkpoint is a policy like any other
+    assert main(["train-policy", "--config", str(cfg), "--out", str(out), "--no-progress", "--seed", "3"]) == 0
+    card = json.loads(out.with_suffix(".json").read_text())
+    assert card["timesteps"] == 256 and card["seed"] == 3 and card["env_version"] == 1
+    assert card["held_out"]["summary"][0]["policy"] == "learned-greedy:p"
+    assert "bert" in card["validation_families"] and "bert" not in card["training_families"]
+    assert (tmp_path / "p.best.zip").is_file()  # validation ran at step 128 and kept the best
+    # the checkpoint is a policy like any other, greedy or with search
     trace = tmp_path / "t.json"
     assert main(["profile", "mlp", "--size", "tiny", "--out", str(trace)]) == 0
-    assert main(["plan", "--trace", str(trace), "--policy", str(out), "--hardware", "h100-pcie5", "--budget", "70%",
-                 "--out", str(tmp_path / "plan.json")]) == 0
+    for pol in (str(out), f"learned-greedy:{out}"):
+        assert main(["plan", "--trace", str(trace), "--policy", pol, "--hardware", "h100-pcie5", "--budget", "70%",
+                     "--out", str(tmp_path / "plan.json")]) == 0
+    # --resume continues the step count
+    out2 = tmp_path / "q.zip"
+    assert main(["train-policy", "--config", str(cfg), "--out", str(out2), "--no-progress", "--resume", str(out),
+                 "--timesteps", "128"]) == 0
+    card2 = json.loads(out2.with_suffix(".json").read_text())
+    assert card2["timesteps"] == 256 + 128 and card2["timesteps_this_run"] == 128 and card2["resumed_from"] == str(out)
+
+
+def test_ctrl_c_leaves_a_loadable_checkpoint(tmp_path):
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    from swapsched.agents.learned import LearnedPolicy
+    from swapsched.agents.train import load_train_config, train_policy
+    from swapsched.env.corpus import load_corpus
+    from swapsched.hardware import load_hardware
+
+    class CtrlC(BaseCallback):
+        def _on_step(self) -> bool:
+            if self.num_timesteps >= 128:
+                raise KeyboardInterrupt
+            return True
+
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(TINY_TRAIN)
+    res = train_policy(load_train_config(cfg), tmp_path / "c.zip", progress=False, callbacks=[CtrlC()])
+    assert res.interrupted and 128 <= res.timesteps < 256
+    assert not list(tmp_path.glob("*.partial.*"))  # written to a temporary file, then renamed
+    tr = load_corpus(names=["mlp-tiny-cpu"])[0]
+    plan = LearnedPolicy(res.checkpoint).plan(tr, tr.peak_bytes_no_swap, load_hardware("h100-pcie5"))
+    plan.validate(tr)
+
+
+def test_a_corrupt_or_mismatched_checkpoint_is_one_clear_line(tmp_path):
+    trace = tmp_path / "t.json"
+    assert main(["profile", "mlp", "--size", "tiny", "--out", str(trace)]) == 0
+    bad = tmp_path / "bad.zip"
+    bad.write_bytes(b"not a zip at all")
+    r = run("plan", "--trace", str(trace), "--policy", str(bad), "--hardware", "h100-pcie5", "--budget", "70%",
+            "--out", str(tmp_path / "p.json"))
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "cannot load checkpoint" in lines[0]
+    import shutil
+
+    from swapsched._paths import checkpoint_dir
+
+    old = tmp_path / "old.zip"
+    shutil.copy(checkpoint_dir() / "default.zip", old)
+    old.with_suffix(".json").write_text(json.dumps({"env_version": 0}))
+    r = run("plan", "--trace", str(trace), "--policy", str(old), "--hardware", "h100-pcie5", "--budget", "70%",
+            "--out", str(tmp_path / "p.json"))
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "SwapEnv version 0" in lines[0] and "retrain" in lines[0]
 
 
 def test_train_policy_bad_config(tmp_path):

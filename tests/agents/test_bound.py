@@ -1,0 +1,74 @@
+"""agents/bound.py: the relaxation is a bound (never above any plan's simulated step), never below
+the R8 floor, and tighter than the floor where copies have latency."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from swapsched.agents import get_policy
+from swapsched.agents.bound import lower_bound
+from swapsched.agents.optimal import Optimal
+from swapsched.env.corpus import load_corpus
+from swapsched.env.simulator import analytic_floor, simulate
+from swapsched.hardware import load_hardware
+from swapsched.plan import Eviction
+from tests.agents.test_policies import small_cases
+from tests.conftest import make_hw, make_trace
+
+POLICIES = ["no-swap", "swap-all", "vdnn-all", "min", "capuchin", "local-search"]
+ULP = 1 + 1e-12  # the floor and the simulator sum the same gaps in different orders
+
+
+def _random_plan(tr, draw_int):
+    evs = []
+    for k in range(tr.n_tensors):
+        fp, fu = int(tr.first_pack[k]), int(tr.first_unpack[k])
+        if draw_int(0, 1):
+            so = draw_int(fp, fu - 1)
+            evs.append(Eviction(k, so, draw_int(so, fu)))
+    return evs
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_cases(), st.data())
+def test_bound_is_below_every_plan_and_above_the_floor(case, data):
+    tr, hw, budget = case
+    bound = lower_bound(tr, budget, hw)
+    assert bound.bound_s >= analytic_floor(tr, budget, hw)
+    best = simulate(tr, Optimal().plan(tr, budget, hw), hw, budget)
+    assert bound.bound_s <= best.iteration_s * ULP  # the exhaustive optimum over lfp swap-outs
+    for name in POLICIES:
+        r = simulate(tr, get_policy(name, search_seconds=0.05).plan(tr, budget, hw), hw, budget)
+        if not r.oom:
+            assert bound.bound_s <= r.iteration_s * ULP, name
+    for _ in range(5):  # random plans, swap-outs anywhere R7 allows
+        r = simulate(tr, _random_plan(tr, lambda a, b: data.draw(st.integers(a, b))), hw, budget)
+        if not r.oom:
+            assert bound.bound_s <= r.iteration_s * ULP
+
+
+@pytest.mark.parametrize("name", ["bert-base-b16-h100-pcie5", "unet-medium-b64-h100-pcie5"])
+def test_bound_is_below_the_plans_on_corpus_traces(name):
+    tr = load_corpus(names=[name])[0]
+    hw = load_hardware("h100-pcie5")
+    for frac in (3, 7):
+        budget = tr.static_bytes + (tr.peak_bytes_no_swap - tr.static_bytes) * frac // 10
+        bound = lower_bound(tr, budget, hw, time_limit_s=20)
+        assert bound.status in ("milp", "milp-time-limit", "lp", "floor")
+        for pol in ["min", "capuchin", "local-search"]:
+            r = simulate(tr, get_policy(pol, search_seconds=0.3).plan(tr, budget, hw), hw, budget)
+            assert bound.bound_s <= r.iteration_s, pol
+
+
+def test_latency_makes_the_bound_tighter_than_the_floor():
+    # T0, T1 of 100 B; 100 B/s links with 0.5 s latency per copy. Budget 100 B: during the gap of
+    # T1's unpack (gap 2) T0 must be away. The floor charges 1 s each way without latency; the
+    # relaxation charges 1.5 s each way and must fit them around 1 s gaps.
+    tr = make_trace([100, 100], [("pack", 0, 1.0), ("pack", 1, 1.0), ("unpack", 1, 2.0), ("unpack", 0, 1.0)])
+    hw = make_hw(latency=0.5)
+    bound = lower_bound(tr, 100, hw)
+    best = simulate(tr, Optimal().plan(tr, 100, hw), hw, 100)
+    assert bound.bound_s > analytic_floor(tr, 100, hw) + 1e-9
+    assert bound.bound_s <= best.iteration_s
