@@ -311,11 +311,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_train_policy(args: argparse.Namespace) -> int:
-    from swapsched.agents.train import load_train_config, train_policy
-
     from dataclasses import replace
 
     from swapsched.agents.evaluate import PolicySummary
+    from swapsched.agents.train import load_train_config, train_policy
     from swapsched.report import format_summary
 
     config = load_train_config(args.config)
