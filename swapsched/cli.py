@@ -314,7 +314,7 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from swapsched.agents.evaluate import PolicySummary
-    from swapsched.agents.train import load_train_config, train_policy
+    from swapsched.agents.train import load_train_config, train_move_prior, train_policy
     from swapsched.report import format_summary
 
     config = load_train_config(args.config)
@@ -322,6 +322,12 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
         config = replace(config, seed=args.seed)
     if args.n_envs is not None:
         config = replace(config, n_envs=args.n_envs)
+    if args.prior_only:
+        from swapsched.agents.learned import resolve_checkpoint
+
+        path = train_move_prior(config, resolve_checkpoint(args.out), progress=not args.no_progress)
+        print(f"wrote {path}")
+        return 0
     if args.tensorboard:
         try:
             import tensorboard  # noqa: F401
@@ -428,6 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--n-envs", type=_positive_int, help="override the config's n_envs (more than 1: subprocess environments)")
     sp.add_argument("--resume", metavar="CKPT", help="continue this checkpoint: its step count, optimizer state and schedule")
     sp.add_argument("--tensorboard", metavar="DIR", help="write learning curves and the validation ratio to min here")
+    sp.add_argument("--prior-only", action="store_true",
+                    help="only (re)learn the search's move prior for the existing checkpoint --out (NAME.moves.npz)")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 

@@ -49,10 +49,11 @@ class LearnedPolicy:
     ``search=False``: the network alone, one deterministic rollout (``default-greedy``), so the
     learned part's own worth is visible. ``search=True`` (``default``): the network's greedy plan and
     the single-pass heuristics' exact plans are the candidates; the best, scored on the simulator,
-    is improved by :func:`~swapsched.agents.local_search.improve` until the planning time is spent:
-    ``search_seconds``, or by default 0.9 s up to 500 saved tensors, growing to 2.4 s at 2,000 (all
-    of the planning included, the rollout and the heuristics too). Never worse than the best
-    heuristic on the simulator, since its plan is a candidate.
+    is improved by :func:`~swapsched.agents.local_search.improve`, drawing its moves from the
+    checkpoint's learned move prior (``NAME.moves.npz``, :mod:`swapsched.agents.guide`) where it has
+    one, until the planning time is spent: ``search_seconds``, or by default 0.9 s up to 500 saved
+    tensors, growing to 2.4 s at 2,000 (all of the planning included, the rollout and the heuristics
+    too). Never worse than the best heuristic on the simulator, since its plan is a candidate.
     """
 
     checkpoint: str | Path = "default"
@@ -61,6 +62,7 @@ class LearnedPolicy:
     search_seconds: float | None = None
     seed: int = 0
     _model: Any = field(default=None, init=False, repr=False)
+    _prior: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.path = resolve_checkpoint(self.checkpoint)
@@ -79,27 +81,34 @@ class LearnedPolicy:
                 raise CheckpointError(f"cannot load checkpoint {self.path}: {exc}") from None
         return self._model
 
+    def _move_prior(self) -> Any:
+        """The checkpoint's learned move prior, or None (the search's uniform proposal)."""
+        from swapsched.agents.guide import MovePrior, prior_path
+
+        if self._prior is None:
+            p = prior_path(self.path)
+            self._prior = MovePrior.load(p) if p.is_file() else False
+        return self._prior or None
+
     def rollout(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
         """The network's own plan: one deterministic rollout in ``SwapEnv``."""
         plan = greedy_rollout(self._load(), trace, budget, hardware, self.name)
         return SwapPlan.of(trace, self.name, plan.evictions, checkpoint=str(self.path))
 
-    def planning_seconds(self, trace: Trace) -> float:
-        if self.search_seconds is not None:
-            return self.search_seconds
-        return 0.9 + 1.5 * min(max(trace.n_tensors - 500, 0), 1500) / 1500
-
     def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
+        self._load()  # once per process, not part of a plan's time
         t0 = time.perf_counter()
         greedy = self.rollout(trace, budget, hardware)
         if not self.search:
             return greedy
-        from swapsched.agents.local_search import best_plan, heuristic_plans, improve
+        from swapsched.agents.local_search import best_plan, heuristic_plans, improve, planning_seconds
 
         cands = [greedy, *heuristic_plans(trace, budget, hardware)]
         start, _ = best_plan(trace, budget, hardware, cands)
-        left = self.planning_seconds(trace) - (time.perf_counter() - t0)
-        plan, _, evals = improve(trace, budget, hardware, start, seconds=max(left, 0.0), seed=self.seed)
+        total = self.search_seconds if self.search_seconds is not None else planning_seconds(trace)
+        left = total - (time.perf_counter() - t0)
+        plan, _, evals = improve(trace, budget, hardware, start, seconds=max(left, 0.0), seed=self.seed,
+                                 prior=self._move_prior())
         return SwapPlan.of(trace, self.name, plan.evictions, checkpoint=str(self.path), start=start.policy,
                            search_evals=evals)
 

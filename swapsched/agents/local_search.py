@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +31,7 @@ from swapsched.hardware import Hardware
 from swapsched.plan import LEADS, Eviction, SwapPlan, prefetch_event
 from swapsched.trace import Trace
 
-__all__ = ["LocalSearch", "improve", "plan_score", "heuristic_plans", "best_plan"]
+__all__ = ["LocalSearch", "improve", "plan_score", "heuristic_plans", "best_plan", "planning_seconds"]
 
 _PREFETCH_SHIFTS = (-16, -8, -4, -2, -1, 1, 2, 4, 8, 16)
 _OUT_SHIFTS = (1, 2, 4, 8)
@@ -58,103 +59,176 @@ def best_plan(trace: Trace, budget: int, hardware: Hardware, plans: Sequence[Swa
     return plans[i], s
 
 
-def improve(trace: Trace, budget: int, hardware: Hardware, start: SwapPlan, *, seconds: float,
-            seed: int = 0, max_evals: int | None = None, target: float = 0.0) -> tuple[SwapPlan, float, int]:
-    """Hill-climb from ``start`` for ``seconds`` (or ``max_evals`` scored plans, or until the step
-    time reaches ``target``, a proven lower bound); returns the best plan (named as ``start``), its
-    score and the number of plans scored."""
-    rng = np.random.default_rng(seed)
-    deadline = time.perf_counter() + seconds
-    n = trace.n_tensors
-    fu = trace.first_unpack
-    lfp = trace.last_forward_pack
-    b = trace.tensor_bytes
-    by_size = np.argsort(b, kind="stable")
-    rank = np.empty(n, dtype=np.int64)
-    rank[by_size] = np.arange(n)
-    h2d = np.array([hardware.h2d_time(int(x)) for x in b])
+#: Move kinds.
+MOVES = ("prefetch", "later-out", "drop", "add", "replace")
+#: Classes of moves the proposal draws from: (kind, shift in events, aimed at a tensor whose unpack
+#: stalled). A learned prior (``agents/guide.py``) weights them; without one they are drawn as
+#: ``_UNIFORM`` weights them.
+MOVE_CLASSES: tuple[tuple[str, int, bool], ...] = (
+    *(("prefetch", d, st) for d in _PREFETCH_SHIFTS for st in (False, True)),
+    *(("later-out", d, False) for d in _OUT_SHIFTS),
+    ("drop", 0, False), ("drop", 0, True), ("add", 0, False), ("replace", 0, False),
+)
 
-    cur: dict[int, tuple[int, int]] = {e.tensor: (e.swap_out_at, e.prefetch_at) for e in start.evictions}
 
-    def evaluate(plan: dict[int, tuple[int, int]], record: bool = False) -> SimResult:
+@dataclass(frozen=True)
+class Move:
+    """One change to a plan: ``kind`` (``MOVES``), the tensor it acts on, its new placement
+    (``None`` for a drop), the tensor it replaces (``replace`` only) and the shift in events."""
+
+    kind: str
+    tensor: int
+    placement: tuple[int, int] | None
+    removed: int = -1
+    shift: int = 0
+
+
+class _SearchState:
+    """The current plan, its simulated score and the evicted tensors whose unpack stalled in it."""
+
+    def __init__(self, trace: Trace, budget: int, hardware: Hardware, plan: dict[int, tuple[int, int]]):
+        self.trace, self.budget, self.hw = trace, budget, hardware
+        self.fu, self.lfp, self.b = trace.first_unpack, trace.last_forward_pack, trace.tensor_bytes
+        self.h2d = np.array([hardware.h2d_time(int(x)) for x in self.b])
+        self.by_size = np.argsort(self.b, kind="stable")
+        self.rank = np.empty(trace.n_tensors, dtype=np.int64)
+        self.rank[self.by_size] = np.arange(trace.n_tensors)
+        self.adopt(plan)
+
+    def adopt(self, plan: dict[int, tuple[int, int]]) -> None:
+        self.plan = plan
         evs = [Eviction(k, o, p) for k, (o, p) in plan.items()]
-        return simulate(trace, evs, hardware, budget, record=record, validate=False)
+        self.result = simulate(self.trace, evs, self.hw, self.budget, record=True, validate=False)
+        self.score = plan_score(self.result, self.trace)
+        stalled = {int(ev) for _, _, ev in (self.result.timeline.stalls if self.result.timeline else ())}
+        self.hot = [k for k in plan if int(self.fu[k]) in stalled]  # evicted tensors whose unpack stalled
 
-    def stalled(res: SimResult) -> list[int]:
-        """Evicted tensors first unpacked at an event that stalled."""
-        if res.timeline is None:
-            return []
-        at = {int(ev) for _, _, ev in res.timeline.stalls}
-        return [k for k in cur if int(fu[k]) in at]
-
-    res = evaluate(cur, record=True)
-    best = plan_score(res, trace)
-    hot = stalled(res)
-    evals = 1
-    while time.perf_counter() < deadline and (max_evals is None or evals < max_evals) and best > target * (1 + 1e-9):
-        cand = dict(cur)
-        move = rng.random()
+    def propose(self, rng: np.random.Generator, weights: np.ndarray) -> tuple[int, Move | None]:
+        """A move of a class drawn by ``weights`` (over ``MOVE_CLASSES``), or None where the class
+        has no move here; the class index either way."""
+        c = int(rng.choice(len(MOVE_CLASSES), p=weights))
+        kind, d, aimed = MOVE_CLASSES[c]
+        cur, fu = self.plan, self.fu
         evicted = list(cur)
-        if evicted and move < 0.55:  # shift one prefetch (aimed at a stalled tensor half the time)
-            targets = [t for t in hot if t in cur]
-            k = int(rng.choice(targets)) if targets and rng.random() < 0.5 else int(rng.choice(evicted))
-            o, p = cand[k]
-            p2 = int(np.clip(p + int(rng.choice(_PREFETCH_SHIFTS)), o, fu[k]))
-            if p2 == p:
-                continue
-            cand[k] = (o, p2)
-        elif evicted and move < 0.65:  # issue a swap-out later
-            k = int(rng.choice(evicted))
-            o, p = cand[k]
-            o2 = min(o + int(rng.choice(_OUT_SHIFTS)), p, int(fu[k]) - 1)
-            if o2 <= o:
-                continue
-            cand[k] = (o2, p)
-        elif evicted and move < 0.75:  # drop one eviction
-            del cand[int(rng.choice(evicted))]
-        elif len(cur) < n and move < 0.9:  # add one eviction
+        pool = self.hot if aimed else evicted
+        if kind in ("prefetch", "later-out", "drop") and not pool:
+            return c, None
+        if kind == "prefetch":
+            k = int(rng.choice(pool))
+            o, p = cur[k]
+            p2 = int(np.clip(p + d, o, fu[k]))
+            return c, (Move("prefetch", k, (o, p2), shift=p2 - p) if p2 != p else None)
+        if kind == "later-out":
+            k = int(rng.choice(pool))
+            o, p = cur[k]
+            o2 = min(o + d, p, int(fu[k]) - 1)
+            return c, (Move("later-out", k, (o2, p), shift=o2 - o) if o2 > o else None)
+        if kind == "drop":
+            return c, Move("drop", int(rng.choice(pool)), None)
+        return c, self._propose_new(rng, kind)
+
+    def _propose_new(self, rng: np.random.Generator, kind: str) -> Move | None:
+        n, cur = self.trace.n_tensors, self.plan
+        evicted = list(cur)
+        if kind == "add" and len(cur) < n:
             kept = [k for k in range(n) if k not in cur]
             k = int(rng.choice(kept))
-            cand[k] = _fresh_eviction(trace, k, int(rng.integers(0, len(LEADS))), h2d, lfp)
-        elif evicted and len(cur) < n:  # replace one eviction by a kept tensor of the nearest size
+            return Move("add", k, self._fresh(k, int(rng.integers(0, len(LEADS)))))
+        if kind == "replace" and evicted and len(cur) < n:
             k = int(rng.choice(evicted))
-            r = int(rank[k])
-            near = [int(by_size[j]) for j in range(max(r - 3, 0), min(r + 4, n)) if int(by_size[j]) not in cur]
+            rk = int(self.rank[k])
+            near = [int(self.by_size[j]) for j in range(max(rk - 3, 0), min(rk + 4, n)) if int(self.by_size[j]) not in cur]
             if not near:
-                continue
+                return None
             j = near[int(rng.integers(0, len(near)))]
-            del cand[k]
-            cand[j] = _fresh_eviction(trace, j, int(rng.integers(0, len(LEADS))), h2d, lfp)
+            return Move("replace", j, self._fresh(j, int(rng.integers(0, len(LEADS)))), removed=k)
+        return None
+
+    def _fresh(self, k: int, lead_index: int) -> tuple[int, int]:
+        so = int(self.lfp[k])
+        return so, prefetch_event(self.trace, k, LEADS[lead_index] * float(self.h2d[k]), so)
+
+    def apply(self, m: Move) -> dict[int, tuple[int, int]]:
+        cand = dict(self.plan)
+        if m.kind == "drop":
+            del cand[m.tensor]
         else:
+            if m.removed >= 0:
+                del cand[m.removed]
+            assert m.placement is not None
+            cand[m.tensor] = m.placement
+        return cand
+
+
+def _uniform_weights() -> np.ndarray:
+    """The unlearned proposal: prefetch shifts 55% (half aimed at stalled tensors), later swap-outs
+    10%, drops 10%, adds 15%, replacements 10%."""
+    w = np.zeros(len(MOVE_CLASSES))
+    n_pre = len(_PREFETCH_SHIFTS)
+    for i, (kind, _, _) in enumerate(MOVE_CLASSES):
+        w[i] = {"prefetch": 0.55 / (2 * n_pre), "later-out": 0.10 / len(_OUT_SHIFTS), "drop": 0.05,
+                "add": 0.15, "replace": 0.10}[kind]
+    return w / w.sum()
+
+
+UNIFORM = _uniform_weights()
+
+
+def improve(trace: Trace, budget: int, hardware: Hardware, start: SwapPlan, *, seconds: float,
+            seed: int = 0, max_evals: int | None = None, target: float = 0.0, prior: Any = None,
+            log: list | None = None) -> tuple[SwapPlan, float, int]:
+    """Hill-climb from ``start`` for ``seconds`` (or ``max_evals`` scored plans, or until the step
+    time reaches ``target``, a proven lower bound); returns the best plan (named as ``start``), its
+    score and the number of plans scored.
+
+    Each step draws a move class from ``prior.weights`` (a learned proposal,
+    :class:`~swapsched.agents.guide.MovePrior`) or from ``UNIFORM``, a concrete move of that class at
+    random, simulates it and keeps it if the step gets faster. ``log`` collects
+    ``(class index, improved)`` for every simulated move: a prior's training data."""
+    rng = np.random.default_rng(seed)
+    weights = UNIFORM if prior is None else prior.weights
+    deadline = time.perf_counter() + seconds
+    state = _SearchState(trace, budget, hardware, {e.tensor: (e.swap_out_at, e.prefetch_at) for e in start.evictions})
+    evals = 1
+    while (time.perf_counter() < deadline and (max_evals is None or evals < max_evals)
+           and state.score > target * (1 + 1e-9)):
+        c, m = state.propose(rng, weights)
+        if m is None:
             continue
-        r2 = evaluate(cand)
+        cand = state.apply(m)
+        r2 = simulate(trace, [Eviction(k, o, p) for k, (o, p) in cand.items()], hardware, budget, validate=False)
         evals += 1
         s = plan_score(r2, trace)
-        if s < best - 1e-12 * max(best, 1.0):
-            cur, best = cand, s
-            if evals % 8 == 0 or not hot:  # refresh the stall targets now and then (recording costs)
-                hot = stalled(evaluate(cur, record=True))
-                evals += 1
-    plan = SwapPlan.of(trace, start.policy, [Eviction(k, o, p) for k, (o, p) in cur.items()],
+        better = s < state.score - 1e-12 * max(state.score, 1.0)
+        if log is not None:
+            log.append((c, better))
+        if better:
+            state.adopt(cand)
+    plan = SwapPlan.of(trace, start.policy, [Eviction(k, o, p) for k, (o, p) in state.plan.items()],
                        **{**start.meta, "search_evals": evals})
-    return plan, best, evals
+    return plan, state.score, evals
 
 
-def _fresh_eviction(trace: Trace, k: int, lead_index: int, h2d: np.ndarray, lfp: np.ndarray) -> tuple[int, int]:
-    so = int(lfp[k])
-    return so, prefetch_event(trace, k, LEADS[lead_index] * float(h2d[k]), so)
+def planning_seconds(trace: Trace) -> float:
+    """The default planning time of the searching planners (``default``, ``local-search``), all of
+    the planning included: 0.9 s up to 500 saved tensors, growing to 2.4 s at 2,000."""
+    return 0.9 + 1.5 * min(max(trace.n_tensors - 500, 0), 1500) / 1500
 
 
 @dataclass(frozen=True)
 class LocalSearch:
-    """The best single-pass heuristic's plan, improved by :func:`improve` for ``search_seconds``."""
+    """The best single-pass heuristic's plan, improved by :func:`improve` until ``search_seconds``
+    of planning in all (the heuristics included; default :func:`planning_seconds`) are spent."""
 
-    search_seconds: float = 1.0
+    search_seconds: float | None = None
     seed: int = 0
     name: str = "local-search"
 
     def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
+        t0 = time.perf_counter()
         start, _ = best_plan(trace, budget, hardware, heuristic_plans(trace, budget, hardware))
-        plan, _, _ = improve(trace, budget, hardware, start, seconds=self.search_seconds, seed=self.seed)
+        total = self.search_seconds if self.search_seconds is not None else planning_seconds(trace)
+        left = max(total - (time.perf_counter() - t0), 0.0)
+        plan, _, _ = improve(trace, budget, hardware, start, seconds=left, seed=self.seed)
         return SwapPlan.of(trace, self.name, plan.evictions, start=start.policy, search_evals=plan.meta["search_evals"],
                            seed=self.seed)

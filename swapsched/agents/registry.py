@@ -30,7 +30,7 @@ def _factories() -> dict[str, Callable[..., Policy]]:
         "vdnn-conv": lambda **kw: VDNN(conv_only=True),
         "min": lambda **kw: Belady(),
         "capuchin": lambda **kw: Capuchin(),
-        "local-search": lambda seed=0, search_seconds=1.0, **kw: LocalSearch(search_seconds=min(search_seconds, 1.0), seed=seed),
+        "local-search": lambda seed=0, **kw: LocalSearch(seed=seed),
         "swapadvisor": lambda seed=0, search_seconds=10.0, **kw: SwapAdvisor(seed=seed, search_seconds=search_seconds),
         "optimal": lambda seed=0, **kw: Optimal(seed=seed),
         "default": lambda seed=0, **kw: LearnedPolicy("default", search=True, seed=seed),

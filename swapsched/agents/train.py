@@ -22,7 +22,7 @@ import yaml
 from swapsched.errors import UserError
 from swapsched.hardware import TRAINING_HARDWARE, load_hardware
 
-__all__ = ["TrainConfig", "TrainResult", "load_train_config", "train_policy", "evaluate", "validation_ratio"]
+__all__ = ["TrainConfig", "TrainResult", "load_train_config", "train_policy", "train_move_prior", "evaluate", "validation_ratio"]
 
 
 class TrainConfigError(UserError):
@@ -43,6 +43,9 @@ class TrainConfig:
     # families of the train split kept out of training to choose the best checkpoint by
     validation_families: tuple[str, ...] = ("bert",)
     eval_every: int = 50_000
+    # the search's learned move prior (agents/guide.py): searches per training trace, seconds each
+    prior_cases_per_trace: int = 6
+    prior_seconds: float = 0.5
 
 
 def load_train_config(path: str | Path) -> TrainConfig:
@@ -62,7 +65,7 @@ def load_train_config(path: str | Path) -> TrainConfig:
     for k in ("hardware", "validation_families"):
         if k in data:
             data[k] = tuple(data[k])
-    for k in ("total_timesteps", "n_envs", "eval_every"):
+    for k in ("total_timesteps", "n_envs", "eval_every", "prior_cases_per_trace"):
         if k in data and (not isinstance(data[k], int) or data[k] <= 0):
             raise TrainConfigError(f"{p}: field {k}: expected a positive integer, got {data[k]!r}")
     return TrainConfig(**data)
@@ -156,6 +159,19 @@ def _save_atomic(model: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def train_move_prior(config: TrainConfig, checkpoint: str | Path, *, progress: bool = True) -> Path:
+    """Learn the search's move prior on the training traces (validation families held out) and
+    save it beside ``checkpoint`` as ``NAME.moves.npz``."""
+    from swapsched.agents.guide import collect, fit, prior_path
+    from swapsched.env.corpus import corpus_index, load_corpus
+
+    family = {r["name"]: r["family"] for r in corpus_index()}
+    traces = [t for t in load_corpus(split=config.corpus_split) if family.get(t.name) not in config.validation_families]
+    tried, improved = collect(traces, [load_hardware(h) for h in config.hardware], cases_per_trace=config.prior_cases_per_trace,
+                              seconds=config.prior_seconds, seed=config.seed, progress=progress)
+    return fit(tried, improved).save(prior_path(Path(checkpoint)))
+
+
 def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True, timesteps: int | None = None,
                  resume: str | Path | None = None, tensorboard: str | Path | None = None,
                  callbacks: list | None = None) -> TrainResult:
@@ -214,12 +230,14 @@ def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True,
         interrupted = True
     finally:
         venv.close()
-    train_s = time.perf_counter() - t0
     _save_atomic(model, out)
+    if not interrupted:
+        train_move_prior(config, out, progress=progress)
+    train_s = time.perf_counter() - t0
     best = out.with_name(out.stem + ".best.zip")
     held_out = load_corpus(split="test")
     ev = config.eval
-    results = {} if interrupted else evaluate(LearnedPolicy(out), held_out, ev["budgets"],
+    results = {} if interrupted else evaluate(LearnedPolicy(out, name="learned-greedy:" + out.stem), held_out, ev["budgets"],
                                               [load_hardware(h) for h in ev["hardware"]], ev.get("baselines", []))
     card = {
         "checkpoint": out.name,

@@ -141,6 +141,7 @@ def test_calibrate_writes_a_loadable_profile(tmp_path):
 
 
 TINY_TRAIN = ("total_timesteps: 256\nn_envs: 1\nhardware: [h100-pcie5]\neval_every: 128\n"
+              "prior_cases_per_trace: 1\nprior_seconds: 0.05\n"
               "eval: {budgets: ['60%'], hardware: [h100-pcie5], baselines: [min]}\n"
               "ppo: {n_steps: 64, batch_size: 32, n_epochs: 1, net_arch: [16, 16]}\n")
 
@@ -155,6 +156,7 @@ def test_train_policy_writes_a_checkpoint_that_plans_and_resumes(tmp_path, capsy
     assert card["held_out"]["summary"][0]["policy"] == "learned-greedy:p"
     assert "bert" in card["validation_families"] and "bert" not in card["training_families"]
     assert (tmp_path / "p.best.zip").is_file()  # validation ran at step 128 and kept the best
+    assert (tmp_path / "p.moves.npz").is_file()  # the search's learned move prior
     # the checkpoint is a policy like any other, greedy or with search
     trace = tmp_path / "t.json"
     assert main(["profile", "mlp", "--size", "tiny", "--out", str(trace)]) == 0
