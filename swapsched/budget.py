@@ -11,7 +11,7 @@ from swapsched.errors import UserError
 if TYPE_CHECKING:
     from swapsched.trace import Trace
 
-__all__ = ["BudgetError", "parse_budget", "format_bytes"]
+__all__ = ["BudgetError", "parse_budget", "check_budget", "format_bytes"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -32,6 +32,33 @@ def parse_budget(spec: str | int | float, trace: Trace | None = None, *, check_f
     ``"100%"`` is exactly the no-swap peak. With ``trace`` and ``check_feasible``, a budget below
     the smallest any plan can meet raises :class:`BudgetError` stating that smallest budget.
     """
+    number, unit = _split(spec)
+    if unit == "%":
+        if trace is None:
+            raise BudgetError(f"budget {spec!r} is relative and needs a trace to resolve against")
+        above = trace.peak_bytes_no_swap - trace.static_bytes
+        out = int(trace.static_bytes + math.floor(above * number / 100.0))
+    else:
+        out = int(number * _UNITS[unit])
+    if trace is not None and check_feasible and out < trace.min_feasible_bytes:
+        need = trace.min_feasible_bytes
+        above = trace.peak_bytes_no_swap - trace.static_bytes
+        pct = 100.0 * (need - trace.static_bytes) / above if above > 0 else 100.0
+        raise BudgetError(
+            f"budget {spec!r} = {format_bytes(out)} is below what any plan can meet for {trace.name!r}: "
+            f"the smallest feasible budget is {format_bytes(need)} ({need} bytes, {pct:.1f}%)"
+        )
+    return out
+
+
+def check_budget(spec: str | int | float) -> str | int | float:
+    """``spec`` if it is a well-formed budget (checked where it is given, before any trace exists)."""
+    _split(spec)
+    return spec
+
+
+def _split(spec: str | int | float) -> tuple[float, str]:
+    """The number and unit of a budget, checked for form and range (not against a trace)."""
     if isinstance(spec, bool):
         raise BudgetError(f"budget must be bytes or a percentage, got {spec!r}")
     if isinstance(spec, (int, float)):
@@ -46,29 +73,17 @@ def parse_budget(spec: str | int | float, trace: Trace | None = None, *, check_f
     if unit == "%":
         if number > 100:
             raise BudgetError(f"budget {spec!r} is over 100%; 100% is already the no-swap peak")
-        if trace is None:
-            raise BudgetError(f"budget {spec!r} is relative and needs a trace to resolve against")
-        above = trace.peak_bytes_no_swap - trace.static_bytes
-        out = int(trace.static_bytes + math.floor(above * number / 100.0))
-    elif unit in _UNITS:
-        out = int(number * _UNITS[unit])
-        if out <= 0:
-            raise BudgetError(f"budget {spec!r} is less than one byte")
-    else:
+    elif unit not in _UNITS:
         raise BudgetError(f"budget {spec!r}: unknown unit {unit!r}; use B, KB, MB, GB, KiB, MiB, GiB or %")
-    if trace is not None and check_feasible and out < trace.min_feasible_bytes:
-        need = trace.min_feasible_bytes
-        above = trace.peak_bytes_no_swap - trace.static_bytes
-        pct = 100.0 * (need - trace.static_bytes) / above if above > 0 else 100.0
-        raise BudgetError(
-            f"budget {spec!r} = {format_bytes(out)} is below what any plan can meet for {trace.name!r}: "
-            f"the smallest feasible budget is {format_bytes(need)} ({need} bytes, {pct:.1f}%)"
-        )
-    return out
+    elif number * _UNITS[unit] < 1:
+        raise BudgetError(f"budget {spec!r} is less than one byte")
+    elif number * _UNITS[unit] > 2**63:
+        raise BudgetError(f"budget {spec!r} is more bytes than any device has")
+    return number, unit
 
 
 def format_bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, size in (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} B"

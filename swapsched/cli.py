@@ -28,6 +28,29 @@ def _csv(value: str) -> list[str]:
     return items
 
 
+def _budgets(value: str) -> list[str]:
+    """A comma list of budgets, each checked for form where it is given."""
+    from swapsched.budget import BudgetError, check_budget
+
+    items = _csv(value)
+    for item in items:
+        try:
+            check_budget(item)
+        except BudgetError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return items
+
+
+def _budget(value: str) -> str:
+    """One budget, checked for form where it is given."""
+    from swapsched.budget import BudgetError, check_budget
+
+    try:
+        return str(check_budget(value))
+    except BudgetError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _positive(cast: type) -> Callable[[str], Any]:
     """An argparse type: a positive int or float, or one clear line."""
     kind = "integer" if cast is int else "number"
@@ -49,10 +72,25 @@ _positive_int = _positive(int)
 _positive_float = _positive(float)
 
 
+def _strict(x: Any) -> Any:
+    """JSON that strict parsers accept: NaN and infinities become null."""
+    import math
+
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _strict(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_strict(v) for v in x]
+    if hasattr(x, "item") and callable(x.item):  # numpy scalars
+        return _strict(x.item())
+    return x
+
+
 def _write_json(data: Any, path: str) -> None:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(data, indent=2, default=float) + "\n")
+    p.write_text(json.dumps(_strict(data), indent=2, allow_nan=False) + "\n")
     print(f"wrote {p}", file=sys.stderr)
 
 
@@ -314,7 +352,7 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from swapsched.agents.evaluate import PolicySummary
-    from swapsched.agents.train import load_train_config, train_move_prior, train_policy
+    from swapsched.agents.train import load_train_config, train_policy, train_search
     from swapsched.report import format_summary
 
     config = load_train_config(args.config)
@@ -322,11 +360,11 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
         config = replace(config, seed=args.seed)
     if args.n_envs is not None:
         config = replace(config, n_envs=args.n_envs)
-    if args.prior_only:
+    if args.search_only:
         from swapsched.agents.learned import resolve_checkpoint
 
-        path = train_move_prior(config, resolve_checkpoint(args.out), progress=not args.no_progress)
-        print(f"wrote {path}")
+        paths = train_search(config, resolve_checkpoint(args.out), progress=not args.no_progress)
+        print("wrote " + " and ".join(str(p) for p in paths))
         return 0
     if args.tensorboard:
         try:
@@ -351,7 +389,10 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from swapsched import __version__
+
     p = _Parser(prog="swapsched", description="Learned and heuristic activation-swap scheduling for PyTorch training.")
+    p.add_argument("--version", action="version", version=f"swapsched {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
 
     def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
@@ -377,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--trace", required=True, help="trace file (.json or .json.gz)")
     sp.add_argument("--plan", required=True, help="plan file written by swapsched plan")
     sp.add_argument("--hardware", required=True, help="name (configs/hardware) or YAML path")
-    sp.add_argument("--budget", required=True, help="'6GiB', '6e9' or '60%%' of the activation peak")
+    sp.add_argument("--budget", type=_budget, required=True, help="'6GiB', '6e9' or '60%%' of the activation peak")
     sp.add_argument("--json", metavar="OUT", help="write the result as JSON")
     sp.add_argument("--plot", metavar="PNG", help="draw memory over time and the three streams")
 
@@ -385,14 +426,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--trace", required=True, help="trace file (.json or .json.gz)")
     sp.add_argument("--policy", required=True, help="registry name (see compare --help) or a checkpoint .zip")
     sp.add_argument("--hardware", required=True, help="name (configs/hardware) or YAML path")
-    sp.add_argument("--budget", required=True, help="'6GiB', '6e9' or '60%%' of the activation peak")
+    sp.add_argument("--budget", type=_budget, required=True, help="'6GiB', '6e9' or '60%%' of the activation peak")
     sp.add_argument("--out", required=True, help="plan file to write (JSON)")
     sp.add_argument("--seed", type=int, default=0, help="seed of the randomized policies (default 0)")
     sp.add_argument("--search-seconds", type=_positive_float, default=10.0, help="time box of swapadvisor")
 
     sp = add("compare", cmd_compare, "Compare policies on traces x budgets x hardware in one table.")
     sp.add_argument("--traces", nargs="+", metavar="T", help="trace files (default: the shipped corpus)")
-    sp.add_argument("--budgets", type=_csv, default=["30%", "50%", "70%"], help="comma list (default 30%%,50%%,70%%)")
+    sp.add_argument("--budgets", type=_budgets, default=["30%", "50%", "70%"], help="comma list (default 30%%,50%%,70%%)")
     sp.add_argument("--hardware", type=_csv, default=["h100-pcie5"], help="comma list of names or YAML paths")
     sp.add_argument("--policies", default="all",
                     help="'all' or a comma list of: no-swap, swap-all, vdnn-all, vdnn-conv, min, capuchin, local-search, swapadvisor, "
@@ -408,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--size", help="size from configs/models/FAMILY.yaml (default: small)")
     sp.add_argument("--batch-size", type=_positive_int, help="batch size (default: the size's own)")
     sp.add_argument("--seq-len", type=_positive_int, help="sequence length (gpt, bert, hf:)")
-    sp.add_argument("--budget", default="50%", help="'60%%' of the activation peak, or bytes like '6GiB' (default 50%%)")
+    sp.add_argument("--budget", type=_budget, default="50%", help="'60%%' of the activation peak, or bytes like '6GiB' (default 50%%)")
     sp.add_argument("--policy", default="default", help="registry name or checkpoint .zip (default: the learned policy)")
     sp.add_argument("--steps", type=_positive_int, default=10, help="training steps, the first 3 are profiled (default 10)")
     sp.add_argument("--backend", choices=["cpu", "cuda"], help="default: cuda when available")
@@ -434,8 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--n-envs", type=_positive_int, help="override the config's n_envs (more than 1: subprocess environments)")
     sp.add_argument("--resume", metavar="CKPT", help="continue this checkpoint: its step count, optimizer state and schedule")
     sp.add_argument("--tensorboard", metavar="DIR", help="write learning curves and the validation ratio to min here")
-    sp.add_argument("--prior-only", action="store_true",
-                    help="only (re)learn the search's move prior for the existing checkpoint --out (NAME.moves.npz)")
+    sp.add_argument("--search-only", action="store_true",
+                    help="only (re)learn the search's move prior and plan editor for the existing checkpoint --out")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 

@@ -1,8 +1,8 @@
-"""A trained checkpoint as a policy: ``LearnedPolicy("default").plan(trace, budget, hardware)``.
+"""A trained checkpoint as a policy: ``LearnedPolicy("default", mode="search").plan(trace, budget, hardware)``.
 
-The frozen MaskablePPO policy is rolled out deterministically in :class:`~swapsched.env.SwapEnv`
-on the given trace, budget and hardware; its decisions are the plan. A checkpoint is
-``checkpoints/NAME.zip`` with ``NAME.json`` beside it (what it was trained on, its held-out results).
+A checkpoint is ``checkpoints/NAME.zip`` (the MaskablePPO policy) with, beside it, ``NAME.json`` (its
+card: code version, what it was trained on, its held-out results), ``NAME.editor.npz`` (the plan
+editor) and ``NAME.moves.npz`` (the search's move prior). See :class:`LearnedPolicy` for the modes.
 """
 
 from __future__ import annotations
@@ -42,39 +42,50 @@ def resolve_checkpoint(name_or_path: str | Path) -> Path:
     return cand
 
 
+#: How a checkpoint plans: ``search`` (``default``), ``greedy`` (``default-greedy``), ``ppo`` (``default-ppo``).
+MODES = ("search", "greedy", "ppo")
+
+
 @dataclass
 class LearnedPolicy:
-    """Plans with a trained MaskablePPO checkpoint (loaded once, on first use).
+    """Plans with a trained checkpoint: its MaskablePPO policy (``NAME.zip``), its plan editor
+    (``NAME.editor.npz``, :mod:`swapsched.agents.editor`) and its move prior (``NAME.moves.npz``,
+    :mod:`swapsched.agents.guide`), each loaded once, on first use.
 
-    ``search=False``: the network alone, one deterministic rollout (``default-greedy``), so the
-    learned part's own worth is visible. ``search=True`` (``default``): the network's greedy plan and
-    the single-pass heuristics' exact plans are the candidates; the best, scored on the simulator,
-    is improved by :func:`~swapsched.agents.local_search.improve`, drawing its moves from the
-    checkpoint's learned move prior (``NAME.moves.npz``, :mod:`swapsched.agents.guide`) where it has
-    one, until the planning time is spent: ``search_seconds``, or by default 0.9 s up to 500 saved
-    tensors, growing to 2.4 s at 2,000 (all of the planning included, the rollout and the heuristics
-    too). Never worse than the best heuristic on the simulator, since its plan is a candidate.
+    - ``mode="greedy"`` (``default-greedy``): the plan editor alone, one pass over min's plan; no
+      simulation of candidates, no search, so the learned part's own worth is visible.
+    - ``mode="search"`` (``default``): the editor's plan and the single-pass heuristics' exact plans
+      are the candidates; the best, scored on the simulator, is improved by
+      :func:`~swapsched.agents.local_search.improve` drawing its moves from the move prior, until the
+      planning time is spent: ``search_seconds``, or by default 0.9 s up to 500 saved tensors,
+      growing to 2.4 s at 2,000 (all of the planning included). Never worse than the best heuristic
+      on the simulator, since its plan is a candidate.
+    - ``mode="ppo"`` (``default-ppo``): the MaskablePPO policy's one deterministic rollout in
+      ``SwapEnv``, the reinforcement-learned planner this project started from.
     """
 
     checkpoint: str | Path = "default"
     name: str = "learned"
-    search: bool = False
+    mode: str = "ppo"
     search_seconds: float | None = None
     seed: int = 0
     _model: Any = field(default=None, init=False, repr=False)
     _prior: Any = field(default=None, init=False, repr=False)
+    _editor: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise CheckpointError(f"unknown mode {self.mode!r}; one of {', '.join(MODES)}")
         self.path = resolve_checkpoint(self.checkpoint)
+        check_card(self.path)
         if self.name == "learned":
-            stem = "default" if self.path.stem == "default" else f"learned:{self.path.stem}"
-            self.name = stem if self.search else ("default-greedy" if stem == "default" else f"learned-greedy:{self.path.stem}")
+            suffix = {"search": "", "greedy": "-greedy", "ppo": "-ppo"}[self.mode]
+            self.name = f"default{suffix}" if self.path.stem == "default" else f"learned{suffix}:{self.path.stem}"
 
     def _load(self) -> Any:
         if self._model is None:
             from sb3_contrib import MaskablePPO
 
-            check_card(self.path)
             try:
                 self._model = MaskablePPO.load(str(self.path), device="cpu")
             except Exception as exc:  # zip/pickle errors of many kinds: say which file
@@ -90,25 +101,46 @@ class LearnedPolicy:
             self._prior = MovePrior.load(p) if p.is_file() else False
         return self._prior or None
 
+    def _plan_editor(self) -> Any:
+        from swapsched.agents.editor import PlanEditor, editor_path
+
+        if self._editor is None:
+            p = editor_path(self.path)
+            if not p.is_file():
+                raise CheckpointError(f"checkpoint {self.path.name} has no plan editor ({p.name}); learn one with: "
+                                      f"swapsched train-policy --search-only --out {self.path}")
+            self._editor = PlanEditor.load(p)
+        return self._editor
+
     def rollout(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
-        """The network's own plan: one deterministic rollout in ``SwapEnv``."""
+        """The PPO network's own plan: one deterministic rollout in ``SwapEnv``."""
         plan = greedy_rollout(self._load(), trace, budget, hardware, self.name)
         return SwapPlan.of(trace, self.name, plan.evictions, checkpoint=str(self.path))
 
+    def edited(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
+        """The plan editor's one pass over min's plan."""
+        from swapsched.agents.heuristics import Belady
+
+        return self._plan_editor().edit(trace, budget, hardware, Belady().plan(trace, budget, hardware), self.name)
+
     def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
-        self._load()  # once per process, not part of a plan's time
+        if self.mode == "ppo":
+            self._load()  # once per process, not part of a plan's time
+            return self.rollout(trace, budget, hardware)
+        editor = self._plan_editor()  # loaded outside the planning time
+        prior = self._move_prior()
         t0 = time.perf_counter()
-        greedy = self.rollout(trace, budget, hardware)
-        if not self.search:
-            return greedy
+        if self.mode == "greedy":
+            return self.edited(trace, budget, hardware)
         from swapsched.agents.local_search import best_plan, heuristic_plans, improve, planning_seconds
 
-        cands = [greedy, *heuristic_plans(trace, budget, hardware)]
+        heur = heuristic_plans(trace, budget, hardware)
+        min_plan = next(p for p in heur if p.policy == "min")
+        cands = [editor.edit(trace, budget, hardware, min_plan, "editor"), *heur]
         start, _ = best_plan(trace, budget, hardware, cands)
         total = self.search_seconds if self.search_seconds is not None else planning_seconds(trace)
         left = total - (time.perf_counter() - t0)
-        plan, _, evals = improve(trace, budget, hardware, start, seconds=max(left, 0.0), seed=self.seed,
-                                 prior=self._move_prior())
+        plan, _, evals = improve(trace, budget, hardware, start, seconds=max(left, 0.0), seed=self.seed, prior=prior)
         return SwapPlan.of(trace, self.name, plan.evictions, checkpoint=str(self.path), start=start.policy,
                            search_evals=evals)
 

@@ -33,8 +33,9 @@ def _factories() -> dict[str, Callable[..., Policy]]:
         "local-search": lambda seed=0, **kw: LocalSearch(seed=seed),
         "swapadvisor": lambda seed=0, search_seconds=10.0, **kw: SwapAdvisor(seed=seed, search_seconds=search_seconds),
         "optimal": lambda seed=0, **kw: Optimal(seed=seed),
-        "default": lambda seed=0, **kw: LearnedPolicy("default", search=True, seed=seed),
-        "default-greedy": lambda **kw: LearnedPolicy("default"),
+        "default": lambda seed=0, **kw: LearnedPolicy("default", mode="search", seed=seed),
+        "default-greedy": lambda **kw: LearnedPolicy("default", mode="greedy"),
+        "default-ppo": lambda **kw: LearnedPolicy("default", mode="ppo"),
     }
 
 
@@ -60,15 +61,16 @@ def get_policy(name: str, **options: Any) -> Policy:
         if not limit > 0:
             raise PolicyError(f"{name!r}: the time limit must be positive seconds, like optimal:60s")
         return Optimal(time_limit_s=limit, seed=options.get("seed", 0))
-    if name.startswith("learned-greedy:"):
-        from swapsched.agents.learned import LearnedPolicy
+    for prefix, mode in (("learned-greedy:", "greedy"), ("learned-ppo:", "ppo")):
+        if name.startswith(prefix):
+            from swapsched.agents.learned import LearnedPolicy
 
-        return LearnedPolicy(name.removeprefix("learned-greedy:"))
+            return LearnedPolicy(name.removeprefix(prefix), mode=mode)
     if name.endswith(".zip") or Path(name).is_file() or name.startswith("learned:"):
         from swapsched.agents.learned import LearnedPolicy
 
-        return LearnedPolicy(name.removeprefix("learned:"), search=True, seed=options.get("seed", 0))
-    raise PolicyError(f"unknown policy {name!r}; known: {', '.join(facts)}, learned:PATH.zip or learned-greedy:PATH.zip")
+        return LearnedPolicy(name.removeprefix("learned:"), mode="search", seed=options.get("seed", 0))
+    raise PolicyError(f"unknown policy {name!r}; known: {', '.join(facts)}, learned:PATH.zip, learned-greedy:PATH.zip, learned-ppo:PATH.zip or optimal:SECONDSs")
 
 
 def expand_policies(spec: str) -> list[str]:
@@ -77,6 +79,6 @@ def expand_policies(spec: str) -> list[str]:
     if not names:
         raise PolicyError("no policies given; use 'all' or a comma list like 'capuchin,min'")
     for n in names:
-        if n not in policy_names() and not (n.endswith(".zip") or n.startswith(("learned:", "learned-greedy:", "optimal:"))):
+        if n not in policy_names() and not (n.endswith(".zip") or n.startswith(("learned:", "learned-greedy:", "learned-ppo:", "optimal:"))):
             raise PolicyError(f"unknown policy {n!r}; known: {', '.join(policy_names())}, or a checkpoint .zip")
     return names

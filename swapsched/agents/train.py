@@ -22,7 +22,7 @@ import yaml
 from swapsched.errors import UserError
 from swapsched.hardware import TRAINING_HARDWARE, load_hardware
 
-__all__ = ["TrainConfig", "TrainResult", "load_train_config", "train_policy", "train_move_prior", "evaluate", "validation_ratio"]
+__all__ = ["TrainConfig", "TrainResult", "load_train_config", "train_policy", "train_search", "evaluate", "validation_ratio"]
 
 
 class TrainConfigError(UserError):
@@ -46,6 +46,16 @@ class TrainConfig:
     # the search's learned move prior (agents/guide.py): searches per training trace, seconds each
     prior_cases_per_trace: int = 6
     prior_seconds: float = 0.5
+    # the plan editor (agents/editor.py): searches per training trace, seconds each, and how much
+    # more a wrong edit costs than a missed one (chosen on the validation family: 1 let a drop cause
+    # an OOM; 2 and 3 gave 0.997 and 0.998 of the best heuristic's step)
+    editor_cases_per_trace: int = 8
+    editor_seconds: float = 1.0
+    editor_keep_weight: float = 2.0
+    # then fine-tuned on the simulator by self-critical REINFORCE (editor.finetune), batches of 16
+    # cases: on the validation family 150 iterations took the imitated editor from 1.065 (one OOM)
+    # to 0.9996 of min's step, 600 to 0.9998
+    editor_rl_iterations: int = 300
 
 
 def load_train_config(path: str | Path) -> TrainConfig:
@@ -65,7 +75,8 @@ def load_train_config(path: str | Path) -> TrainConfig:
     for k in ("hardware", "validation_families"):
         if k in data:
             data[k] = tuple(data[k])
-    for k in ("total_timesteps", "n_envs", "eval_every", "prior_cases_per_trace"):
+    for k in ("total_timesteps", "n_envs", "eval_every", "prior_cases_per_trace", "editor_cases_per_trace",
+              "editor_rl_iterations"):
         if k in data and (not isinstance(data[k], int) or data[k] <= 0):
             raise TrainConfigError(f"{p}: field {k}: expected a positive integer, got {data[k]!r}")
     return TrainConfig(**data)
@@ -159,17 +170,25 @@ def _save_atomic(model: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def train_move_prior(config: TrainConfig, checkpoint: str | Path, *, progress: bool = True) -> Path:
-    """Learn the search's move prior on the training traces (validation families held out) and
-    save it beside ``checkpoint`` as ``NAME.moves.npz``."""
-    from swapsched.agents.guide import collect, fit, prior_path
+def train_search(config: TrainConfig, checkpoint: str | Path, *, progress: bool = True) -> tuple[Path, Path]:
+    """Learn, on the training traces (validation families held out), the search's move prior, then
+    the plan editor (imitating searches that use the prior, then fine-tuned by REINFORCE on the
+    simulator), and save them beside ``checkpoint`` as ``NAME.moves.npz`` and ``NAME.editor.npz``."""
+    from swapsched.agents import editor, guide
     from swapsched.env.corpus import corpus_index, load_corpus
 
     family = {r["name"]: r["family"] for r in corpus_index()}
     traces = [t for t in load_corpus(split=config.corpus_split) if family.get(t.name) not in config.validation_families]
-    tried, improved = collect(traces, [load_hardware(h) for h in config.hardware], cases_per_trace=config.prior_cases_per_trace,
-                              seconds=config.prior_seconds, seed=config.seed, progress=progress)
-    return fit(tried, improved).save(prior_path(Path(checkpoint)))
+    hws = [load_hardware(h) for h in config.hardware]
+    tried, improved = guide.collect(traces, hws, cases_per_trace=config.prior_cases_per_trace,
+                                    seconds=config.prior_seconds, seed=config.seed, progress=progress)
+    prior = guide.fit(tried, improved)
+    prior_file = prior.save(guide.prior_path(Path(checkpoint)))
+    x, y = editor.collect(traces, hws, cases_per_trace=config.editor_cases_per_trace, seconds=config.editor_seconds,
+                          seed=config.seed + 1, prior=prior, progress=progress)
+    ed = editor.fit(x, y, keep_weight=config.editor_keep_weight, seed=config.seed)
+    ed = editor.finetune(ed, traces, hws, iterations=config.editor_rl_iterations, seed=config.seed, progress=progress)
+    return prior_file, ed.save(editor.editor_path(Path(checkpoint)))
 
 
 def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True, timesteps: int | None = None,
@@ -232,12 +251,12 @@ def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True,
         venv.close()
     _save_atomic(model, out)
     if not interrupted:
-        train_move_prior(config, out, progress=progress)
+        train_search(config, out, progress=progress)
     train_s = time.perf_counter() - t0
     best = out.with_name(out.stem + ".best.zip")
     held_out = load_corpus(split="test")
     ev = config.eval
-    results = {} if interrupted else evaluate(LearnedPolicy(out, name="learned-greedy:" + out.stem), held_out, ev["budgets"],
+    results = {} if interrupted else evaluate(LearnedPolicy(out, mode="greedy"), held_out, ev["budgets"],
                                               [load_hardware(h) for h in ev["hardware"]], ev.get("baselines", []))
     card = {
         "checkpoint": out.name,

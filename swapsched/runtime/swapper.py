@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from swapsched.budget import format_bytes, parse_budget
+from swapsched.budget import check_budget, format_bytes, parse_budget
 from swapsched.env.simulator import FREED, HOST, IN, OUT, RESIDENT, event_tables, simulate
 from swapsched.errors import UserError
 from swapsched.hardware import Hardware, default_hardware, load_hardware
@@ -185,7 +185,7 @@ class SwapRuntime:
                  backend: str | Backend | None = None, *, bandwidth: float | None = None, min_bytes: int = 0,
                  model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  profile_steps: int = 3, retime_steps: int = 3, audit: bool = False):
-        self.budget_spec = budget
+        self.budget_spec = check_budget(budget)  # a malformed budget fails here, not after profiling
         if policy is not None and not isinstance(policy, Policy):
             raise UserError(f"policy must be an object with plan(trace, budget, hardware), got {policy!r}; "
                             "for a name such as 'default' use swapsched.SwapRuntime or swapsched.get_policy(name)")
@@ -302,7 +302,7 @@ class SwapRuntime:
             raise UserError("use_plan() needs the profiled trace: run the profiling steps first")
         if budget is not None:
             self.budget_bytes = parse_budget(budget, self.trace)
-            self.budget_spec = budget
+            self.budget_spec = check_budget(budget)  # a malformed budget fails here, not after profiling
         self._adopt(plan)
         self._policy_planned = False
 

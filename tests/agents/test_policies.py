@@ -96,7 +96,7 @@ def test_searching_planners_are_never_worse_than_min(case, seed):
 
     tr, hw, budget = case
     ref = simulate(tr, get_policy("min").plan(tr, budget, hw), hw, budget)
-    planners = [LearnedPolicy("default", search=True, search_seconds=0.05, seed=seed),
+    planners = [LearnedPolicy("default", mode="search", search_seconds=0.05, seed=seed),
                 LocalSearch(search_seconds=0.05, seed=seed), SwapAdvisor(seed=seed, generations=3, search_seconds=1e9)]
     for pol in planners:
         plan = pol.plan(tr, budget, hw)

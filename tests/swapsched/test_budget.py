@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from swapsched.budget import BudgetError, parse_budget
+from swapsched.budget import BudgetError, format_bytes, parse_budget
 from tests.conftest import make_trace
 
 
@@ -44,3 +44,14 @@ def test_infeasible_budget_states_the_smallest(trace):
 def test_percent_needs_a_trace():
     with pytest.raises(BudgetError, match="needs a trace"):
         parse_budget("50%")
+
+
+def test_check_budget_rejects_malformed_and_absurd_budgets_without_a_trace():
+    from swapsched.budget import check_budget
+
+    assert check_budget("60%") == "60%" and check_budget("6GiB") == "6GiB"
+    for bad, msg in (("abc", "not understood"), ("150%", "over 100%"), ("1e99GiB", "more bytes"), ("0.5B", "less than one byte"),
+                     ("6XB", "unknown unit")):
+        with pytest.raises(BudgetError, match=msg):
+            check_budget(bad)
+    assert format_bytes(3 * 2**50) == "3.00 PiB"

@@ -141,7 +141,7 @@ def test_calibrate_writes_a_loadable_profile(tmp_path):
 
 
 TINY_TRAIN = ("total_timesteps: 256\nn_envs: 1\nhardware: [h100-pcie5]\neval_every: 128\n"
-              "prior_cases_per_trace: 1\nprior_seconds: 0.05\n"
+              "prior_cases_per_trace: 1\nprior_seconds: 0.05\neditor_cases_per_trace: 1\neditor_seconds: 0.05\neditor_rl_iterations: 2\n"
               "eval: {budgets: ['60%'], hardware: [h100-pcie5], baselines: [min]}\n"
               "ppo: {n_steps: 64, batch_size: 32, n_epochs: 1, net_arch: [16, 16]}\n")
 
@@ -156,11 +156,11 @@ def test_train_policy_writes_a_checkpoint_that_plans_and_resumes(tmp_path, capsy
     assert card["held_out"]["summary"][0]["policy"] == "learned-greedy:p"
     assert "bert" in card["validation_families"] and "bert" not in card["training_families"]
     assert (tmp_path / "p.best.zip").is_file()  # validation ran at step 128 and kept the best
-    assert (tmp_path / "p.moves.npz").is_file()  # the search's learned move prior
+    assert (tmp_path / "p.moves.npz").is_file() and (tmp_path / "p.editor.npz").is_file()  # the search's parts
     # the checkpoint is a policy like any other, greedy or with search
     trace = tmp_path / "t.json"
     assert main(["profile", "mlp", "--size", "tiny", "--out", str(trace)]) == 0
-    for pol in (str(out), f"learned-greedy:{out}"):
+    for pol in (str(out), f"learned-greedy:{out}", f"learned-ppo:{out}"):
         assert main(["plan", "--trace", str(trace), "--policy", pol, "--hardware", "h100-pcie5", "--budget", "70%",
                      "--out", str(tmp_path / "plan.json")]) == 0
     # --resume continues the step count
@@ -200,10 +200,11 @@ def test_a_corrupt_or_mismatched_checkpoint_is_one_clear_line(tmp_path):
     assert main(["profile", "mlp", "--size", "tiny", "--out", str(trace)]) == 0
     bad = tmp_path / "bad.zip"
     bad.write_bytes(b"not a zip at all")
-    r = run("plan", "--trace", str(trace), "--policy", str(bad), "--hardware", "h100-pcie5", "--budget", "70%",
-            "--out", str(tmp_path / "p.json"))
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert r.returncode == 2 and len(lines) == 1 and "cannot load checkpoint" in lines[0]
+    for policy, message in ((f"learned-ppo:{bad}", "cannot load checkpoint"), (str(bad), "has no plan editor")):
+        r = run("plan", "--trace", str(trace), "--policy", policy, "--hardware", "h100-pcie5", "--budget", "70%",
+                "--out", str(tmp_path / "p.json"))
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and message in lines[0], r.stderr
     import shutil
 
     from swapsched._paths import checkpoint_dir
@@ -222,3 +223,29 @@ def test_train_policy_bad_config(tmp_path):
     cfg.write_text("total_timestep: 5\n")
     r = run("train-policy", "--config", str(cfg), "--out", str(tmp_path / "x.zip"))
     assert r.returncode == 2 and "unknown field" in r.stderr
+
+
+def test_version_and_budgets_checked_where_given():
+    r = run("--version")
+    assert r.returncode == 0 and r.stdout.startswith("swapsched ")
+    r = run("compare", "--budgets", "50%,abc", "--policies", "min")
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "'abc' not understood" in lines[0]
+    r = run("run", "mlp", "--budget", "1e99GiB")
+    assert r.returncode == 2 and "more bytes than any device has" in r.stderr
+
+
+def test_compare_json_is_strict(tmp_path):
+    out = tmp_path / "c.json"
+    trace = tmp_path / "t.json"
+    assert main(["profile", "mlp", "--size", "tiny", "--out", str(trace)]) == 0
+    # no-swap at 90% is an OOM: infinite step time and NaN means, written as null
+    assert main(["compare", "--traces", str(trace), "--budgets", "90%", "--policies", "no-swap", "--json", str(out),
+                 "--no-progress"]) == 0
+
+    def reject(c: str) -> None:
+        raise AssertionError(f"non-strict JSON constant {c}")
+
+    data = json.loads(out.read_text(), parse_constant=reject)
+    assert data["rows"][0]["oom"] is True and data["rows"][0]["iteration_s"] is None
+    assert data["summary"][0]["mean_overhead"] is None
