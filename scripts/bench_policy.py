@@ -6,7 +6,7 @@
 
 Cases: the corpus's held-out split (families the shipped policy never trained on, and sizes it never
 saw) x budgets x hardware, plus one deep GPT profiled on meta (``--deep-layers`` blocks, over 2,000
-saved tensors). Per case: ``default`` (network + search), ``default-greedy`` (the network alone),
+saved tensors). Per case: ``default`` (network + search), ``default-greedy`` (the plan editor alone), ``default-ppo`` (the PPO policy alone),
 ``local-search`` (same planning time as ``default``), min, capuchin, vdnn-all, swapadvisor at 1 s,
 swapadvisor at ``--long-search`` s on the first ``--long-cases`` cases, the R8 floor and the proven
 bound (``agents/bound.py``). Reported: the geometric mean of each planner's step time over the best
@@ -35,7 +35,7 @@ from swapsched.hardware import load_hardware  # noqa: E402
 from swapsched.trace import Trace  # noqa: E402
 
 SINGLE_PASS = ["min", "capuchin", "vdnn-all"]
-PLANNERS = ["default", "default-greedy", "local-search", "min", "capuchin", "vdnn-all", "swapadvisor-1s"]
+PLANNERS = ["default", "default-greedy", "default-ppo", "local-search", "min", "capuchin", "vdnn-all", "swapadvisor-1s"]
 
 
 def deep_gpt_trace(layers: int) -> Trace:
@@ -74,7 +74,7 @@ def main() -> int:
               f"in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     hws = [load_hardware(h) for h in args.hardware.split(",")]
     budgets = args.budgets.split(",")
-    pols = {"default": get_policy("default"), "default-greedy": get_policy("default-greedy"),
+    pols = {"default": get_policy("default"), "default-greedy": get_policy("default-greedy"), "default-ppo": get_policy("default-ppo"),
             "local-search": None, "min": get_policy("min"), "capuchin": get_policy("capuchin"),
             "vdnn-all": get_policy("vdnn-all"), "swapadvisor-1s": get_policy("swapadvisor", search_seconds=1.0)}
     rows = []

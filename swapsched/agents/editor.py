@@ -137,8 +137,8 @@ class PlanEditor:
 
         Like ``SwapEnv``'s action mask, a memory account keeps edits from making the plan infeasible
         on paper: where the edited plan's planned demand (``heuristics.planned_demand``, no stalls)
-        exceeds both the budget and the original plan's, the least confident edits are undone until
-        it does not."""
+        exceeds both the budget and the original plan's, the edits are undone, the least confident
+        first, in halves, until it does not."""
         from swapsched.agents.heuristics import planned_demand
 
         res = simulate(trace, plan, hardware, budget, record=True, validate=False)
@@ -151,12 +151,13 @@ class PlanEditor:
         edited = np.flatnonzero(classes != 0)
         p = np.exp(lg - lg.max(axis=1, keepdims=True))
         conf = (p / p.sum(axis=1, keepdims=True))[np.arange(len(classes)), classes]
-        for i in [*edited[np.argsort(conf[edited], kind="stable")], None]:
+        order = list(edited[np.argsort(conf[edited], kind="stable")])
+        while True:
             out = apply_edits(trace, plan, classes.tolist(), name)
-            if i is None or planned_demand(trace, out.evictions, hardware).max() <= limit:
+            if not order or planned_demand(trace, out.evictions, hardware).max() <= limit:
                 return out
-            classes[i] = 0
-        return out
+            undo, order = order[: max(len(order) // 2, 1)], order[max(len(order) // 2, 1):]
+            classes[undo] = 0
 
     def save(self, path: str | Path) -> Path:
         p = Path(path)

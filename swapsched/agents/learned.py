@@ -134,11 +134,11 @@ class LearnedPolicy:
             return self.edited(trace, budget, hardware)
         from swapsched.agents.local_search import best_plan, heuristic_plans, improve, planning_seconds
 
-        heur = heuristic_plans(trace, budget, hardware)
+        total = self.search_seconds if self.search_seconds is not None else planning_seconds(trace)
+        heur = heuristic_plans(trace, budget, hardware, deadline=t0 + total / 2)
         min_plan = next(p for p in heur if p.policy == "min")
         cands = [editor.edit(trace, budget, hardware, min_plan, "editor"), *heur]
         start, _ = best_plan(trace, budget, hardware, cands)
-        total = self.search_seconds if self.search_seconds is not None else planning_seconds(trace)
         left = total - (time.perf_counter() - t0)
         plan, _, evals = improve(trace, budget, hardware, start, seconds=max(left, 0.0), seed=self.seed, prior=prior)
         return SwapPlan.of(trace, self.name, plan.evictions, checkpoint=str(self.path), start=start.policy,
