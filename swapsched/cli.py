@@ -161,6 +161,8 @@ def _print_result(r: dict[str, Any]) -> None:
               f"   stall {1e3 * r['stall_s']:.3f} ms")
     print(f"peak {format_bytes(r['peak_bytes'])} of budget {format_bytes(r['budget_bytes'])}   "
           f"moved d2h {format_bytes(r['d2h_bytes'])}  h2d {format_bytes(r['h2d_bytes'])}")
+    if r.get("bound_s") is not None:
+        print(f"proven lower bound {1e3 * r['bound_s']:.3f} ms: this plan is within {100 * r['gap']:.2f}% of the best possible")
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -171,6 +173,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan, trace)
     res = simulate(trace, plan, hw, budget, record=bool(args.plot), validate=False)
     d = res.to_dict()
+    if "bound_s" in plan.meta and not res.oom:  # a plan from optimal carries its proven bound
+        d.update(bound_s=plan.meta["bound_s"], gap=(res.iteration_s - plan.meta["bound_s"]) / res.iteration_s)
     _print_result(d)
     if args.json:
         _write_json(d, args.json)
@@ -190,8 +194,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     policy = get_policy(args.policy, seed=args.seed, search_seconds=args.search_seconds)
     plan, res, plan_s = run_policy(policy, trace, budget, hw)
     plan.save(args.out)
-    print(f"{policy.name}: {len(plan.evictions)} of {trace.n_tensors} tensors evicted, planned in {plan_s:.3f} s")
-    _print_result(res.to_dict())
+    print(f"{policy.name}: {len(plan.evictions)} of {trace.n_tensors} tensors evicted, planned in {plan_s:.3f} s"
+          + (f"; status {plan.meta['status']}" if "status" in plan.meta else ""))
+    d = res.to_dict()
+    if "bound_s" in plan.meta and not res.oom:
+        d.update(bound_s=plan.meta["bound_s"], gap=(res.iteration_s - plan.meta["bound_s"]) / res.iteration_s)
+    _print_result(d)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

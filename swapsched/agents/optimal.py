@@ -60,7 +60,7 @@ class Optimal:
                                      target=bound.bound_s)
         res = simulate(trace, plan, hardware, budget, validate=False)
         if res.oom:
-            status, gap = "infeasible", math.inf
+            status, gap = "infeasible", None
         else:
             gap = max(res.iteration_s - bound.bound_s, 0.0) / res.iteration_s
             status = "optimal" if gap <= 1e-6 else "time-limit"

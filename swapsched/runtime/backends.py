@@ -51,8 +51,13 @@ class HostPool:
             bufs = self.free.get(nbytes)
             if bufs:
                 return bufs.pop()
-            self.allocated_bytes += nbytes
+            self.allocated_bytes += self.held_bytes(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+
+    def held_bytes(self, nbytes: int) -> int:
+        """What a buffer of ``nbytes`` really holds: PyTorch's pinned (CachingHostAllocator) blocks
+        are rounded up to a power of two; pageable ones are the size asked for."""
+        return 1 << max(int(nbytes) - 1, 0).bit_length() if self.pin and nbytes > 0 else int(nbytes)
 
     def give(self, buf: torch.Tensor) -> None:
         with self.lock:
@@ -61,7 +66,7 @@ class HostPool:
     @property
     def idle_bytes(self) -> int:
         with self.lock:
-            return sum(b.numel() for bs in self.free.values() for b in bs)
+            return sum(self.held_bytes(b.numel()) for bs in self.free.values() for b in bs)
 
 
 @dataclass(eq=False)

@@ -249,3 +249,18 @@ def test_compare_json_is_strict(tmp_path):
     data = json.loads(out.read_text(), parse_constant=reject)
     assert data["rows"][0]["oom"] is True and data["rows"][0]["iteration_s"] is None
     assert data["summary"][0]["mean_overhead"] is None
+
+
+def test_optimal_plan_carries_its_bound_into_simulate_json(tmp_path, capsys):
+    trace = tmp_path / "t.json"
+    assert main(["profile", "gpt", "--size", "tiny", "--out", str(trace)]) == 0
+    plan, js = tmp_path / "p.json", tmp_path / "s.json"
+    assert main(["plan", "--trace", str(trace), "--policy", "optimal:2s", "--hardware", "h100-pcie5", "--budget", "60%",
+                 "--out", str(plan)]) == 0
+    assert "status" in capsys.readouterr().out
+    assert main(["simulate", "--trace", str(trace), "--plan", str(plan), "--hardware", "h100-pcie5", "--budget", "60%",
+                 "--json", str(js)]) == 0
+    d = json.loads(js.read_text())
+    assert 0 < d["bound_s"] <= d["iteration_s"] and d["gap"] == pytest.approx((d["iteration_s"] - d["bound_s"]) / d["iteration_s"])
+    r = run("compare", "--policies", "optimal:0s")
+    assert r.returncode == 2 and "time limit must be positive" in r.stderr
