@@ -84,13 +84,12 @@ MOVE_CLASSES: tuple[tuple[str, int, bool], ...] = (
 @dataclass(frozen=True)
 class Move:
     """One change to a plan: ``kind`` (``MOVES``), the tensor it acts on, its new placement
-    (``None`` for a drop), the tensor it replaces (``replace`` only) and the shift in events."""
+    (``None`` for a drop) and the tensor it replaces (``replace`` only)."""
 
     kind: str
     tensor: int
     placement: tuple[int, int] | None
     removed: int = -1
-    shift: int = 0
 
 
 class _SearchState:
@@ -127,12 +126,12 @@ class _SearchState:
             k = int(rng.choice(pool))
             o, p = cur[k]
             p2 = int(np.clip(p + d, o, fu[k]))
-            return c, (Move("prefetch", k, (o, p2), shift=p2 - p) if p2 != p else None)
+            return c, (Move("prefetch", k, (o, p2)) if p2 != p else None)
         if kind == "later-out":
             k = int(rng.choice(pool))
             o, p = cur[k]
             o2 = min(o + d, p, int(fu[k]) - 1)
-            return c, (Move("later-out", k, (o2, p), shift=o2 - o) if o2 > o else None)
+            return c, (Move("later-out", k, (o2, p)) if o2 > o else None)
         if kind == "drop":
             return c, Move("drop", int(rng.choice(pool)), None)
         return c, self._propose_new(rng, kind)
