@@ -28,6 +28,10 @@ def _csv(value: str) -> list[str]:
     return items
 
 
+#: What ``compare`` runs by default: the single-pass heuristics and the shipped planner (under 1 s a case).
+FAST_POLICIES = ("swap-all", "vdnn-all", "min", "capuchin", "default")
+
+
 def _budgets(value: str) -> list[str]:
     """A comma list of budgets, each checked for form where it is given."""
     from swapsched.budget import BudgetError, check_budget
@@ -221,6 +225,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     rows = compare(traces, args.budgets, hws, policies, seed=args.seed, search_seconds=args.search_seconds,
                    progress=not args.no_progress)
     print(format_table(rows, policies))
+    left = [p for p in ("local-search", "swapadvisor", "optimal") if p not in policies]
+    if left:
+        print(f"(not run, slower: {', '.join(left)}; add them with --policies)")
     print()
     summary = summarize(rows, policies)
     print(format_summary(summary))
@@ -443,9 +450,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--traces", nargs="+", metavar="T", help="trace files (default: the shipped corpus)")
     sp.add_argument("--budgets", type=_budgets, default=["30%", "50%", "70%"], help="comma list (default 30%%,50%%,70%%)")
     sp.add_argument("--hardware", type=_csv, default=["h100-pcie5"], help="comma list of names or YAML paths")
-    sp.add_argument("--policies", default="all",
-                    help="'all' or a comma list of: no-swap, swap-all, vdnn-all, vdnn-conv, min, capuchin, local-search, swapadvisor, "
-                         "optimal, default, default-greedy, learned:PATH.zip, learned-greedy:PATH.zip")
+    sp.add_argument("--policies", default=",".join(FAST_POLICIES),
+                    help="'all' or a comma list of: no-swap, swap-all, vdnn-all, vdnn-conv, min, capuchin, local-search, "
+                         "swapadvisor, optimal, optimal:SECONDSs, default, default-greedy, default-ppo, learned:PATH.zip, "
+                         f"learned-greedy:PATH.zip, learned-ppo:PATH.zip (default: {','.join(FAST_POLICIES)}; the searches "
+                         "local-search, swapadvisor and optimal take 1-60 s per case)")
     sp.add_argument("--seed", type=int, default=0, help="seed of the randomized policies (default 0)")
     sp.add_argument("--search-seconds", type=_positive_float, default=2.0, help="time box of swapadvisor per case")
     sp.add_argument("--json", metavar="OUT", help="write every row and the summary as JSON")

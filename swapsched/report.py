@@ -37,7 +37,9 @@ def format_table(results: Iterable[CaseResult], policies: Sequence[str]) -> str:
                 s += "*"
             cells.append(s)
         body.append([c[0], c[1], c[2], "-" if floor is None else f"{100 * floor:.1f}%", *cells])
-    return format_grid(head, body) + "\n(* = best in its row; overhead = step / ideal - 1; floor = R8 analytic bound)"
+    return format_grid(head, body) + ("\n(* = best in its row; overhead = step / ideal - 1; floor = R8 analytic bound;"
+                                      " OOM = the plan does not fit the budget; n/a = the budget is below what any plan"
+                                      " can meet on this trace, --json says the smallest feasible one; - = no floor)")
 
 
 def format_summary(summary: Sequence[PolicySummary]) -> str:

@@ -133,6 +133,7 @@ class LearnedPolicy:
         if self.mode == "greedy":
             return self.edited(trace, budget, hardware)
         from swapsched.agents.local_search import best_plan, heuristic_plans, improve, planning_seconds
+        from swapsched.env.simulator import analytic_floor
 
         total = self.search_seconds if self.search_seconds is not None else planning_seconds(trace)
         heur = heuristic_plans(trace, budget, hardware, deadline=t0 + total / 2)
@@ -140,7 +141,9 @@ class LearnedPolicy:
         cands = [editor.edit(trace, budget, hardware, min_plan, "editor"), *heur]
         start, _ = best_plan(trace, budget, hardware, cands)
         left = total - (time.perf_counter() - t0)
-        plan, _, evals = improve(trace, budget, hardware, start, seconds=max(left, 0.0), seed=self.seed, prior=prior)
+        # stop early where the plan meets the R8 floor: nothing can be faster
+        plan, _, evals = improve(trace, budget, hardware, start, seconds=max(left, 0.0), seed=self.seed, prior=prior,
+                                 target=analytic_floor(trace, budget, hardware))
         return SwapPlan.of(trace, self.name, plan.evictions, checkpoint=str(self.path), start=start.policy,
                            search_evals=evals)
 

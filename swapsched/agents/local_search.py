@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from swapsched.env.simulator import SimResult, simulate
+from swapsched.env.simulator import SimResult, analytic_floor, simulate
 from swapsched.hardware import Hardware
 from swapsched.plan import LEADS, Eviction, SwapPlan, prefetch_event
 from swapsched.trace import Trace
@@ -238,6 +238,7 @@ class LocalSearch:
         total = self.search_seconds if self.search_seconds is not None else planning_seconds(trace)
         start, _ = best_plan(trace, budget, hardware, heuristic_plans(trace, budget, hardware, deadline=t0 + total / 2))
         left = max(total - (time.perf_counter() - t0), 0.0)
-        plan, _, _ = improve(trace, budget, hardware, start, seconds=left, seed=self.seed)
+        plan, _, _ = improve(trace, budget, hardware, start, seconds=left, seed=self.seed,
+                             target=analytic_floor(trace, budget, hardware))  # nothing beats the R8 floor
         return SwapPlan.of(trace, self.name, plan.evictions, start=start.policy, search_evals=plan.meta["search_evals"],
                            seed=self.seed)
