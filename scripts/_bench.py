@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import platform
 import sys
 import time
@@ -13,6 +12,7 @@ from typing import Any
 import torch
 
 from swapsched.report import format_grid
+from swapsched.trace import write_json
 
 
 def environment() -> dict[str, Any]:
@@ -27,9 +27,7 @@ def environment() -> dict[str, Any]:
 
 
 def write(out: str | Path, data: dict[str, Any]) -> Path:
-    p = Path(out)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps({"environment": environment(), **data}, indent=1, default=float) + "\n")
+    p = write_json({"environment": environment(), **data}, out, indent=1)
     print(f"wrote {p}", file=sys.stderr)
     return p
 

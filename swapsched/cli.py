@@ -76,25 +76,10 @@ _positive_int = _positive(int)
 _positive_float = _positive(float)
 
 
-def _strict(x: Any) -> Any:
-    """JSON that strict parsers accept: NaN and infinities become null."""
-    import math
-
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _strict(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_strict(v) for v in x]
-    if hasattr(x, "item") and callable(x.item):  # numpy scalars
-        return _strict(x.item())
-    return x
-
-
 def _write_json(data: Any, path: str) -> None:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(_strict(data), indent=2, allow_nan=False) + "\n")
+    from swapsched.trace import write_json
+
+    p = write_json(data, path, indent=2)
     print(f"wrote {p}", file=sys.stderr)
 
 

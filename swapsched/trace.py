@@ -26,7 +26,7 @@ from swapsched.errors import UserError
 if TYPE_CHECKING:
     from swapsched.hardware import Hardware
 
-__all__ = ["TensorInfo", "Event", "Trace", "TraceError", "load_trace", "save_trace", "open_json", "write_json"]
+__all__ = ["TensorInfo", "Event", "Trace", "TraceError", "load_trace", "save_trace", "open_json", "write_json", "plain_json"]
 
 FORMAT = "swapsched.trace"
 VERSION = 1
@@ -352,10 +352,30 @@ def open_json(path: str | Path, error: type[ValueError]) -> Any:
         raise error(f"{p}: not valid JSON ({exc})") from None
 
 
-def write_json(data: Any, path: str | Path) -> Path:
+def plain_json(x: Any) -> Any:
+    """``x`` as strict JSON values: NaN and infinities become null, numpy scalars and arrays plain."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: plain_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [plain_json(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return plain_json(x.tolist())
+    if isinstance(x, np.generic):
+        return plain_json(x.item())
+    return x
+
+
+def write_json(data: Any, path: str | Path, indent: int | None = None) -> Path:
+    """The one JSON writer (traces, plans, reports, benchmarks): strict JSON (``plain_json``),
+    compact unless ``indent`` is given, gzip-compressed for a ``.gz`` path."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(data, separators=(",", ":"))
+    text = json.dumps(plain_json(data), indent=indent, allow_nan=False,
+                      separators=None if indent is not None else (",", ":"))
+    if indent is not None:
+        text += "\n"
     if p.name.endswith(".gz"):
         # mtime=0 so that rebuilding the corpus gives byte-identical files
         p.write_bytes(gzip.compress(text.encode(), mtime=0))

@@ -111,3 +111,16 @@ def test_release_and_free_events_round_trip_and_are_validated(tmp_path, two_tens
     data["tensors"][0]["released_at"] = 9
     with pytest.raises(TraceError, match=r"tensors\[0\]\.released_at"):
         load_trace(_write(tmp_path, data))
+
+
+def test_write_json_is_strict_and_plain(tmp_path):
+    import json
+    import math
+
+    import numpy as np
+
+    from swapsched.trace import write_json
+
+    p = write_json({"a": math.nan, "b": [np.float64(1.5), np.int64(2), math.inf], "c": np.arange(2)}, tmp_path / "x.json",
+                   indent=1)
+    assert json.loads(p.read_text()) == {"a": None, "b": [1.5, 2, None], "c": [0, 1]}
