@@ -86,10 +86,18 @@ def _write_json(data: Any, path: str) -> None:
 # ----------------------------------------------------------------------------- profile / inspect
 
 
+def _say_if_shrunk(model: str, size: str | None) -> None:
+    """hf: models are built small unless asked for the library's full configuration: say so."""
+    if model.startswith("hf:") and size in (None, "small"):
+        print(f"{model}: built small (2 layers, width 128, vocabulary 1024); --size full builds the library's "
+              "default configuration", file=sys.stderr)
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from swapsched.runtime.profiler import profile
     from swapsched.zoo import build_model
 
+    _say_if_shrunk(args.model, args.size)
     device = args.device
     if device == "cuda":
         import torch
@@ -252,6 +260,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from swapsched.run import PEERS, run_peer, run_runtime
 
     common = dict(size=args.size, batch_size=args.batch_size, seq_len=args.seq_len)
+    _say_if_shrunk(args.model, args.size)
     progress = not args.no_progress
 
     def show(s: int, dt: float, ok: bool, rep: Any) -> None:

@@ -264,3 +264,10 @@ def test_optimal_plan_carries_its_bound_into_simulate_json(tmp_path, capsys):
     assert 0 < d["bound_s"] <= d["iteration_s"] and d["gap"] == pytest.approx((d["iteration_s"] - d["bound_s"]) / d["iteration_s"])
     r = run("compare", "--policies", "optimal:0s")
     assert r.returncode == 2 and "time limit must be positive" in r.stderr
+
+
+def test_hf_models_say_they_were_built_small(tmp_path):
+    pytest.importorskip("transformers")
+    r = run("profile", "hf:gpt2", "--out", str(tmp_path / "t.json"))
+    assert r.returncode == 0, r.stderr
+    assert "hf:gpt2: built small (2 layers" in r.stderr and "--size full" in r.stderr
