@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from swapsched.agents.local_search import best_plan, draw_case, heuristic_plans, improve
 from swapsched.env.simulator import SimResult, simulate
 from swapsched.errors import UserError
 from swapsched.hardware import Hardware
@@ -188,15 +189,11 @@ def collect(traces: Sequence[Trace], hardware: Sequence[Hardware], *, cases_per_
     over random budgets and hardware."""
     from tqdm import tqdm
 
-    from swapsched.agents.local_search import best_plan, heuristic_plans, improve
-
     rng = np.random.default_rng(seed)
     xs, ys = [], []
     jobs = [tr for tr in traces for _ in range(cases_per_trace)]
     for tr in tqdm(jobs, disable=not progress, desc="editor data", unit="case", leave=False):
-        hw = hardware[int(rng.integers(0, len(hardware)))]
-        frac = float(rng.uniform(*budget_range))
-        budget = max(int(tr.static_bytes + frac * (tr.peak_bytes_no_swap - tr.static_bytes)), tr.min_feasible_bytes)
+        hw, budget = draw_case(tr, hardware, rng, budget_range)
         start, _ = best_plan(tr, budget, hw, heuristic_plans(tr, budget, hw))
         better, _, _ = improve(tr, budget, hw, start, seconds=seconds, seed=int(rng.integers(0, 2**31)), prior=prior)
         res = simulate(tr, start, hw, budget, record=True, validate=False)
@@ -253,9 +250,7 @@ def finetune(editor: PlanEditor, traces: Sequence[Trace], hardware: Sequence[Har
     cases = []
     for tr in traces:
         for _ in range(cases_per_trace):
-            hw = hardware[int(rng.integers(0, len(hardware)))]
-            frac = float(rng.uniform(*budget_range))
-            budget = max(int(tr.static_bytes + frac * (tr.peak_bytes_no_swap - tr.static_bytes)), tr.min_feasible_bytes)
+            hw, budget = draw_case(tr, hardware, rng, budget_range)
             start = Belady().plan(tr, budget, hw)
             res = simulate(tr, start, hw, budget, record=True, validate=False)
             ids, x = features(tr, budget, hw, start, res)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from swapsched.agents.local_search import MOVE_CLASSES, UNIFORM, best_plan, heuristic_plans, improve
+from swapsched.agents.local_search import MOVE_CLASSES, UNIFORM, best_plan, draw_case, heuristic_plans, improve
 from swapsched.errors import UserError
 from swapsched.hardware import Hardware
 from swapsched.trace import Trace
@@ -78,9 +78,7 @@ def collect(traces: Sequence[Trace], hardware: Sequence[Hardware], *, cases_per_
     improved = np.zeros(len(MOVE_CLASSES))
     jobs = [tr for tr in traces for _ in range(cases_per_trace)]
     for tr in tqdm(jobs, disable=not progress, desc="search data", unit="case", leave=False):
-        hw = hardware[int(rng.integers(0, len(hardware)))]
-        frac = float(rng.uniform(*budget_range))
-        budget = max(int(tr.static_bytes + frac * (tr.peak_bytes_no_swap - tr.static_bytes)), tr.min_feasible_bytes)
+        hw, budget = draw_case(tr, hardware, rng, budget_range)
         start, _ = best_plan(tr, budget, hw, heuristic_plans(tr, budget, hw))
         log: list = []
         improve(tr, budget, hw, start, seconds=seconds, seed=int(rng.integers(0, 2**31)), log=log)

@@ -31,10 +31,21 @@ from swapsched.hardware import Hardware
 from swapsched.plan import LEADS, Eviction, SwapPlan, prefetch_event
 from swapsched.trace import Trace
 
-__all__ = ["LocalSearch", "improve", "plan_score", "heuristic_plans", "best_plan", "planning_seconds"]
+__all__ = ["LocalSearch", "improve", "plan_score", "heuristic_plans", "best_plan", "planning_seconds", "draw_case"]
 
 _PREFETCH_SHIFTS = (-16, -8, -4, -2, -1, 1, 2, 4, 8, 16)
 _OUT_SHIFTS = (1, 2, 4, 8)
+
+
+def draw_case(trace: Trace, hardware: Sequence[Hardware], rng: np.random.Generator,
+              budget_range: tuple[float, float]) -> tuple[Hardware, int]:
+    """A random training case on ``trace``: one of ``hardware``, and a budget at a uniform fraction
+    of the activation range above static bytes, never below the smallest feasible budget. The
+    searches that teach the move prior and the plan editor draw their cases here."""
+    hw = hardware[int(rng.integers(0, len(hardware)))]
+    frac = float(rng.uniform(*budget_range))
+    budget = max(int(trace.static_bytes + frac * (trace.peak_bytes_no_swap - trace.static_bytes)), trace.min_feasible_bytes)
+    return hw, budget
 
 
 def plan_score(result: SimResult, trace: Trace) -> float:
@@ -69,8 +80,6 @@ def best_plan(trace: Trace, budget: int, hardware: Hardware, plans: Sequence[Swa
     return plans[i], s
 
 
-#: Move kinds.
-MOVES = ("prefetch", "later-out", "drop", "add", "replace")
 #: Classes of moves the proposal draws from: (kind, shift in events, aimed at a tensor whose unpack
 #: stalled). A learned prior (``agents/guide.py``) weights them; without one they are drawn as
 #: ``_UNIFORM`` weights them.
@@ -83,7 +92,7 @@ MOVE_CLASSES: tuple[tuple[str, int, bool], ...] = (
 
 @dataclass(frozen=True)
 class Move:
-    """One change to a plan: ``kind`` (``MOVES``), the tensor it acts on, its new placement
+    """One change to a plan: ``kind`` (the first field of ``MOVE_CLASSES``), the tensor it acts on, its new placement
     (``None`` for a drop) and the tensor it replaces (``replace`` only)."""
 
     kind: str
