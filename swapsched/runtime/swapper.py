@@ -790,17 +790,7 @@ class _ExecuteStep(_StepExecution):
         if rec.state != RESIDENT:
             p.let_go()  # evicted earlier in the step: rebuilt on unpack
         rec.handles.append(weakref.ref(p))
-        self.i = i + 1
-        work = self.work
-        if i < len(work) and work[i]:
-            self._after_event(i)
-        alloc = self.alloc
-        if i + 1 < len(alloc) and self.used + alloc[i + 1] > self.room:
-            self._room_for_next(alloc[i + 1])
-        now = time.perf_counter()
-        self.gaps.append(t_in - self.last_exit)  # the compute since the previous event's hook
-        self.hook_s += now - t_in
-        self.last_exit = now
+        self._end_event(i, t_in)
         return p
 
     def unpack(self, p: _Packed) -> torch.Tensor:
@@ -815,6 +805,12 @@ class _ExecuteStep(_StepExecution):
         out = p.tensor
         if out is None:  # evicted at some point (a handle holds its tensor only while resident)
             out = self._make_resident(p)
+        self._end_event(i, t_in)
+        return out
+
+    def _end_event(self, i: int, t_in: float) -> None:
+        """After event ``i``: the plan's work at it, room for the next event's tensor (R4, before
+        its gap), and the hook's own time and the compute gap before it."""
         self.i = i + 1
         work = self.work
         if i < len(work) and work[i]:
@@ -823,10 +819,9 @@ class _ExecuteStep(_StepExecution):
         if i + 1 < len(alloc) and self.used + alloc[i + 1] > self.room:
             self._room_for_next(alloc[i + 1])
         now = time.perf_counter()
-        self.gaps.append(t_in - self.last_exit)
+        self.gaps.append(t_in - self.last_exit)  # the compute since the previous event's hook
         self.hook_s += now - t_in
         self.last_exit = now
-        return out
 
     def _make_resident(self, p: _Packed) -> torch.Tensor:
         """(a) of an unpack whose tensor was evicted: wait for its prefetch, or bring it on demand."""
