@@ -701,16 +701,35 @@ class _ExecuteStep(_StepExecution):
                 return  # nothing left to move: over budget, reported, never a crash
 
     def _guard_evict(self, now_tid: int | None) -> bool:
-        """MIN rule on the spot: evict the resident tensor whose next use is farthest."""
+        """MIN rule on the spot: evict the tensor on the device whose next use is farthest. That
+        may be one prefetched too early (IN): its host copy is still whole, so it goes back to
+        HOST with no copy, once its swap-in has landed."""
         fu = self.trace.first_unpack
-        cands = [r for r in self.records if r.state == RESIDENT and r.tid != now_tid and r.nbytes >= self.rt.min_bytes
-                 and fu[r.tid] > self.i and (r.flat is not None or any(h.tensor is not None for h in r.live_handles()))]
+        cands = [r for r in self.records if r.tid != now_tid and r.nbytes >= self.rt.min_bytes and fu[r.tid] > self.i
+                 and ((r.state == RESIDENT and (r.flat is not None or any(h.tensor is not None for h in r.live_handles())))
+                      or (r.state == IN and r.host is not None))]
         if not cands:
             return False
         rec = max(cands, key=lambda r: fu[r.tid])
-        self._issue_out(rec)
+        if rec.state == IN:
+            self._undo_in(rec)
+        else:
+            self._issue_out(rec)
         self.guard += 1
         return True
+
+    def _undo_in(self, rec: _Record) -> None:
+        """Take back a prefetch not yet used: wait for its copy (the ticket holds the device
+        buffer until then), then drop the ticket, the buffer's one owner, so it dies and its
+        finalizer takes its bytes out of the accounting (see _start_in)."""
+        assert rec.inn is not None and rec.host is not None
+        t0 = time.perf_counter()
+        self.backend.wait_host(rec.inn)
+        self.stall_s += time.perf_counter() - t0
+        rec.inn = None
+        rec.state = HOST
+        self.ins.remove(rec)
+        self._count_deaths()
 
     def _issue_out(self, rec: _Record) -> None:
         flat = rec.flat
@@ -767,14 +786,18 @@ class _ExecuteStep(_StepExecution):
             ex = self.expected
             if i >= len(ex) or ex[i] != tid or self.tensor_bytes[tid] != nbytes:
                 self._diverge()
-            if self.outs or self.deaths:
-                self._drain()
-            # it is already made: counted now, so an overshoot shows in the peak; room for it was
-            # made before its gap (R4, _room_for_next), and this only catches what that missed
+            # it is already made: counted before anything else moves, so an overshoot shows in the
+            # peak, and so the drain below cannot admit a waiting prefetch (R6) into the room that
+            # R4 made for this tensor before its gap (_room_for_next); _make_room only catches what
+            # that missed
+            if self.deaths:
+                self._count_deaths()
             self.used += nbytes
             weakref.finalize(st, self.deaths.append, nbytes)
             if self.static + self.used > self.peak:
                 self.peak = self.static + self.used
+            if self.outs:
+                self._drain()
             if self.used > self.room:
                 self._make_room(0, tid)
         elif rec is _UNTRACKED:

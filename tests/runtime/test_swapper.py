@@ -103,7 +103,30 @@ class RandomPlans:
 def test_random_valid_plans_keep_gradients_identical(seed, family, budget):
     equal, rt = _train_pair(family, "tiny", dict(budget=budget, policy=RandomPlans(seed), backend="cpu", min_bytes=0,
                                                  profile_steps=1), steps=3)
-    assert equal and rt.report().mode == "execute"
+    rep = rt.report()
+    # a budget-blind plan may need the guard, never more memory than the budget
+    assert equal and rep.mode == "execute" and rep.peak_device_bytes <= rep.budget_bytes
+
+
+@dataclass
+class PrefetchAtOnce:
+    """Every tensor swapped out where it is made and prefetched right away: under a tight budget
+    the prefetches hold the room that later tensors need."""
+
+    name: str = "prefetch-at-once"
+
+    def plan(self, trace, budget, hardware):
+        return SwapPlan.of(trace, self.name, [Eviction(k, int(trace.first_pack[k]), int(trace.first_pack[k]))
+                                              for k in range(trace.n_tensors)])
+
+
+@pytest.mark.parametrize("family", ["mlp", "gpt"])
+def test_guard_takes_back_a_prefetch_that_came_too_early(family):
+    equal, rt = _train_pair(family, "tiny", dict(budget="60%", policy=PrefetchAtOnce(), backend="cpu", min_bytes=0,
+                                                 profile_steps=1), steps=3)
+    rep = rt.report()
+    assert equal and rep.guard_evictions > 0 and not rep.plan_followed
+    assert rep.peak_device_bytes <= rep.budget_bytes
 
 
 class Tricky(nn.Module):
