@@ -38,6 +38,7 @@ import weakref
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -80,24 +81,60 @@ class _Record:
 _UNTRACKED = _Record(-1, 0)  # the step's key map entry for parameters and storages the trace lacks
 
 
+def _origin_died(packed: weakref.ref[_Packed], _dead: object) -> None:
+    """The program's tensor died: read the version its storage ended with, and let the alias go."""
+    p = packed()
+    if p is not None and p.watch is not None:
+        p.seen = p.watch._version
+        p.watch = None
+
+
 class _Packed:
-    """What autograd keeps per pack: the record and, while it is resident, a detached alias."""
+    """What autograd keeps per pack: the record and, while it is resident, a detached alias.
 
-    __slots__ = ("rec", "tensor", "geometry", "__weakref__")
+    It also keeps autograd's own check on saved tensors, which saved-tensor hooks otherwise lose
+    (``save_on_cpu`` computes silently with a value changed in place): the version counter at
+    pack, compared at unpack with the last version the bytes could have reached (``check_version``).
+    A swap-out copies the bytes while the program may still hold its tensor and change it, so a
+    let-go alias is kept (``watch``) until the program's tensor dies: that tensor holds the same
+    storage, so the alias costs no memory, and its version counter is the one the change bumps."""
 
-    def __init__(self, rec: _Record | None, tensor: torch.Tensor | None):
-        self.rec, self.tensor = rec, tensor
+    __slots__ = ("rec", "tensor", "geometry", "version", "seen", "watch", "origin", "__weakref__")
+
+    def __init__(self, rec: _Record | None, t: torch.Tensor):
+        # a detached alias: holding the tensor itself would tie it to its own grad_fn in a
+        # reference cycle (the handle lives in that grad_fn) that only the cyclic GC frees;
+        # autograd re-attaches the grad_fn when it unpacks (as with save_on_cpu's copies). The
+        # alias shares the tensor's storage and its version counter.
+        self.rec, self.tensor = rec, t.detach()
+        self.version = self.seen = t._version
+        self.watch: torch.Tensor | None = None
+        # the callback holds this record weakly: a strong one would keep it alive past autograd
+        self.origin = weakref.ref(t, partial(_origin_died, weakref.ref(self)))
         # (dtype, size, stride, storage offset, conj bit, neg bit): taken when the tensor reference
         # is dropped. The two bits are lazy views over the same bytes (a complex tensor's conj()),
         # so the raw storage alone would give back the unconjugated values.
         self.geometry: tuple[Any, ...] | None = None
 
     def let_go(self) -> None:
-        """Drop the tensor reference, keeping what is needed to rebuild the view."""
+        """Drop the tensor reference, keeping what is needed to rebuild the view and to check it."""
         t = self.tensor
         if t is not None:
             self.geometry = (t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.is_conj(), t.is_neg())
+            self.seen = t._version
             self.tensor = None
+            if self.origin() is not None:
+                self.watch = t
+
+    def check_version(self) -> None:
+        """Refuse a saved tensor changed in place since its pack, as autograd does without hooks."""
+        t = self.tensor if self.tensor is not None else self.watch
+        now = t._version if t is not None else self.seen
+        if now != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: a saved tensor is at version {now}; expected version {self.version} instead. "
+                "(swapsched keeps autograd's check; clone the tensor before changing it in place.)")
 
 
 @dataclass(frozen=True)
@@ -488,10 +525,10 @@ class _ProfileStep(_StepExecution):
                     self.cast_keys.add(st._cdata)
                     self.cast_bytes += st.nbytes()
             # detached: the tensor itself would tie it to its own grad_fn in a reference cycle
-            return ("keep", None, _Packed(None, t.detach()))
+            return ("keep", None, _Packed(None, t))
         st = t.untyped_storage()
         if st.nbytes() < self.rt.min_bytes:
-            p = _Packed(None, t.detach())
+            p = _Packed(None, t)
             self._own(tid, st, p)
             return ("keep", tid, p)
         rec = self.ids.get(t)
@@ -529,6 +566,7 @@ class _ProfileStep(_StepExecution):
 
     def unpack(self, packed: Any) -> torch.Tensor:
         kind, tid, p = packed
+        p.check_version()
         self.recorder.unpack(tid)
         if tid is not None:
             self.unpacked.add(tid)
@@ -767,7 +805,7 @@ class _ExecuteStep(_StepExecution):
         if rec is None:
             if is_parameter(t):  # parameters stay (counted in static_bytes), and get no trace id
                 self.keys[key] = _UNTRACKED
-                return _Packed(None, t.detach())  # detached: see the alias below
+                return _Packed(None, t)
             nbytes = st.nbytes()
             if self.audit:
                 self._watch(st, nbytes)
@@ -778,7 +816,7 @@ class _ExecuteStep(_StepExecution):
             if tid < 0:
                 self.keys[key] = _UNTRACKED
                 weakref.finalize(st, self.keys.pop, key, None)
-                return _Packed(None, t.detach())
+                return _Packed(None, t)
             rec = _Record(tid, nbytes, key)
             self.keys[key] = rec
             self.records.append(rec)
@@ -801,15 +839,12 @@ class _ExecuteStep(_StepExecution):
             if self.used > self.room:
                 self._make_room(0, tid)
         elif rec is _UNTRACKED:
-            return _Packed(None, t.detach())
+            return _Packed(None, t)
         else:
             ex = self.expected
             if i >= len(ex) or ex[i] != rec.tid:
                 self._diverge()
-        # a detached alias: holding the tensor itself would tie it to its own grad_fn in a
-        # reference cycle (the handle lives in that grad_fn) that only the cyclic GC frees;
-        # autograd re-attaches the grad_fn when it unpacks (as with save_on_cpu's copies)
-        p = _Packed(rec, t.detach())
+        p = _Packed(rec, t)  # holds a detached alias (see _Packed)
         if rec.state != RESIDENT:
             p.let_go()  # evicted earlier in the step: rebuilt on unpack
         rec.handles.append(weakref.ref(p))
@@ -818,6 +853,7 @@ class _ExecuteStep(_StepExecution):
 
     def unpack(self, p: _Packed) -> torch.Tensor:
         t_in = time.perf_counter()
+        p.check_version()
         rec = p.rec
         if rec is None:
             return p.tensor

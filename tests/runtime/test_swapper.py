@@ -287,3 +287,48 @@ def test_report_counts_copies_and_use_plan_takes_a_budget():
     # short), and a ticket is retired once waited on
     assert rep.waits <= rep.copies
     rt.close()
+
+
+class ChangedInPlace(nn.Module):
+    """``sin`` saves ``a``; with ``bump`` on, ``a`` is then changed in place, which plain autograd
+    refuses in backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.out = nn.Linear(64, 1)
+        self.bump = False
+
+    def forward(self, x):
+        a = self.lin(x)
+        b = a.sin()
+        if self.bump:
+            a.mul_(2)
+        return self.out(b.relu()).sum()
+
+
+@pytest.mark.parametrize("policy", ["no-swap", "swap-all"])
+@pytest.mark.parametrize("at_step", [1, 4])  # the profiling step, an executed step
+def test_a_saved_tensor_changed_in_place_is_refused_as_autograd_refuses_it(policy, at_step):
+    torch.manual_seed(0)
+    m, x = ChangedInPlace(), torch.randn(32, 64)
+    m.bump = True
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        m(x).backward()  # what plain autograd says
+    m.bump = False
+    rt = SwapRuntime(budget="100%", policy=policy, backend="cpu", min_bytes=0, model=m, profile_steps=1)
+    try:
+        for _ in range(1, at_step):
+            with rt.step():
+                m(x).backward()
+        if at_step > 1:
+            rep = rt.report()
+            assert rep.mode == "execute" and (rep.evicted_bytes > 0) == (policy == "swap-all")
+        m.bump = True
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"), rt.step():
+            m(x).backward()
+        m.bump = False
+        with rt.step():  # the runtime is usable after the refusal
+            m(x).backward()
+    finally:
+        rt.close()
