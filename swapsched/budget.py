@@ -11,7 +11,7 @@ from swapsched.errors import UserError
 if TYPE_CHECKING:
     from swapsched.trace import Trace
 
-__all__ = ["BudgetError", "parse_budget", "check_budget", "format_bytes"]
+__all__ = ["BudgetError", "parse_budget", "check_budget", "smallest_feasible", "format_bytes"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -41,14 +41,20 @@ def parse_budget(spec: str | int | float, trace: Trace | None = None, *, check_f
     else:
         out = int(number * _UNITS[unit])
     if trace is not None and check_feasible and out < trace.min_feasible_bytes:
-        need = trace.min_feasible_bytes
-        above = trace.peak_bytes_no_swap - trace.static_bytes
-        pct = 100.0 * (need - trace.static_bytes) / above if above > 0 else 100.0
+        need, pct = smallest_feasible(trace)
         raise BudgetError(
             f"budget {spec!r} = {format_bytes(out)} is below what any plan can meet for {trace.name!r}: "
             f"the smallest feasible budget is {format_bytes(need)} ({need} bytes, {pct:.1f}%)"
         )
     return out
+
+
+def smallest_feasible(trace: Trace) -> tuple[int, float]:
+    """The smallest budget any plan can meet, in bytes and as the percentage a relative budget
+    would give it."""
+    need = trace.min_feasible_bytes
+    above = trace.peak_bytes_no_swap - trace.static_bytes
+    return need, (100.0 * (need - trace.static_bytes) / above if above > 0 else 100.0)
 
 
 def check_budget(spec: str | int | float) -> str | int | float:

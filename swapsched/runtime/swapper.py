@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from swapsched.budget import check_budget, format_bytes, parse_budget
+from swapsched.budget import BudgetError, check_budget, format_bytes, parse_budget, smallest_feasible
 from swapsched.env.simulator import FREED, HOST, IN, OUT, RESIDENT, event_tables, simulate
 from swapsched.errors import UserError
 from swapsched.hardware import Hardware, default_hardware, load_hardware
@@ -54,7 +54,7 @@ from swapsched.runtime.backends import Backend, CpuBackend, Ticket, make_backend
 from swapsched.runtime.profiler import StorageIds, TraceRecorder, is_cached_cast, is_parameter, static_bytes_of, storage_key
 from swapsched.trace import Trace
 
-__all__ = ["SwapRuntime", "StepReport", "timed_by_execution"]
+__all__ = ["SwapRuntime", "StepReport", "Divergence", "DivergenceError", "timed_by_execution"]
 
 # one set of locations for the simulator and the runtime (the runtime never has NOT_YET or WAITING)
 
@@ -138,6 +138,24 @@ class _Packed:
 
 
 @dataclass(frozen=True)
+class Divergence:
+    """Where an executed step left its trace: the first event that did not match what the
+    profiling steps recorded (a new batch shape, a data-dependent branch, a second backward)."""
+
+    event: int  # index of the trace event where the step was expected to be
+    expected: str  # what the trace has there, e.g. "pack of tensor 12 (4.00 MiB)", "the end of the step"
+    seen: str  # what the step did instead
+
+    def __str__(self) -> str:
+        return f"at event {self.event} the trace expected {self.expected}, the step did {self.seen}"
+
+
+class DivergenceError(RuntimeError):
+    """``SwapRuntime(strict=True)``: an executed step left its trace (as ``torch.utils.checkpoint``
+    raises ``CheckpointError`` when a recomputation differs)."""
+
+
+@dataclass(frozen=True)
 class StepReport:
     """What ``runtime.report()`` returns about the last step."""
 
@@ -169,6 +187,7 @@ class StepReport:
     # saved storages the runtime found held by someone else (the caller's inputs, module buffers,
     # autocast's cached casts): left resident and counted in the trace's static bytes
     unowned_bytes: int = 0
+    divergence: Divergence | None = None  # mode "diverged": where and how
 
     def __str__(self) -> str:
         pred = f"{1e3 * self.predicted_step_s:.2f} ms" if self.predicted_step_s is not None else "-"
@@ -185,6 +204,8 @@ class StepReport:
             f"small tensors kept {self.kept_small}"
             + (f"; runtime's own hook time {1e3 * self.hook_s:.2f} ms" if self.hook_s is not None else ""),
         ]
+        if self.divergence is not None:
+            lines.append(f"  diverged {self.divergence}: finished on demand; the next step profiles again")
         return "\n".join(lines)
 
 
@@ -211,6 +232,9 @@ class SwapRuntime:
     the prediction is redone (0: keep the profiled timing).
     ``audit``: measure the memory really held, independently of the accounting, into
     ``report().measured_peak_bytes`` (on the CPU backend a finalizer per saved storage: slower).
+    ``strict``: a step that leaves the profiled trace raises :class:`DivergenceError` where it
+    leaves it, instead of finishing on demand and profiling again (``report().divergence`` says
+    where either way).
 
     Only what the runtime owns is evicted. Storages the profiling steps find alive after autograd
     let go of them (the caller's inputs and outputs, module buffers) and autocast's cached casts of
@@ -221,7 +245,8 @@ class SwapRuntime:
     def __init__(self, budget: str | int = "60%", policy: Policy | None = None, hardware: Hardware | str | None = None,
                  backend: str | Backend | None = None, *, bandwidth: float | None = None, min_bytes: int = 0,
                  model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-                 profile_steps: int = 3, retime_steps: int = 3, audit: bool = False):
+                 profile_steps: int = 3, retime_steps: int = 3, audit: bool = False, strict: bool = False):
+        self.strict = bool(strict)
         self.budget_spec = check_budget(budget)  # a malformed budget fails here, not after profiling
         if policy is not None and not isinstance(policy, Policy):
             raise UserError(f"policy must be an object with plan(trace, budget, hardware), got {policy!r}; "
@@ -349,7 +374,17 @@ class SwapRuntime:
     # ------------------------------------------------------------------ planning
     def _plan_from(self, trace: Trace) -> None:
         self.trace = trace
-        self.budget_bytes = parse_budget(self.budget_spec, trace)
+        try:
+            self.budget_bytes = parse_budget(self.budget_spec, trace)
+        except BudgetError:
+            need, pct = smallest_feasible(trace)
+            passes = int(trace.meta.get("backward_passes", 1))
+            why = (f"; its {passes} backward passes read the same saved tensors (retain_graph=True or "
+                   "create_graph=True), and each tensor stays on the device from its first unpack to its last"
+                   if passes > 1 else "")
+            raise BudgetError(f"SwapRuntime(budget={self.budget_spec!r}) is below this training step's smallest "
+                              f"feasible budget, {format_bytes(need)} ({need} bytes, {pct:.1f}% of its saved "
+                              f"activations){why}; give at least that") from None
         if self.policy is None:  # nothing plans: every tensor stays until use_plan()
             plan = SwapPlan.of(trace, "keep-all", [])
         else:
@@ -415,7 +450,7 @@ class _StepExecution:
 
     # slots: the hooks read and write these at every saved-tensor event
     __slots__ = ("rt", "backend", "records", "static", "used", "peak", "stall_s", "evicted", "prefetched",
-                 "on_demand", "copies", "waits", "guard", "diverged", "audit", "alive", "alive_peak", "dead_bytes")
+                 "on_demand", "copies", "waits", "guard", "diverged", "divergence", "audit", "alive", "alive_peak", "dead_bytes")
 
     def __init__(self, rt: SwapRuntime):
         self.rt = rt
@@ -429,6 +464,7 @@ class _StepExecution:
         self.copies = self.waits = 0
         self.guard = 0
         self.diverged = False
+        self.divergence: Divergence | None = None
         # the audit meter: bytes of the saved storages alive now, kept by finalizers on the storages
         # themselves, so it sees what really holds memory whoever keeps it (never our accounting)
         self.audit = rt.audit and self.backend.name == "cpu"
@@ -492,7 +528,7 @@ class _ProfileStep(_StepExecution):
     its storages are not judged."""
 
     __slots__ = ("ids", "recorder", "trace", "moved", "device", "owners", "cast_keys", "cast_bytes", "released",
-                 "freed", "unpacked", "devices")
+                 "freed", "unpacked", "devices", "param_keys", "passes")
 
     def __init__(self, rt: SwapRuntime):
         super().__init__(rt)
@@ -515,10 +551,16 @@ class _ProfileStep(_StepExecution):
         self.freed: dict[int, int] = {}
         self.unpacked: set[int] = set()
         self.devices: dict[int, torch.device] = {}
+        self.param_keys: set[int] = set()  # parameters live through the step: no finalizer needed
+        self.passes: set[int] = set()  # the autograd graph tasks (backward passes) that unpacked
 
     def pack(self, t: torch.Tensor) -> Any:
-        tid = self.recorder.pack(t)
+        # a storage first seen as a parameter's stays one, whatever view of it comes later (a
+        # double backward saves a transpose of an unpacked, detached weight): the executed steps
+        # tell parameters by their storage too
+        tid = None if t.untyped_storage()._cdata in self.param_keys else self.recorder.pack(t)
         if tid is None:
+            self.param_keys.add(t.untyped_storage()._cdata)
             if is_cached_cast(t):  # stays like its parameter; its bytes are counted once, as static
                 st = t.untyped_storage()
                 if st._cdata not in self.cast_keys:
@@ -567,6 +609,7 @@ class _ProfileStep(_StepExecution):
     def unpack(self, packed: Any) -> torch.Tensor:
         kind, tid, p = packed
         p.check_version()
+        self.passes.add(torch._C._current_graph_task_id())  # one id per backward pass
         self.recorder.unpack(tid)
         if tid is not None:
             self.unpacked.add(tid)
@@ -574,6 +617,10 @@ class _ProfileStep(_StepExecution):
             return p.tensor
         out = self._rebuild(p, self.backend.copy_in_now(p.rec.host, self.devices[p.rec.tid]))
         weakref.finalize(out.untyped_storage(), self._freed, tid)
+        # a backward that records a graph (double backward) may save what it unpacked: the copy
+        # is the same saved tensor (R2), as an executed step, which unpacks the storage itself, sees it
+        self.recorder.ids.add(out, tid)
+        self.ids.add(out, p.rec)
         self.recorder.hook_done()
         return out
 
@@ -595,7 +642,7 @@ class _ProfileStep(_StepExecution):
                                           exclude=frozenset(unowned), released=dict(self.released),
                                           freed=dict(self.freed))
         self.trace = replace(self.trace, meta={**self.trace.meta, "unowned_bytes": static - self.rt.static_bytes,
-                                               "unowned_tensors": len(unowned)})
+                                               "unowned_tensors": len(unowned), "backward_passes": len(self.passes)})
         self.rt.first_sight = self.recorder.remap
         self.abort()
 
@@ -787,9 +834,20 @@ class _ExecuteStep(_StepExecution):
         self.evicted += rec.nbytes
 
     # ------------------------------------------------------------------ hooks
-    def _diverge(self) -> None:
-        """The step's events left the trace: nothing more is planned, and what is evicted comes
-        back on demand."""
+    def _diverge(self, seen: str) -> None:
+        """The step's events left the trace at event ``self.i`` (it did ``seen``): nothing more is
+        planned, and what is evicted comes back on demand."""
+        if self.divergence is None:
+            i, ex = self.i, self.expected
+            if i >= len(ex):
+                expected = "the end of the step"
+            elif ex[i] >= 0:
+                expected = f"pack of tensor {ex[i]} ({format_bytes(int(self.tensor_bytes[ex[i]]))})"
+            else:
+                expected = f"unpack of tensor {~ex[i]}"
+            self.divergence = Divergence(i, expected, seen)
+            if self.rt.strict:
+                raise DivergenceError(f"step {self.rt.steps} {self.divergence} (SwapRuntime(strict=True))")
         self.diverged = True
         self.expected = self.work = self.alloc = ()
         self.waiting.clear()
@@ -823,7 +881,7 @@ class _ExecuteStep(_StepExecution):
             self.by_tid[tid] = rec
             ex = self.expected
             if i >= len(ex) or ex[i] != tid or self.tensor_bytes[tid] != nbytes:
-                self._diverge()
+                self._diverge(f"pack of tensor {tid} ({format_bytes(nbytes)})")
             # it is already made: counted before anything else moves, so an overshoot shows in the
             # peak, and so the drain below cannot admit a waiting prefetch (R6) into the room that
             # R4 made for this tensor before its gap (_room_for_next); _make_room only catches what
@@ -843,7 +901,7 @@ class _ExecuteStep(_StepExecution):
         else:
             ex = self.expected
             if i >= len(ex) or ex[i] != rec.tid:
-                self._diverge()
+                self._diverge(f"pack of tensor {rec.tid} again")
         p = _Packed(rec, t)  # holds a detached alias (see _Packed)
         if rec.state != RESIDENT:
             p.let_go()  # evicted earlier in the step: rebuilt on unpack
@@ -860,7 +918,7 @@ class _ExecuteStep(_StepExecution):
         i = self.i
         ex = self.expected
         if i >= len(ex) or ex[i] != ~rec.tid:
-            self._diverge()
+            self._diverge(f"unpack of tensor {rec.tid}")
         out = p.tensor
         if out is None:  # evicted at some point (a handle holds its tensor only while resident)
             out = self._make_resident(p)
@@ -902,6 +960,11 @@ class _ExecuteStep(_StepExecution):
             self.stall_s += time.perf_counter() - t0
             rec.flat = rec.inn.dst
             rec.state = RESIDENT
+            # a backward that records a graph (double backward) may save what it unpacked: the
+            # swap-in buffer is the same saved tensor (R2), as the profiling step numbered it
+            st = rec.flat.untyped_storage()
+            self.keys[st._cdata] = rec
+            weakref.finalize(st, self.keys.pop, st._cdata, None)
         return self._rebuild(p, rec.flat)
 
     def _after_event(self, i: int) -> None:
@@ -937,7 +1000,7 @@ class _ExecuteStep(_StepExecution):
         self.tail_s = time.perf_counter() - self.last_exit
         self.hook_s -= self.stall_s
         if not self.diverged and self.i != self.trace.n_events:
-            self._diverge()
+            self._diverge(f"the end of the step after {self.i} of {self.trace.n_events} events")
         self._settle()
 
     def abort(self) -> None:
@@ -976,7 +1039,10 @@ class _ExecuteStep(_StepExecution):
             stall_s=self.stall_s + self.backend.take_device_stall_s(),  # CUDA: compute's waits on the device
             predicted_step_s=self.rt.predicted_s, evicted_bytes=self.evicted, prefetched_bytes=self.prefetched,
             on_demand_bytes=self.on_demand, peak_device_bytes=self.peak, budget_bytes=self.budget,
-            plan_followed=not self.diverged and self.guard == 0,
+            # followed, and within budget: the guard may find nothing to evict (a tensor read again
+            # by a later backward pass after its first unpack stays), which leaves the peak over
+            plan_followed=not self.diverged and self.guard == 0 and self.peak <= self.budget,
+            divergence=self.divergence,
             guard_evictions=self.guard, kept_small=int(self.rt.plan.meta.get("kept_small", 0)), cuda_peak_bytes=cuda_peak,
             hook_s=self.hook_s, copies=self.copies, waits=self.waits,
             gaps_s=tuple(self.gaps) if timed else None, tail_s=self.tail_s if timed else None,

@@ -209,7 +209,12 @@ def test_divergence_finishes_on_demand_and_replans():
         la.backward()
     lb = ref.model(x).sum()
     lb.backward()
-    assert rt.report().mode == "diverged" and torch.equal(la, lb)
+    rep = rt.report()
+    assert rep.mode == "diverged" and torch.equal(la, lb) and not rep.plan_followed
+    # where: the first pack already has another batch size, so other bytes
+    assert rep.divergence is not None and rep.divergence.event == 0
+    assert rep.divergence.expected.startswith("pack of tensor 0") and rep.divergence.seen.startswith("pack of tensor 0")
+    assert rep.divergence.expected != rep.divergence.seen and "diverged at event 0" in str(rep)
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(case.model.parameters(), ref.model.parameters(), strict=False))
     with rt.step():  # re-profiled
         case.model(x).sum().backward()
@@ -330,5 +335,82 @@ def test_a_saved_tensor_changed_in_place_is_refused_as_autograd_refuses_it(polic
         m.bump = False
         with rt.step():  # the runtime is usable after the refusal
             m(x).backward()
+    finally:
+        rt.close()
+
+
+def test_strict_raises_where_the_step_leaves_its_trace_and_the_next_step_works():
+    from swapsched.runtime.swapper import DivergenceError
+
+    case = build_model("mlp", "tiny", seed=4)
+    rt = SwapRuntime(budget="50%", policy="min", backend="cpu", min_bytes=0, model=case.model, strict=True)
+    try:
+        for _ in range(4):
+            with rt.step():
+                case.loss().backward()
+        assert rt.report().mode == "execute" and rt.report().divergence is None
+        with pytest.raises(DivergenceError, match=r"at event 0 the trace expected pack of tensor 0"), rt.step():
+            case.model(torch.randn(5, 256)).sum().backward()
+        with rt.step():  # the plan still stands for the step it was made for
+            case.loss().backward()
+        assert rt.report().mode == "execute"
+    finally:
+        rt.close()
+
+
+def _gradient_penalty_step(case):
+    loss = case.loss()
+    grads = torch.autograd.grad(loss, list(case.model.parameters()), create_graph=True)
+    total = loss + sum((g ** 2).sum() for g in grads)
+    total.backward()
+    return total
+
+
+@pytest.mark.parametrize("policy", ["min", "swap-all"])
+def test_double_backward_executes_its_plan_with_identical_gradients(policy):
+    """create_graph=True: the first backward saves new tensors (some of them views of what it
+    unpacked, or of a weight), and the second reads them all; the executed steps match the trace."""
+    a, b = build_model("mlp", "small", seed=3), build_model("mlp", "small", seed=3)
+    rt = SwapRuntime(budget="90%", policy=policy, backend="cpu", min_bytes=0, model=a.model)
+    try:
+        for _ in range(6):
+            with rt.step():
+                la = _gradient_penalty_step(a)
+            lb = _gradient_penalty_step(b)
+            assert torch.equal(la, lb)
+            assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True))
+        rep = rt.report()
+        assert rep.mode == "execute" and rep.divergence is None and rep.evicted_bytes > 0
+        assert rep.plan_followed == (rep.guard_evictions == 0 and rep.peak_device_bytes <= rep.budget_bytes)
+    finally:
+        rt.close()
+
+
+def test_retain_graph_below_its_floor_says_why_and_at_its_floor_trains_identically():
+    from swapsched.budget import BudgetError
+
+    def two_passes(case):
+        loss = case.loss()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return loss
+
+    a = build_model("mlp", "small", seed=3)
+    rt = SwapRuntime(budget="90%", policy="min", backend="cpu", min_bytes=0, model=a.model)
+    with pytest.raises(BudgetError, match=r"its 2 backward passes read the same saved tensors \(retain_graph"):
+        for _ in range(4):
+            with rt.step():
+                two_passes(a)
+    rt.close()
+    a, b = build_model("mlp", "small", seed=3), build_model("mlp", "small", seed=3)
+    rt = SwapRuntime(budget="100%", policy="swap-all", backend="cpu", min_bytes=0, model=a.model)
+    try:
+        for _ in range(5):
+            with rt.step():
+                la = two_passes(a)
+            lb = two_passes(b)
+            assert torch.equal(la, lb)
+            assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True))
+        assert rt.report().mode == "execute"
     finally:
         rt.close()
