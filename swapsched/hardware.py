@@ -11,10 +11,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from swapsched._paths import config_dir
-from swapsched.errors import UserError
+from swapsched.errors import UserError, read_yaml
 
 __all__ = ["Hardware", "HardwareError", "load_hardware", "hardware_names", "default_hardware", "DEFAULT_GPU_HARDWARE",
            "DEFAULT_CPU_HARDWARE", "TRAINING_HARDWARE"]
@@ -141,10 +139,4 @@ def load_hardware(spec: str | Path | Hardware) -> Hardware:
         path = config_dir() / "hardware" / f"{spec_s}.yaml"
         if not path.is_file():
             raise HardwareError(f"unknown hardware {spec_s!r}; known: {', '.join(hardware_names())}, or a path to a YAML file")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise HardwareError(f"{path}: no such file") from None
-    except yaml.YAMLError as exc:
-        raise HardwareError(f"{path}: not valid YAML ({exc})") from None
-    return hardware_from_dict(data, str(path))
+    return hardware_from_dict(read_yaml(path, HardwareError), str(path))

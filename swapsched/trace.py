@@ -344,7 +344,7 @@ def open_json(path: str | Path, error: type[ValueError]) -> Any:
     if raw[:2] == b"\x1f\x8b":
         try:
             raw = gzip.decompress(raw)
-        except OSError as exc:
+        except (OSError, EOFError) as exc:  # EOFError: a truncated stream
             raise error(f"{p}: not valid gzip ({exc})") from None
     try:
         return json.loads(raw)

@@ -17,6 +17,7 @@ network believes the improvement is. Saved beside a policy checkpoint as ``NAME.
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,7 +175,7 @@ class PlanEditor:
                 version = int(z["version"])
                 weights = tuple(z[f"arr_{i}"] for i in range(6))
                 mean, std = z["mean"], z["std"]
-        except (OSError, KeyError, ValueError) as exc:
+        except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as exc:  # not an npz, cut short, other arrays
             raise UserError(f"cannot load plan editor {path}: {exc}") from None
         if version != FEATURE_VERSION:
             raise UserError(f"plan editor {path} has feature version {version}, this swapsched {FEATURE_VERSION}; "

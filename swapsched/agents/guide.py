@@ -19,6 +19,7 @@ Saved beside a policy checkpoint as ``NAME.moves.npz`` (the classes and their we
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +60,7 @@ class MovePrior:
             with np.load(path) as z:
                 classes = [str(c) for c in z["classes"]]
                 prior = cls(z["weights"], z["tried"], z["improved"])
-        except (OSError, KeyError, ValueError) as exc:
+        except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as exc:  # not an npz, cut short, other arrays
             raise UserError(f"cannot load move prior {path}: {exc}") from None
         if classes != [f"{k}:{d}:{int(a)}" for k, d, a in MOVE_CLASSES]:
             raise UserError(f"move prior {path} was learned for other move classes; retrain it with: swapsched train-policy")

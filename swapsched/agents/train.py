@@ -17,9 +17,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import yaml
 
-from swapsched.errors import UserError
+from swapsched.errors import UserError, read_yaml
 from swapsched.hardware import TRAINING_HARDWARE, load_hardware
 
 __all__ = ["TrainConfig", "TrainResult", "load_train_config", "train_policy", "train_search", "evaluate", "validation_ratio"]
@@ -60,12 +59,9 @@ class TrainConfig:
 
 def load_train_config(path: str | Path) -> TrainConfig:
     p = Path(path)
-    if not p.is_file():
-        raise TrainConfigError(f"{p}: no such file")
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise TrainConfigError(f"{p}: not valid YAML ({exc})") from None
+    data = read_yaml(p, TrainConfigError) or {}
+    if not isinstance(data, dict):
+        raise TrainConfigError(f"{p}: expected a mapping of fields, got {type(data).__name__}")
     known = set(TrainConfig.__dataclass_fields__)
     unknown = set(data) - known
     if unknown:
