@@ -11,7 +11,6 @@ held out (``split: test``) so that evaluation covers architectures the policy ne
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from swapsched.runtime.profiler import profile
+from swapsched.trace import write_json
 from swapsched.zoo import build_model
 
 MEASURED = [(f, s) for f in ("mlp", "vgg", "resnet", "gpt", "bert", "unet") for s in ("tiny", "small", "medium")]
@@ -58,7 +58,7 @@ def main() -> int:
         split = "test" if family in HELD_OUT_FAMILIES or (family, size) in HELD_OUT_SIZES else "train"
         index.append({"file": file, "name": name, "family": family, "size": size, "batch_size": batch, "timing": trace.timing,
                       "device": trace.device, "tensors": trace.n_tensors, "events": trace.n_events, "split": split})
-    (out / "index.json").write_text(json.dumps({"traces": index}, indent=1) + "\n")
+    write_json({"traces": index}, out / "index.json", indent=1)
     total = sum((out / r["file"]).stat().st_size for r in index)
     print(f"{len(index)} traces, {total / 1e6:.2f} MB in {out}")
     return 0

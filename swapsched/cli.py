@@ -55,6 +55,47 @@ def _budget(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _writable(path: Path) -> None:
+    """Make ``path``'s folder and prove a file can be written in it, before any work is done."""
+    import tempfile
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".swapsched-probe-"):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write in {path}: {exc.strerror or exc}") from None
+
+
+def _out_file(value: str) -> str:
+    """An argparse type: a file path the command can write (checked now, written at the end)."""
+    _writable(Path(value).parent)
+    return value
+
+
+def _out_dir(value: str) -> str:
+    """An argparse type: a folder the command can write files in."""
+    _writable(Path(value))
+    return value
+
+
+def _in_file(value: str) -> str:
+    """An argparse type: a file that exists."""
+    if not Path(value).is_file():
+        raise argparse.ArgumentTypeError(f"{value}: no such file")
+    return value
+
+
+def _policy_list(value: str) -> list[str]:
+    """A comma list of policy names, each checked against the registry where it is given."""
+    from swapsched.agents.registry import expand_policies
+
+    try:
+        return expand_policies(value)
+    except UserError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _positive(cast: type) -> Callable[[str], Any]:
     """An argparse type: a positive int or float, or one clear line."""
     kind = "integer" if cast is int else "number"
@@ -417,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--device", choices=["cpu", "cuda", "meta"], default="cpu",
                     help="meta: no memory, no data; roofline timing for --hardware (default h100-pcie5)")
     sp.add_argument("--hardware", help="retime by roofline for this hardware (name or YAML path)")
-    sp.add_argument("--out", help="output trace (.json or .json.gz; default MODEL-SIZE.json.gz)")
+    sp.add_argument("--out", type=_out_file, help="output trace (.json or .json.gz; default MODEL-SIZE.json.gz)")
 
     sp = add("inspect", cmd_inspect, "Summarize a trace.")
     sp.add_argument("trace")
@@ -428,15 +469,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--plan", required=True, help="plan file written by swapsched plan")
     sp.add_argument("--hardware", required=True, help="name (configs/hardware) or YAML path")
     sp.add_argument("--budget", type=_budget, required=True, help="'6GiB', '6e9' or '60%%' of the activation peak")
-    sp.add_argument("--json", metavar="OUT", help="write the result as JSON")
-    sp.add_argument("--plot", metavar="PNG", help="draw memory over time and the three streams")
+    sp.add_argument("--json", metavar="OUT", type=_out_file, help="write the result as JSON")
+    sp.add_argument("--plot", metavar="PNG", type=_out_file, help="draw memory over time and the three streams")
 
     sp = add("plan", cmd_plan, "Make a plan with a policy and write it as JSON.")
     sp.add_argument("--trace", required=True, help="trace file (.json or .json.gz)")
     sp.add_argument("--policy", required=True, help="registry name (see compare --help) or a checkpoint .zip")
     sp.add_argument("--hardware", required=True, help="name (configs/hardware) or YAML path")
     sp.add_argument("--budget", type=_budget, required=True, help="'6GiB', '6e9' or '60%%' of the activation peak")
-    sp.add_argument("--out", required=True, help="plan file to write (JSON)")
+    sp.add_argument("--out", required=True, type=_out_file, help="plan file to write (JSON)")
     sp.add_argument("--seed", type=int, default=0, help="seed of the randomized policies (default 0)")
     sp.add_argument("--search-seconds", type=_positive_float, default=10.0, help="time box of swapadvisor")
 
@@ -451,8 +492,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "local-search, swapadvisor and optimal take 1-60 s per case)")
     sp.add_argument("--seed", type=int, default=0, help="seed of the randomized policies (default 0)")
     sp.add_argument("--search-seconds", type=_positive_float, default=2.0, help="time box of swapadvisor per case")
-    sp.add_argument("--json", metavar="OUT", help="write every row and the summary as JSON")
-    sp.add_argument("--plot", metavar="PNG", help="bar chart of overheads (+ PNG-timeline for the first case)")
+    sp.add_argument("--json", metavar="OUT", type=_out_file, help="write every row and the summary as JSON")
+    sp.add_argument("--plot", metavar="PNG", type=_out_file, help="bar chart of overheads (+ PNG-timeline for the first case)")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     sp = add("run", cmd_run, "Train a zoo model with the live runtime; --compare runs every policy and PyTorch's peers.")
@@ -467,25 +508,25 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--bandwidth", type=_positive_float, help="CPU backend: throttle both copy engines to this many bytes/s")
     sp.add_argument("--hardware", help="profile the plan is made for (default: cpu-emulated on cpu, h100-pcie5 on cuda)")
     sp.add_argument("--compare", action="store_true", help="also run the other policies, plain, save_on_cpu and checkpointing")
-    sp.add_argument("--compare-policies", type=_csv, help="with --compare: which other policies (default: all but optimal, swapadvisor)")
-    sp.add_argument("--json", metavar="OUT", help="write one record per method as JSON")
-    sp.add_argument("--plot", metavar="PNG", help="step time and peak memory per method")
+    sp.add_argument("--compare-policies", type=_policy_list, help="with --compare: which other policies (default: all but optimal, swapadvisor)")
+    sp.add_argument("--json", metavar="OUT", type=_out_file, help="write one record per method as JSON")
+    sp.add_argument("--plot", metavar="PNG", type=_out_file, help="step time and peak memory per method")
     sp.add_argument("--no-progress", action="store_true", help="no per-step lines")
 
     sp = add("calibrate", cmd_calibrate, "Measure this machine's link and the runtime's host costs into a hardware YAML for the simulator.")
     sp.add_argument("--backend", choices=["cpu", "cuda"], default="cpu", help="backend whose copies are measured (default cpu)")
     sp.add_argument("--bandwidth", type=_positive_float, help="CPU backend: measure the engines throttled to this many bytes/s")
     sp.add_argument("--name", help="profile name (default calibrated-BACKEND)")
-    sp.add_argument("--out", default="calibrated.yaml", help="hardware YAML to write (default calibrated.yaml)")
+    sp.add_argument("--out", default="calibrated.yaml", type=_out_file, help="hardware YAML to write (default calibrated.yaml)")
 
     sp = add("train-policy", cmd_train_policy, "Train a swap policy (MaskablePPO on SwapEnv) and evaluate it on held-out traces.")
     sp.add_argument("--config", default=str(_default_train_config()), help="PPO settings YAML (default: configs/train/default.yaml)")
-    sp.add_argument("--out", default="checkpoints/mine.zip", help="checkpoint path; NAME.json is written beside it")
+    sp.add_argument("--out", default="checkpoints/mine.zip", type=_out_file, help="checkpoint path; NAME.json is written beside it")
     sp.add_argument("--timesteps", type=_positive_int, help="override the config's total_timesteps (with --resume: steps to add)")
     sp.add_argument("--seed", type=int, help="override the config's seed (training is deterministic for a seed with --n-envs 1)")
     sp.add_argument("--n-envs", type=_positive_int, help="override the config's n_envs (more than 1: subprocess environments)")
-    sp.add_argument("--resume", metavar="CKPT", help="continue this checkpoint: its step count, optimizer state and schedule")
-    sp.add_argument("--tensorboard", metavar="DIR", help="write learning curves and the validation ratio to min here")
+    sp.add_argument("--resume", metavar="CKPT", type=_in_file, help="continue this checkpoint: its step count, optimizer state and schedule")
+    sp.add_argument("--tensorboard", metavar="DIR", type=_out_dir, help="write learning curves and the validation ratio to min here")
     sp.add_argument("--search-only", action="store_true",
                     help="only (re)learn the search's move prior and plan editor for the existing checkpoint --out")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -498,9 +539,18 @@ def _default_train_config() -> Path:
     return config_dir() / "train" / "default.yaml"
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # SIGTERM unwinds like Ctrl-C: partial files are removed, checkpoints saved
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    import signal
+    import threading
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         return args.fn(args)
     except UserError as exc:
@@ -509,6 +559,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

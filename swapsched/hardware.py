@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from swapsched._paths import config_dir
+from swapsched._paths import atomic_path, config_dir
 from swapsched.errors import UserError, read_yaml
 
 __all__ = ["Hardware", "HardwareError", "load_hardware", "hardware_names", "default_hardware", "DEFAULT_GPU_HARDWARE",
@@ -66,8 +66,8 @@ class Hardware:
                 line += f"  # {comments[k]}"
             lines.append(line)
         p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text("\n".join(lines) + "\n")
+        with atomic_path(p) as tmp:
+            tmp.write_text("\n".join(lines) + "\n")
         return p
 
 

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from swapsched._paths import atomic_path
+
 if TYPE_CHECKING:
     from swapsched.agents.evaluate import CaseResult
 
@@ -26,8 +28,8 @@ def _save(plt: Any, fig: Any, path: str | Path, title: str = "") -> Path:
         fig.suptitle(title)
     fig.tight_layout()
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=110)
+    with atomic_path(p) as tmp:
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
     return p
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from swapsched._paths import atomic_path
 from swapsched.errors import UserError
 
 if TYPE_CHECKING:
@@ -371,16 +372,13 @@ def write_json(data: Any, path: str | Path, indent: int | None = None) -> Path:
     """The one JSON writer (traces, plans, reports, benchmarks): strict JSON (``plain_json``),
     compact unless ``indent`` is given, gzip-compressed for a ``.gz`` path."""
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(plain_json(data), indent=indent, allow_nan=False,
                       separators=None if indent is not None else (",", ":"))
     if indent is not None:
         text += "\n"
-    if p.name.endswith(".gz"):
+    with atomic_path(p) as tmp:
         # mtime=0 so that rebuilding the corpus gives byte-identical files
-        p.write_bytes(gzip.compress(text.encode(), mtime=0))
-    else:
-        p.write_text(text)
+        tmp.write_bytes(gzip.compress(text.encode(), mtime=0) if p.name.endswith(".gz") else text.encode())
     return p
 
 

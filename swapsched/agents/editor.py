@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from swapsched._paths import atomic_path
 from swapsched.agents.local_search import best_plan, draw_case, heuristic_plans, improve
 from swapsched.env.simulator import SimResult, simulate
 from swapsched.errors import UserError
@@ -163,9 +164,8 @@ class PlanEditor:
 
     def save(self, path: str | Path) -> Path:
         p = Path(path)
-        tmp = p.with_name(p.stem + ".partial.npz")
-        np.savez(tmp, *self.weights, mean=self.mean, std=self.std, version=np.array(FEATURE_VERSION))
-        tmp.replace(p)
+        with atomic_path(p) as tmp:
+            np.savez(tmp, *self.weights, mean=self.mean, std=self.std, version=np.array(FEATURE_VERSION))
         return p
 
     @classmethod

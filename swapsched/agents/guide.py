@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from swapsched._paths import atomic_path
 from swapsched.agents.local_search import MOVE_CLASSES, UNIFORM, best_plan, draw_case, heuristic_plans, improve
 from swapsched.errors import UserError
 from swapsched.hardware import Hardware
@@ -48,10 +49,9 @@ class MovePrior:
 
     def save(self, path: str | Path) -> Path:
         p = Path(path)
-        tmp = p.with_name(p.stem + ".partial.npz")
-        np.savez(tmp, weights=self.weights, tried=self.tried, improved=self.improved,
-                 classes=np.array([f"{k}:{d}:{int(a)}" for k, d, a in MOVE_CLASSES]))
-        tmp.replace(p)
+        with atomic_path(p) as tmp:
+            np.savez(tmp, weights=self.weights, tried=self.tried, improved=self.improved,
+                     classes=np.array([f"{k}:{d}:{int(a)}" for k, d, a in MOVE_CLASSES]))
         return p
 
     @classmethod

@@ -7,9 +7,7 @@ held-out results against the baselines, measured on the simulator at the end of 
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,8 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from swapsched._paths import atomic_path
 from swapsched.errors import UserError, read_yaml
 from swapsched.hardware import TRAINING_HARDWARE, load_hardware
+from swapsched.trace import write_json
 
 __all__ = ["TrainConfig", "TrainResult", "load_train_config", "train_policy", "train_search", "evaluate", "validation_ratio"]
 
@@ -160,10 +160,8 @@ def validation_ratio(model: Any, traces: list, budgets: list[str], hws: list) ->
 
 def _save_atomic(model: Any, path: Path) -> None:
     """Write a checkpoint to a temporary file, then rename it: a crash never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.stem + ".partial.zip")
-    model.save(str(tmp))
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        model.save(str(tmp))
 
 
 def train_search(config: TrainConfig, checkpoint: str | Path, *, progress: bool = True) -> tuple[Path, Path]:
@@ -271,9 +269,7 @@ def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True,
         "held_out": results,
     }
     card_path = out.with_suffix(".json")
-    tmp = card_path.with_name(card_path.stem + ".partial.json")
-    tmp.write_text(json.dumps(card, indent=1) + "\n")
-    os.replace(tmp, card_path)
+    write_json(card, card_path, indent=1)
     return TrainResult(out, card_path, best if best.is_file() else None, int(model.num_timesteps), train_s,
                        interrupted, results)
 

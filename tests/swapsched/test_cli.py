@@ -271,3 +271,24 @@ def test_hf_models_say_they_were_built_small(tmp_path):
     r = run("profile", "hf:gpt2", "--out", str(tmp_path / "t.json"))
     assert r.returncode == 0, r.stderr
     assert "hf:gpt2: built small (2 layers" in r.stderr and "--size full" in r.stderr
+
+
+def test_sigterm_mid_compare_exits_130_and_leaves_the_old_file(tmp_path, capsys):
+    """SIGTERM unwinds like Ctrl-C: the command stops, and the file it was to replace is intact."""
+    import os
+    import signal
+    import threading
+
+    out = tmp_path / "rows.json"
+    out.write_text('{"old": true}\n')
+    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        code = main(["compare", "--budgets", "30%,50%,70%,90%", "--policies", "min,capuchin,local-search",
+                     "--no-progress", "--json", str(out)])
+    finally:
+        timer.cancel()
+    assert code == 130 and "interrupted" in capsys.readouterr().err
+    assert json.loads(out.read_text()) == {"old": True}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.json"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(signal.getsignal(signal.SIGTERM))
