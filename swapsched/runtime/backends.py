@@ -30,7 +30,11 @@ import torch
 
 from swapsched.errors import UserError
 
-__all__ = ["resolve_backend", "Ticket", "Backend", "CpuBackend", "CudaBackend", "HostPool", "make_backend"]
+__all__ = ["resolve_backend", "Ticket", "Backend", "CpuBackend", "CudaBackend", "HostPool", "CopyError", "make_backend"]
+
+
+class CopyError(RuntimeError):
+    """A swap copy failed or did not complete in time; the swapper names the tensor."""
 
 
 class HostPool:
@@ -62,6 +66,11 @@ class HostPool:
     def give(self, buf: torch.Tensor) -> None:
         with self.lock:
             self.free.setdefault(buf.numel(), []).append(buf)
+
+    def discard(self, buf: torch.Tensor) -> None:
+        """Never reuse ``buf`` (a copy that did not complete may still write it)."""
+        with self.lock:
+            self.allocated_bytes -= self.held_bytes(buf.numel())
 
     @property
     def idle_bytes(self) -> int:
@@ -124,6 +133,9 @@ class Backend:
         self.wait_host(t)
         return t.dst
 
+    def recover(self) -> None:
+        """After a copy that did not complete: make the next step's copies independent of it."""
+
     def shutdown(self) -> None:
         pass
 
@@ -157,6 +169,9 @@ class _CopyEngine(threading.Thread):
                 t.after.done_event.wait()
             t.start_s = time.perf_counter()
             try:
+                if t.after is not None and t.after.error is not None:
+                    # the host copy was never written: copying it in would hand back wrong data
+                    raise CopyError(f"its swap-out failed ({t.after.error})")
                 copy()
             except BaseException as exc:  # surfaced to the step by the swapper
                 t.error = exc
@@ -188,13 +203,26 @@ class CpuBackend(Backend):
     name = "cpu"
 
     def __init__(self, d2h_bytes_per_s: float | None = None, h2d_bytes_per_s: float | None = None,
-                 latency_s: float = 0.0):
+                 latency_s: float = 0.0, copy_timeout_s: float = 60.0):
         # an infinite bandwidth means "not throttled"
         d2h_bytes_per_s = None if d2h_bytes_per_s in (None, float("inf")) else d2h_bytes_per_s
         h2d_bytes_per_s = None if h2d_bytes_per_s in (None, float("inf")) else h2d_bytes_per_s
         self.pool = HostPool(pin=False)
-        self.d2h = _CopyEngine("swapsched-d2h", d2h_bytes_per_s, latency_s)
-        self.h2d = _CopyEngine("swapsched-h2d", h2d_bytes_per_s, latency_s)
+        self.rates = (d2h_bytes_per_s, h2d_bytes_per_s, latency_s)
+        self.copy_timeout_s = copy_timeout_s
+        self._start_engines()
+
+    def _start_engines(self) -> None:
+        d2h, h2d, latency_s = self.rates
+        self.d2h = _CopyEngine("swapsched-d2h", d2h, latency_s)
+        self.h2d = _CopyEngine("swapsched-h2d", h2d, latency_s)
+
+    def recover(self) -> None:
+        """After a copy that never completed: leave the stuck engines (daemon threads; what they
+        hold is never given back to the pool) and start fresh ones for the next step."""
+        for engine in (self.d2h, self.h2d):
+            engine.stop()
+        self._start_engines()
 
     def copy_out(self, src: torch.Tensor) -> Ticket:
         host = self.pool.take(src.numel())
@@ -217,9 +245,10 @@ class CpuBackend(Backend):
         return t.done_event.is_set()
 
     def wait_host(self, t: Ticket) -> None:
-        t.done_event.wait()
+        if not t.done_event.wait(self.copy_timeout_s):
+            raise CopyError(f"did not complete in {self.copy_timeout_s:g} s")
         if t.error is not None:
-            raise RuntimeError(f"swap copy failed: {t.error}") from t.error
+            raise CopyError(f"failed: {t.error}") from t.error
 
     wait_for_use = wait_host
 

@@ -50,7 +50,7 @@ from swapsched.errors import UserError
 from swapsched.hardware import Hardware, default_hardware, load_hardware
 from swapsched.plan import SwapPlan
 from swapsched.policy import Policy
-from swapsched.runtime.backends import Backend, CpuBackend, Ticket, make_backend, resolve_backend
+from swapsched.runtime.backends import Backend, CopyError, CpuBackend, Ticket, make_backend, resolve_backend
 from swapsched.runtime.profiler import StorageIds, TraceRecorder, is_cached_cast, is_parameter, static_bytes_of, storage_key
 from swapsched.trace import Trace
 
@@ -736,7 +736,7 @@ class _ExecuteStep(_StepExecution):
     def _retire_out(self, rec: _Record) -> None:
         t = rec.out
         if t.error is not None:
-            raise RuntimeError(f"swap-out of tensor {rec.tid} failed: {t.error}") from t.error
+            raise CopyError(f"swap-out of tensor {rec.tid} ({format_bytes(rec.nbytes)}) failed: {t.error}") from t.error
         t.src = None  # the copy is complete: the device storage may go (see backends.py)
         if rec.state == OUT:
             rec.state = HOST
@@ -778,7 +778,7 @@ class _ExecuteStep(_StepExecution):
             if self.outs:
                 t0 = time.perf_counter()
                 self.waits += not self.backend.done(self.outs[0].out)
-                self.backend.wait_host(self.outs[0].out)
+                self._wait(self.outs[0], self.outs[0].out)
                 self.stall_s += time.perf_counter() - t0
                 self._retire_out(self.outs.popleft())
                 continue
@@ -809,7 +809,7 @@ class _ExecuteStep(_StepExecution):
         finalizer takes its bytes out of the accounting (see _start_in)."""
         assert rec.inn is not None and rec.host is not None
         t0 = time.perf_counter()
-        self.backend.wait_host(rec.inn)
+        self._wait(rec, rec.inn)
         self.stall_s += time.perf_counter() - t0
         rec.inn = None
         rec.state = HOST
@@ -956,7 +956,7 @@ class _ExecuteStep(_StepExecution):
         if rec.state == IN:
             t0 = time.perf_counter()
             self.waits += not self.backend.done(rec.inn)
-            self.backend.wait_for_use(rec.inn)
+            self._wait(rec, rec.inn, use=True)
             self.stall_s += time.perf_counter() - t0
             rec.flat = rec.inn.dst
             rec.state = RESIDENT
@@ -1006,17 +1006,35 @@ class _ExecuteStep(_StepExecution):
     def abort(self) -> None:
         self._settle()
 
+    def _wait(self, rec: _Record, t: Ticket, use: bool = False) -> None:
+        """Wait for one of ``rec``'s copies; a copy that failed or hung names its tensor."""
+        try:
+            (self.backend.wait_for_use if use else self.backend.wait_host)(t)
+        except CopyError as exc:
+            kind = "swap-out" if t is rec.out else "swap-in"
+            raise CopyError(f"{kind} of tensor {rec.tid} ({format_bytes(rec.nbytes)}) {exc}") from exc
+
     def _settle(self) -> None:
-        """Wait for every copy in flight, return host buffers to the pool, drop every stash."""
-        for rec in self.outs:
-            self.backend.wait_host(rec.out)
-        for rec in self.ins:
-            if rec.inn is not None:  # None: waited for at its use and released at its last one
-                self.backend.wait_host(rec.inn)
+        """Wait for every copy in flight, return host buffers to the pool, drop every stash.
+
+        Never raises (it also runs while an exception unwinds the step). A copy that failed is
+        complete, so its buffers may be reused; one that never completed may still write its host
+        buffer, which is then dropped instead of pooled, and the backend starts fresh engines."""
+        stuck: set[int] = set()
+        pending = [(rec, rec.out) for rec in self.outs]
+        pending += [(rec, rec.inn) for rec in self.ins if rec.inn is not None]  # None: released at its use
+        for rec, t in pending:
+            try:
+                self.backend.wait_host(t)
+            except CopyError:
+                if not self.backend.done(t):
+                    stuck.add(id(rec))
+        if stuck:
+            self.backend.recover()
         pool = self.backend.pool
         for rec in self.records:
             if rec.host is not None:
-                pool.give(rec.host)
+                (pool.discard if id(rec) in stuck else pool.give)(rec.host)
                 rec.host = None
             rec.flat = None
             rec.out = rec.inn = None

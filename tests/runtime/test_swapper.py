@@ -414,3 +414,98 @@ def test_retain_graph_below_its_floor_says_why_and_at_its_floor_trains_identical
         assert rt.report().mode == "execute"
     finally:
         rt.close()
+
+
+class FaultyBackend:
+    """The CPU backend with its ``fail_at``-th swap-out of the executed steps made to fail
+    (``"error"``) or never complete (``"hang"``, until the test lets it go)."""
+
+    def __new__(cls, fail_at: int, mode: str, timeout_s: float = 0.5):
+        import threading
+
+        from swapsched.runtime.backends import CpuBackend, Ticket
+
+        class Faulty(CpuBackend):
+            def __init__(self):
+                super().__init__(2e9, 2e9, 0.0, copy_timeout_s=timeout_s)
+                self.n = 0
+                self.release = threading.Event()
+
+            def copy_out(self, src):
+                self.n += 1
+                if self.n != fail_at:
+                    return super().copy_out(src)
+                host = self.pool.take(src.numel())
+                t = Ticket(src.numel(), src=src, dst=host, done_event=threading.Event())
+
+                def copy():
+                    if mode == "error":
+                        raise OSError("injected DMA fault")
+                    self.release.wait()
+
+                self.d2h.submit(t, copy)
+                return t
+
+        return Faulty()
+
+
+@pytest.mark.parametrize("mode, message", [("error", "failed: injected DMA fault"), ("hang", "did not complete in 0.5 s")])
+def test_a_copy_that_fails_or_hangs_names_its_tensor_and_the_next_step_trains_identically(mode, message):
+    from swapsched.runtime.backends import CopyError
+
+    a, b = build_model("mlp", "tiny", seed=6), build_model("mlp", "tiny", seed=6)
+    backend = FaultyBackend(fail_at=2, mode=mode)
+    rt = SwapRuntime(budget="50%", policy="swap-all", backend=backend, min_bytes=0, model=a.model, profile_steps=1)
+    try:
+        with rt.step():
+            a.loss().backward()  # profiled: synchronous copies, none of them faulty
+        b.loss().backward()
+        with pytest.raises(CopyError, match=rf"swap-(out|in) of tensor \d+ \(.*\) {message}"), rt.step():
+            a.loss().backward()
+        for p in a.model.parameters():  # the failed step's partial gradients are the caller's to drop
+            p.grad = None
+        for p in b.model.parameters():
+            p.grad = None
+        for _ in range(3):
+            with rt.step():
+                la = a.loss()
+                la.backward()
+            lb = b.loss()
+            lb.backward()
+            assert torch.equal(la, lb)
+            assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True))
+        rep = rt.report()
+        assert rep.mode == "execute" and rep.evicted_bytes > 0 and rep.peak_device_bytes <= rep.budget_bytes
+        pool = backend.pool
+        assert pool.idle_bytes == pool.allocated_bytes  # every buffer back, but a stuck copy's
+    finally:
+        backend.release.set()
+        rt.close()
+
+
+def test_keyboard_interrupt_in_backward_leaves_nothing_held_and_the_next_step_trains_identically():
+    a, b = build_model("gpt", "tiny", seed=7), build_model("gpt", "tiny", seed=7)
+    rt = SwapRuntime(budget="50%", policy="min", backend="cpu", bandwidth=2e9, min_bytes=0, model=a.model)
+    try:
+        for _ in range(4):
+            with rt.step():
+                a.loss().backward()
+            b.loss().backward()
+        pool = rt.backend.pool
+        with pytest.raises(KeyboardInterrupt), rt.step():
+            loss = a.loss()
+            loss.register_hook(lambda g: (_ for _ in ()).throw(KeyboardInterrupt()))
+            loss.backward()
+        del loss
+        assert rt._exec is None and pool.idle_bytes == pool.allocated_bytes
+        for m in (a, b):
+            m.model.zero_grad(set_to_none=True)
+        with rt.step():
+            la = a.loss()
+            la.backward()
+        lb = b.loss()
+        lb.backward()
+        assert torch.equal(la, lb) and rt.report().mode == "execute"
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True))
+    finally:
+        rt.close()
