@@ -379,9 +379,16 @@ class SwapRuntime:
         except BudgetError:
             need, pct = smallest_feasible(trace)
             passes = int(trace.meta.get("backward_passes", 1))
-            why = (f"; its {passes} backward passes read the same saved tensors (retain_graph=True or "
-                   "create_graph=True), and each tensor stays on the device from its first unpack to its last"
-                   if passes > 1 else "")
+            if passes > 1:
+                why = (f"; its {passes} backward passes read the same saved tensors (retain_graph=True or "
+                       "create_graph=True), and each tensor stays on the device from its first unpack to its last")
+            elif need >= trace.peak_bytes_no_swap:
+                # one autograd node reads every saved tensor at once: nothing can be away when it runs
+                why = ("; its backward reads every saved tensor at once, as a model compiled whole with "
+                       "torch.compile does (one autograd node): compile its blocks separately so that tensors "
+                       "can move between them")
+            else:
+                why = ""
             raise BudgetError(f"SwapRuntime(budget={self.budget_spec!r}) is below this training step's smallest "
                               f"feasible budget, {format_bytes(need)} ({need} bytes, {pct:.1f}% of its saved "
                               f"activations){why}; give at least that") from None
