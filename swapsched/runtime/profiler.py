@@ -53,6 +53,7 @@ class StorageIds:
 
     def __init__(self) -> None:
         self._map: dict[int, Any] = {}
+        self._finalizers: list[weakref.finalize] = []
 
     def get(self, t: torch.Tensor) -> Any:
         return self._map.get(storage_key(t))
@@ -61,10 +62,14 @@ class StorageIds:
         st = t.untyped_storage()
         key = st._cdata
         self._map[key] = value
-        weakref.finalize(st, self._map.pop, key, None)
+        self._finalizers.append(weakref.finalize(st, self._map.pop, key, None))
 
     def clear(self) -> None:
+        """Forget every entry, and the finalizers on storages that outlive the map."""
         self._map.clear()
+        for f in self._finalizers:
+            f.detach()
+        self._finalizers.clear()
 
 
 def is_parameter(t: torch.Tensor) -> bool:

@@ -36,7 +36,7 @@ import contextlib
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
@@ -457,7 +457,8 @@ class _StepExecution:
 
     # slots: the hooks read and write these at every saved-tensor event
     __slots__ = ("rt", "backend", "records", "static", "used", "peak", "stall_s", "evicted", "prefetched",
-                 "on_demand", "copies", "waits", "guard", "diverged", "divergence", "audit", "alive", "alive_peak", "dead_bytes")
+                 "on_demand", "copies", "waits", "guard", "diverged", "divergence", "audit", "alive", "alive_peak", "dead_bytes",
+                 "finalizers")
 
     def __init__(self, rt: SwapRuntime):
         self.rt = rt
@@ -472,6 +473,9 @@ class _StepExecution:
         self.guard = 0
         self.diverged = False
         self.divergence: Divergence | None = None
+        # every finalizer this step puts on a storage: detached when the step ends, so a storage
+        # that outlives many steps (the caller's batch) does not collect one per step
+        self.finalizers: list[weakref.finalize] = []
         # the audit meter: bytes of the saved storages alive now, kept by finalizers on the storages
         # themselves, so it sees what really holds memory whoever keeps it (never our accounting)
         self.audit = rt.audit and self.backend.name == "cpu"
@@ -495,7 +499,7 @@ class _StepExecution:
         self.alive += nbytes
         if self.alive > self.alive_peak:
             self.alive_peak = self.alive
-        weakref.finalize(storage, dead.append, nbytes)
+        self._on_death(storage, dead.append, nbytes)
 
     def measured_peak(self) -> int | None:
         if self.backend.name == "cuda" and self.rt.audit:
@@ -519,6 +523,16 @@ class _StepExecution:
 
     def abort(self) -> None:
         self.records.clear()
+        self._drop_finalizers()
+
+    def _on_death(self, storage: Any, fn: Callable[..., Any], *args: Any) -> None:
+        """Call ``fn(*args)`` when ``storage`` dies during this step."""
+        self.finalizers.append(weakref.finalize(storage, fn, *args))
+
+    def _drop_finalizers(self) -> None:
+        for f in self.finalizers:
+            f.detach()
+        self.finalizers.clear()
 
     def report(self, step_s: float) -> StepReport:
         raise NotImplementedError
@@ -598,7 +612,7 @@ class _ProfileStep(_StepExecution):
         entry = self.owners.get(tid)
         if entry is None:
             self.owners[tid] = (weakref.ref(st), [weakref.ref(p)], st.nbytes(), st._cdata)
-            weakref.finalize(st, self._died, tid)
+            self._on_death(st, self._died, tid)
         else:
             entry[1].append(weakref.ref(p))
 
@@ -623,7 +637,7 @@ class _ProfileStep(_StepExecution):
         if kind == "keep":
             return p.tensor
         out = self._rebuild(p, self.backend.copy_in_now(p.rec.host, self.devices[p.rec.tid]))
-        weakref.finalize(out.untyped_storage(), self._freed, tid)
+        self._on_death(out.untyped_storage(), self._freed, tid)
         # a backward that records a graph (double backward) may save what it unpacked: the copy
         # is the same saved tensor (R2), as an executed step, which unpacks the storage itself, sees it
         self.recorder.ids.add(out, tid)
@@ -660,7 +674,9 @@ class _ProfileStep(_StepExecution):
                 rec.host = None
         self.records.clear()
         self.ids.clear()
+        self.recorder.ids.clear()
         self.owners.clear()
+        self._drop_finalizers()
 
     def report(self, step_s: float) -> StepReport:
         unowned = int(self.trace.meta.get("unowned_bytes", 0)) if self.trace is not None else 0
@@ -760,7 +776,7 @@ class _ExecuteStep(_StepExecution):
         self._account(rec.nbytes)
         rec.inn = self.backend.copy_in(rec.host, rec.out)
         st = rec.inn.dst.untyped_storage()
-        weakref.finalize(st, self.deaths.append, rec.nbytes)
+        self._on_death(st, self.deaths.append, rec.nbytes)
         if self.audit:
             self._watch(st, rec.nbytes)
         self.copies += 1
@@ -828,7 +844,7 @@ class _ExecuteStep(_StepExecution):
         if flat is None:
             flat = self._flat(next(h.tensor for h in rec.live_handles() if h.tensor is not None))
         # from now on nothing of ours but the ticket keeps the storage alive: forget its key when it dies
-        weakref.finalize(flat.untyped_storage(), self.keys.pop, rec.key, None)
+        self._on_death(flat.untyped_storage(), self.keys.pop, rec.key, None)
         rec.out = self.backend.copy_out(flat)
         self.copies += 1
         rec.host = rec.out.dst
@@ -880,7 +896,7 @@ class _ExecuteStep(_StepExecution):
             self.n_seen += 1
             if tid < 0:
                 self.keys[key] = _UNTRACKED
-                weakref.finalize(st, self.keys.pop, key, None)
+                self._on_death(st, self.keys.pop, key, None)
                 return _Packed(None, t)
             rec = _Record(tid, nbytes, key)
             self.keys[key] = rec
@@ -896,7 +912,7 @@ class _ExecuteStep(_StepExecution):
             if self.deaths:
                 self._count_deaths()
             self.used += nbytes
-            weakref.finalize(st, self.deaths.append, nbytes)
+            self._on_death(st, self.deaths.append, nbytes)
             if self.static + self.used > self.peak:
                 self.peak = self.static + self.used
             if self.outs:
@@ -971,7 +987,7 @@ class _ExecuteStep(_StepExecution):
             # swap-in buffer is the same saved tensor (R2), as the profiling step numbered it
             st = rec.flat.untyped_storage()
             self.keys[st._cdata] = rec
-            weakref.finalize(st, self.keys.pop, st._cdata, None)
+            self._on_death(st, self.keys.pop, st._cdata, None)
         return self._rebuild(p, rec.flat)
 
     def _after_event(self, i: int) -> None:
@@ -1054,6 +1070,7 @@ class _ExecuteStep(_StepExecution):
         self.keys.clear()
         self.by_tid.clear()
         self._count_deaths()  # what died since the last hook (a storage still alive stays counted)
+        self._drop_finalizers()
 
     def report(self, step_s: float) -> StepReport:
         cuda_peak = torch.cuda.max_memory_allocated() if self.backend.name == "cuda" else None
