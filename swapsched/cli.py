@@ -298,7 +298,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from swapsched.budget import format_bytes
-    from swapsched.run import PEERS, run_peer, run_runtime
+    from swapsched.run import PEERS, NothingToSwap, run_peer, run_runtime
 
     common = dict(size=args.size, batch_size=args.batch_size, seq_len=args.seq_len)
     _say_if_shrunk(args.model, args.size)
@@ -311,8 +311,12 @@ def cmd_run(args: argparse.Namespace) -> int:
                if rep.peak_device_bytes is not None else "profiling (save_on_cpu semantics)")
         print(f"step {s + 1:>3}  {1e3 * dt:8.2f} ms  {rep.mode:<8} {mem}  loss {'matches' if ok else 'DIFFERS'}", flush=True)
 
-    main_run = run_runtime(args.model, args.policy, args.budget, args.steps, backend=args.backend, bandwidth=args.bandwidth,
-                           hardware=args.hardware, on_step=show, **common)
+    try:
+        main_run = run_runtime(args.model, args.policy, args.budget, args.steps, backend=args.backend,
+                               bandwidth=args.bandwidth, hardware=args.hardware, on_step=show, **common)
+    except NothingToSwap as exc:
+        print(exc)
+        return 0
     results = [main_run]
     if args.compare:
         from swapsched.agents.registry import policy_names

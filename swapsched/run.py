@@ -21,7 +21,7 @@ import torch.nn as nn
 from swapsched.errors import UserError
 from swapsched.zoo import ModelCase, build_model
 
-__all__ = ["RunResult", "run_runtime", "run_peer", "PEERS"]
+__all__ = ["RunResult", "NothingToSwap", "run_runtime", "run_peer", "PEERS"]
 
 PEERS = ("plain", "save_on_cpu", "checkpoint")
 
@@ -91,6 +91,10 @@ def _train(case: ModelCase, ref: ModelCase, steps: int, device: str, wrap: Calla
     return times, matches, peaks
 
 
+class NothingToSwap(UserError):
+    """The model's step saves no tensor for backward: it trains, and there is nothing to plan."""
+
+
 def run_runtime(model: str, policy: Any, budget: str, steps: int, *, size: str | None = None, batch_size: int | None = None,
                 seq_len: int | None = None, backend: str | None = None, bandwidth: float | None = None,
                 hardware: str | None = None, on_step: Callable[..., None] | None = None) -> RunResult:
@@ -117,6 +121,9 @@ def run_runtime(model: str, policy: Any, budget: str, steps: int, *, size: str |
     finally:
         rt.close()
     run = [r for r in reports if r.mode == "execute"]
+    if not run and all(r.nothing_saved for r in reports):
+        raise NothingToSwap(f"{model}: nothing to swap: its training step saves no tensor for backward "
+                            f"({len(reports)} steps ran under the runtime unchanged, losses {'matched' if matches else 'DIFFERED'})")
     if not run:
         raise UserError("no step executed a plan (every step diverged or profiled); see the report")
     accounted = max(r.peak_device_bytes for r in run)

@@ -6,7 +6,8 @@
 - ``hf:MODEL_TYPE`` (e.g. ``hf:gpt2``): any ``transformers`` architecture, built from its config
   offline with random weights (needs the ``hf`` extra; nothing is downloaded);
 - ``package.module:function``: a user's factory, called with the keyword arguments it accepts out of
-  ``size, batch_size, seq_len, device`` and returning a ``ModelCase`` or ``(model, inputs, loss_fn)``.
+  ``size, batch_size, seq_len, device, seed`` (torch is seeded with ``seed`` before the call, so two
+  builds are the same model on the same batch) and returning a ``ModelCase`` or ``(model, inputs, loss_fn)``.
 """
 
 from __future__ import annotations
@@ -289,7 +290,7 @@ def build_model(
     if name.startswith("hf:"):
         return _build_hf(name[3:], size, batch_size, seq_len, device, seed)
     if ":" in name:
-        return _build_factory(name, size, batch_size, seq_len, device)
+        return _build_factory(name, size, batch_size, seq_len, device, seed)
     cfg_file = _family_config(name)
     sizes = cfg_file["sizes"]
     size = size or ("small" if "small" in sizes else next(iter(sizes)))
@@ -345,15 +346,18 @@ def _build_hf(model_type: str, size: str | None, batch_size: int | None, seq_len
     return ModelCase(name=f"hf-{model_type}-{size or 'small'}", model=model, inputs=(idx,), loss_fn=loss_fn)
 
 
-def _build_factory(spec: str, size: str | None, batch_size: int | None, seq_len: int | None, device: str) -> ModelCase:
+def _build_factory(spec: str, size: str | None, batch_size: int | None, seq_len: int | None, device: str,
+                   seed: int) -> ModelCase:
     mod_name, _, fn_name = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(mod_name), fn_name)
     except (ImportError, AttributeError) as exc:
         raise ZooError(f"cannot load model factory {spec!r}: {exc}") from None
-    offered = {"size": size, "batch_size": batch_size, "seq_len": seq_len, "device": device}
+    offered = {"size": size, "batch_size": batch_size, "seq_len": seq_len, "device": device, "seed": seed}
     params = inspect.signature(fn).parameters
     kwargs = {k: v for k, v in offered.items() if k in params and v is not None}
+    # seeded like the zoo's own models: two builds of one factory are the same model on the same batch
+    torch.manual_seed(seed)
     out = fn(**kwargs)
     if isinstance(out, ModelCase):
         return out

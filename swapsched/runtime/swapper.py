@@ -188,6 +188,7 @@ class StepReport:
     # autocast's cached casts): left resident and counted in the trace's static bytes
     unowned_bytes: int = 0
     divergence: Divergence | None = None  # mode "diverged": where and how
+    nothing_saved: bool = False  # the step saved no tensor for backward: there is nothing to swap
 
     def __str__(self) -> str:
         pred = f"{1e3 * self.predicted_step_s:.2f} ms" if self.predicted_step_s is not None else "-"
@@ -206,6 +207,8 @@ class StepReport:
         ]
         if self.divergence is not None:
             lines.append(f"  diverged {self.divergence}: finished on demand; the next step profiles again")
+        if self.nothing_saved:
+            lines.append("  nothing to swap: the step saved no tensor for backward (it ran as it would without swapsched)")
         return "\n".join(lines)
 
 
@@ -684,7 +687,7 @@ class _ProfileStep(_StepExecution):
             step=self.rt.steps, mode="profile", step_s=step_s, stall_s=0.0, predicted_step_s=None,
             evicted_bytes=self.moved, prefetched_bytes=0, on_demand_bytes=self.moved,
             peak_device_bytes=None, budget_bytes=None, plan_followed=True, guard_evictions=0, kept_small=0,
-            unowned_bytes=unowned,
+            unowned_bytes=unowned, nothing_saved=not self.recorder.kinds,
         )
 
 

@@ -179,3 +179,33 @@ def test_the_saved_tensor_cases_peers_test_their_offloading_with(policy):
         assert rt.report().evicted_bytes > 0
     finally:
         rt.close()
+
+
+def test_a_step_with_no_backward_diverges_at_its_end_and_training_goes_on_identically():
+    a, b = build_model("mlp", "tiny", seed=5), build_model("mlp", "tiny", seed=5)
+    x = a.inputs
+
+    def run(model, i):
+        loss = a.loss_fn(model(*x))
+        if i != 4:  # step 4: forward only (a validation step written inside the runtime's step)
+            loss.backward()
+        return loss
+
+    rt = SwapRuntime(budget="60%", policy="min", backend="cpu", min_bytes=0, model=a.model, profile_steps=1)
+    try:
+        for m in (a.model, b.model):  # step 4 leaves no gradient to compare: start with zeros
+            for p in m.parameters():
+                p.grad = torch.zeros_like(p)
+        reports = []
+        for i in range(8):
+            with rt.step():
+                la = run(a.model, i)
+            lb = run(b.model, i)
+            assert torch.equal(la, lb) and all(torch.equal(p.grad, q.grad) for p, q in
+                                               zip(a.model.parameters(), b.model.parameters(), strict=True))
+            reports.append(rt.report())
+        assert [r.mode for r in reports][3:5] == ["execute", "diverged"] and reports[-1].mode == "execute"
+        where = reports[4].divergence
+        assert where.seen.startswith("the end of the step after") and where.expected.startswith("unpack of tensor")
+    finally:
+        rt.close()

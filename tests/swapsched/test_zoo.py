@@ -42,8 +42,40 @@ def tiny_factory(batch_size: int = 3):
 def test_user_factory():
     case = build_model("tests.swapsched.test_zoo:tiny_factory", batch_size=5)
     assert isinstance(case, ModelCase) and case.inputs[0].shape == (5, 4)
+    # seeded: two builds are the same model on the same batch (what `run` compares bit for bit)
+    again = build_model("tests.swapsched.test_zoo:tiny_factory", batch_size=5)
+    assert torch.equal(case.inputs[0], again.inputs[0]) and torch.equal(case.model.weight, again.model.weight)
     with pytest.raises(ZooError, match="cannot load model factory"):
         build_model("no.such.module:f")
+    with pytest.raises(ZooError, match="must return a ModelCase or"):
+        build_model("tests.swapsched.test_zoo:not_a_model")
+
+
+def not_a_model():
+    return object()
+
+
+class AddOnly(torch.nn.Module):
+    """Saves no tensor for backward: an addition's gradient needs neither operand."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.zeros(8))
+
+    def forward(self, x):
+        return x + self.p
+
+
+def saves_nothing():
+    return AddOnly(), (torch.randn(4, 8),), lambda y: y.sum()
+
+
+def test_a_model_that_saves_nothing_runs_and_says_there_is_nothing_to_swap(capsys):
+    from swapsched.cli import main
+
+    assert main(["run", "tests.swapsched.test_zoo:saves_nothing", "--steps", "4", "--backend", "cpu", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing to swap" in out and "losses matched" in out
 
 
 def test_hf_model_from_config_offline():
