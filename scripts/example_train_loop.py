@@ -29,19 +29,17 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     data = torch.randint(0, vocab, (64, seq + 1), device=device)
 
-    runtime = swapsched.SwapRuntime(budget=args.budget, policy=args.policy, model=model, optimizer=optimizer)  # swapsched
-    for step in range(args.steps):
-        batch = data[torch.randint(0, len(data), (8,))]
-        with runtime.step():  # swapsched
-            logits = model(batch[:, :-1])
-            loss = F.cross_entropy(logits.reshape(-1, vocab), batch[:, 1:].reshape(-1))
-            loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        print(f"step {step:3d}  loss {loss.item():.4f}")
+    with swapsched.SwapRuntime(budget=args.budget, policy=args.policy, model=model, optimizer=optimizer) as runtime:  # swapsched
+        for step in range(args.steps):
+            batch = data[torch.randint(0, len(data), (8,))]
+            with runtime.step():  # swapsched
+                logits = model(batch[:, :-1])
+                loss = F.cross_entropy(logits.reshape(-1, vocab), batch[:, 1:].reshape(-1))
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            print(f"step {step:3d}  loss {loss.item():.4f}")
     print(runtime.report())  # swapsched
-    runtime.close()
-
 
 if __name__ == "__main__":
     main()

@@ -54,7 +54,7 @@ from swapsched.runtime.backends import Backend, CopyError, CpuBackend, Ticket, m
 from swapsched.runtime.profiler import StorageIds, TraceRecorder, is_cached_cast, is_parameter, static_bytes_of, storage_key
 from swapsched.trace import Trace
 
-__all__ = ["SwapRuntime", "StepReport", "Divergence", "DivergenceError", "timed_by_execution"]
+__all__ = ["SwapRuntime", "StepReport", "RunSummary", "Divergence", "DivergenceError", "timed_by_execution"]
 
 # one set of locations for the simulator and the runtime (the runtime never has NOT_YET or WAITING)
 
@@ -156,6 +156,68 @@ class DivergenceError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class RunSummary:
+    """The run so far, beside the last step's report (``report().run``)."""
+
+    steps: int
+    profiled: int  # steps run under save_on_cpu semantics to record the trace
+    executed: int  # steps that executed a plan to the end
+    diverged: int  # steps that left the trace (finished on demand, profiled again)
+    median_step_s: float | None  # over the executed steps (the last 1,000)
+    plain_step_s: float | None  # the profiled compute of one step without swapping (the trace's)
+    moved_bytes: int  # every byte copied either way, profiling included
+    peak_device_bytes: int | None  # the largest executed step's peak, against...
+    budget_bytes: int | None
+    guard_evictions: int
+
+    @property
+    def overhead(self) -> float | None:
+        """Median executed step over the plain step, minus one."""
+        if self.median_step_s is None or not self.plain_step_s:
+            return None
+        return self.median_step_s / self.plain_step_s - 1.0
+
+    def __str__(self) -> str:
+        parts = [f"run: {self.steps} steps ({self.profiled} profiled, {self.executed} executed, {self.diverged} diverged)"]
+        if self.median_step_s is not None:
+            over = f", {100 * self.overhead:+.1f}% over the plain step" if self.overhead is not None else ""
+            parts.append(f"median {1e3 * self.median_step_s:.2f} ms{over}")
+        parts.append(f"moved {format_bytes(self.moved_bytes)}")
+        if self.peak_device_bytes is not None and self.budget_bytes is not None:
+            parts.append(f"peak {format_bytes(self.peak_device_bytes)} of {format_bytes(self.budget_bytes)}")
+        if self.guard_evictions:
+            parts.append(f"{self.guard_evictions} guard evictions")
+        return ", ".join(parts)
+
+
+class _RunTally:
+    """Running totals for :class:`RunSummary`: constant memory however long the run (the median is
+    over the last ``window`` executed steps)."""
+
+    def __init__(self, window: int = 1000):
+        self.steps = self.profiled = self.executed = self.diverged = self.moved = self.guard = 0
+        self.peak: int | None = None
+        self.recent: deque[float] = deque(maxlen=window)
+
+    def add(self, rep: StepReport, rt: SwapRuntime) -> RunSummary:
+        self.steps += 1
+        self.profiled += rep.mode == "profile"
+        self.diverged += rep.mode == "diverged"
+        self.moved += rep.evicted_bytes + rep.prefetched_bytes + rep.on_demand_bytes
+        self.guard += rep.guard_evictions
+        if rep.mode == "execute":
+            self.executed += 1
+            self.recent.append(rep.step_s)
+            if rep.peak_device_bytes is not None:
+                self.peak = max(self.peak or 0, rep.peak_device_bytes)
+        return RunSummary(
+            steps=self.steps, profiled=self.profiled, executed=self.executed, diverged=self.diverged,
+            median_step_s=float(np.median(self.recent)) if self.recent else None,
+            plain_step_s=rt.trace.ideal_s if rt.trace is not None else None, moved_bytes=self.moved,
+            peak_device_bytes=self.peak, budget_bytes=rt.budget_bytes, guard_evictions=self.guard)
+
+
+@dataclass(frozen=True)
 class StepReport:
     """What ``runtime.report()`` returns about the last step."""
 
@@ -189,6 +251,7 @@ class StepReport:
     unowned_bytes: int = 0
     divergence: Divergence | None = None  # mode "diverged": where and how
     nothing_saved: bool = False  # the step saved no tensor for backward: there is nothing to swap
+    run: RunSummary | None = None  # the whole run so far
 
     def __str__(self) -> str:
         pred = f"{1e3 * self.predicted_step_s:.2f} ms" if self.predicted_step_s is not None else "-"
@@ -209,6 +272,8 @@ class StepReport:
             lines.append(f"  diverged {self.divergence}: finished on demand; the next step profiles again")
         if self.nothing_saved:
             lines.append("  nothing to swap: the step saved no tensor for backward (it ran as it would without swapsched)")
+        if self.run is not None:
+            lines.append(f"  {self.run}")
         return "\n".join(lines)
 
 
@@ -294,6 +359,7 @@ class SwapRuntime:
         self.predicted_s: float | None = None
         self.steps = 0
         self._report: StepReport | None = None
+        self._tally = _RunTally()
         self._exec: _StepExecution | None = None
 
     # ------------------------------------------------------------------ the public surface
@@ -327,7 +393,8 @@ class SwapRuntime:
         if cuda:
             torch.cuda.synchronize(self.backend.device)
         step_s = time.perf_counter() - t0
-        self._report = ex.report(step_s)
+        rep = ex.report(step_s)
+        self._report = replace(rep, run=self._tally.add(rep, self))
         if isinstance(ex, _ProfileStep):
             if ex.trace is None:  # nothing was unpacked (no backward): nothing learned, profile again
                 return
@@ -372,7 +439,14 @@ class SwapRuntime:
         self._policy_planned = False
 
     def close(self) -> None:
+        """Stop the copy engines. ``with SwapRuntime(...) as runtime:`` closes itself."""
         self.backend.shutdown()
+
+    def __enter__(self) -> SwapRuntime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ planning
     def _plan_from(self, trace: Trace) -> None:

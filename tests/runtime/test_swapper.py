@@ -509,3 +509,29 @@ def test_keyboard_interrupt_in_backward_leaves_nothing_held_and_the_next_step_tr
         assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True))
     finally:
         rt.close()
+
+
+def test_the_runtime_closes_itself_as_a_context_manager_and_reports_the_run():
+    case = build_model("mlp", "tiny", seed=8)
+    ref = build_model("mlp", "tiny", seed=8)
+    with SwapRuntime(budget="50%", policy="min", backend="cpu", min_bytes=0, model=case.model) as rt:
+        for _ in range(6):
+            with rt.step():
+                case.loss().backward()
+        with rt.step():  # another batch size: diverges
+            case.model(torch.randn(3, 256)).sum().backward()
+        run = rt.report().run
+    assert not rt.backend.d2h.is_alive() and not rt.backend.h2d.is_alive()  # closed on leaving the block
+    assert (run.steps, run.profiled, run.executed, run.diverged) == (7, 3, 3, 1)
+    steps = []
+    with SwapRuntime(budget="50%", policy="swap-all", backend="cpu", min_bytes=0, model=ref.model) as rt:
+        for _ in range(6):
+            with rt.step():
+                ref.loss().backward()
+            steps.append(rt.report())
+    run = rt.report().run
+    executed = [r for r in steps if r.mode == "execute"]
+    assert run.executed == len(executed) == 3 and run.median_step_s == sorted(r.step_s for r in executed)[1]
+    assert run.moved_bytes == sum(r.evicted_bytes + r.prefetched_bytes + r.on_demand_bytes for r in steps) > 0
+    assert run.peak_device_bytes == max(r.peak_device_bytes for r in executed) <= run.budget_bytes
+    assert run.overhead == run.median_step_s / run.plain_step_s - 1 and "run: 6 steps" in str(rt.report())
