@@ -363,8 +363,11 @@ def _run_table(results: list[Any], base: float | None) -> str:
         pred = f"{1e3 * r.predicted_step_s:.2f}" if r.predicted_step_s is not None else "-"
         rows.append([r.method, f"{1e3 * r.step_s_median:.2f}", pred, rel, peak, budget,
                      "yes" if r.loss_matches else "NO", {None: "-", True: "yes", False: "no"}[r.plan_followed]])
-    return format_grid(["method", "step ms (median)", "predicted ms", "vs plain", "peak device", "budget", "loss matches",
-                  "plan followed"], rows)
+    table = format_grid(["method", "step ms (median)", "predicted ms", "vs plain", "peak device", "budget",
+                         "loss matches", "plan followed"], rows)
+    notes = [f"{r.method}: plan not followed: {r.why_not_followed}" for r in results
+             if getattr(r, "why_not_followed", None)]
+    return "\n".join([table, *notes])
 
 
 # ----------------------------------------------------------------------------- calibrate

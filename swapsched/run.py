@@ -40,6 +40,7 @@ class RunResult:
     loss_matches: bool
     predicted_step_s: float | None = None
     plan_followed: bool | None = None
+    why_not_followed: str | None = None  # when plan_followed is False: what happened instead
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -136,9 +137,28 @@ def run_runtime(model: str, policy: Any, budget: str, steps: int, *, size: str |
         step_s=tuple(r.step_s for r in run), peak_device_bytes=peak,
         budget_bytes=run[-1].budget_bytes, stall_s=statistics.median(r.stall_s for r in run), loss_matches=matches,
         predicted_step_s=run[-1].predicted_step_s, plan_followed=all(r.plan_followed for r in run),
+        why_not_followed=_why_not_followed(reports),
         extra={"guard_evictions": sum(r.guard_evictions for r in run), "cuda_peak_bytes": run[-1].cuda_peak_bytes,
                "accounted_peak_bytes": accounted, "static_bytes": rt.static_bytes},
     )
+
+
+def _why_not_followed(reports: list[Any]) -> str | None:
+    """What kept the executed steps from following their plan, in words; None if nothing did."""
+    run = [r for r in reports if r.mode == "execute"]
+    why = []
+    guarded = [r for r in run if r.guard_evictions]
+    if guarded:
+        why.append(f"the guard evicted {sum(r.guard_evictions for r in guarded)} tensors on the spot in "
+                   f"{len(guarded)} of {len(run)} executed steps (the plan did not fit the memory as the step ran)")
+    over = [r for r in run if r.peak_device_bytes is not None and r.budget_bytes is not None
+            and r.peak_device_bytes > r.budget_bytes]
+    if over:
+        why.append(f"{len(over)} steps went over the budget with nothing left to evict")
+    diverged = [r for r in reports if r.mode == "diverged"]
+    if diverged:
+        why.append(f"{len(diverged)} steps left the trace (first: step {diverged[0].step} {diverged[0].divergence})")
+    return "; ".join(why) or None
 
 
 def _checkpoint_blocks(model: nn.Module) -> int:

@@ -124,6 +124,14 @@ def test_run_checks_losses_and_writes_json(tmp_path, capsys):
     assert runs[0]["peak_device_bytes"] <= runs[0]["budget_bytes"] and png.stat().st_size > 5000
 
 
+def test_run_says_why_a_plan_was_not_followed(capsys):
+    # no-swap plans nothing; under 60% the guard must evict on the spot at every executed step
+    assert main(["run", "mlp", "--size", "small", "--budget", "60%", "--policy", "no-swap", "--steps", "5",
+                 "--backend", "cpu", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "no-swap: plan not followed: the guard evicted" in out and "in 2 of 2 executed steps" in out
+
+
 def test_run_rejects_too_few_steps():
     r = run("run", "mlp", "--size", "tiny", "--steps", "2", "--policy", "min", "--backend", "cpu")
     assert r.returncode == 2 and "must exceed" in r.stderr
