@@ -16,6 +16,13 @@ rounds. Targets: median absolute error <= 10% of the step, worst <= 25%, same po
 case (measured order: per pair, the median over rounds of their difference within a round; see
 ``kendall_agree``).
 ``--quick``: one small model at two budgets; the last line is the median absolute error (fraction).
+
+``--uncalibrated``: what a user sees with no calibration step. Three models outside the zoo (defined
+here: a BatchNorm CNN, a two-layer LSTM, a token-mixing MLP) x budgets x policies, each case one
+``SwapRuntime`` on shipped defaults (``cpu-emulated`` at ``--bandwidth``), run for ``--case-steps``
+steps in shuffled order. The runtime re-times its trace and fits the host's costs from its own
+executed steps; the prediction is the one it reports, the measurement the median executed step,
+both from the 10th step on. Targets: median absolute error <= 10% of the step, worst <= 20%.
 """
 
 from __future__ import annotations
@@ -142,6 +149,103 @@ def measure_model(model: str, size: str, budgets: list[str], policies: list[str]
     return runs
 
 
+class _ConvNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.body = nn.Sequential(*[nn.Sequential(nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU())
+                                    for _ in range(6)])
+        self.head = nn.Linear(32 * 16 * 16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x).flatten(1))
+
+
+class _Recurrent(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = torch.nn.LSTM(64, 128, num_layers=2, batch_first=True)
+        self.head = torch.nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+class _Mixer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.blocks = nn.ModuleList([nn.Sequential(nn.LayerNorm(128), nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128))
+                                     for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+# models outside the zoo: (name, module class, input shape, classification?)
+OUTSIDE_ZOO = [("convnet-bn", _ConvNet, (16, 32, 16, 16), True), ("lstm-2x128", _Recurrent, (16, 32, 64), True),
+               ("mixer-4x128", _Mixer, (32, 64, 128), False)]
+
+
+def uncalibrated(budgets: list[str], policies: list[str], bandwidth: float, steps: int, seed: int) -> list[dict]:
+    """Each (model, budget, policy) one runtime on shipped defaults; see the module docstring."""
+    import random
+
+    import torch.nn.functional as F
+
+    cases = [(m, b, p) for m in OUTSIDE_ZOO for b in budgets for p in policies]
+    random.Random(seed).shuffle(cases)
+    runs = []
+    for (name, cls, shape, classify), budget, pol in tqdm(cases, desc="cases", file=sys.stderr):
+        torch.manual_seed(0)
+        model = cls()
+        x = torch.randn(*shape)
+        y = torch.randint(0, 10, (shape[0],))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        reps = []
+        try:
+            with SwapRuntime(budget=budget, policy=pol, backend="cpu", bandwidth=bandwidth, model=model,
+                             optimizer=opt) as rt:
+                for _ in range(steps):
+                    with rt.step():
+                        out = model(x)
+                        (F.cross_entropy(out, y) if classify else out.pow(2).mean()).backward()
+                    opt.step()
+                    opt.zero_grad()
+                    reps.append(rt.report())
+        except BudgetError as exc:
+            print(f"skip {name} {budget}: {exc}", file=sys.stderr)
+            continue
+        late = [r for r in reps[9:] if r.mode == "execute" and r.predicted_step_s is not None]
+        if not late:
+            continue
+        measured = statistics.median(r.step_s for r in late)
+        predicted = statistics.median(r.predicted_step_s for r in late)
+        runs.append({"model": name, "budget": budget, "policy": pol, "steps": len(late), "measured_s": measured,
+                     "predicted_s": predicted, "abs_error": abs(predicted - measured) / measured,
+                     "signed_error": (predicted - measured) / measured,
+                     "hook_cost_s": rt.hardware.hook_cost_s, "copy_issue_s": rt.hardware.copy_issue_s,
+                     "copy_host_s_per_byte": rt.hardware.copy_host_s_per_byte,
+                     "plan_followed": all(r.plan_followed for r in late)})
+    return runs
+
+
+def main_uncalibrated(args: argparse.Namespace) -> int:
+    runs = uncalibrated(["60%", "80%"], ["min", "default"], args.bandwidth, args.case_steps, args.seed)
+    errors = [r["abs_error"] for r in runs]
+    summary = {"mode": "uncalibrated", "cases": len(runs), "median_abs_error": statistics.median(errors),
+               "worst_abs_error": max(errors), "bandwidth": args.bandwidth, "case_steps": args.case_steps}
+    print(table(["model", "budget", "policy", "measured ms", "predicted ms", "error"],
+                [[r["model"], r["budget"], r["policy"], f"{1e3 * r['measured_s']:.2f}", f"{1e3 * r['predicted_s']:.2f}",
+                  f"{100 * r['signed_error']:+.1f}%"] for r in sorted(runs, key=lambda r: (r["model"], r["budget"], r["policy"]))]))
+    print(f"median |error| {100 * summary['median_abs_error']:.1f}% (target 10%), worst {100 * summary['worst_abs_error']:.1f}% "
+          f"(target 20%) over {len(runs)} cases")
+    write(args.out.replace("sim2real", "sim2real_uncalibrated"), {"summary": summary, "runs": runs})
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -150,7 +254,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=8, help="shuffled rounds over the model's (budget, policy) cases")
     ap.add_argument("--steps", type=int, default=2, help="measured steps per case and round")
     ap.add_argument("--out", default="bench_results/sim2real.json")
+    ap.add_argument("--uncalibrated", action="store_true", help="no calibration: models outside the zoo (see above)")
+    ap.add_argument("--case-steps", type=int, default=24, help="--uncalibrated: steps per case (the first 9 not measured)")
+    ap.add_argument("--seed", type=int, default=0, help="--uncalibrated: order of the cases")
     args = ap.parse_args()
+    if args.uncalibrated:
+        if args.backend != "cpu":
+            ap.error("--uncalibrated measures the CPU backend")
+        return main_uncalibrated(args)
     bw = args.bandwidth if args.backend == "cpu" else None
     cal = calibrate(args.backend, bandwidth=bw)
     print(f"calibrated {args.backend} link: d2h {cal.hardware.d2h_bytes_per_s / 1e9:.3f} GB/s, h2d "

@@ -14,7 +14,7 @@ from typing import Any
 from swapsched._paths import atomic_path, config_dir
 from swapsched.errors import UserError, read_yaml
 
-__all__ = ["Hardware", "HardwareError", "load_hardware", "hardware_names", "default_hardware", "DEFAULT_GPU_HARDWARE",
+__all__ = ["Hardware", "HOST_COSTS", "HardwareError", "load_hardware", "hardware_names", "default_hardware", "DEFAULT_GPU_HARDWARE",
            "DEFAULT_CPU_HARDWARE", "TRAINING_HARDWARE"]
 
 
@@ -73,7 +73,7 @@ class Hardware:
 
 _REQUIRED = ("d2h_bytes_per_s", "h2d_bytes_per_s", "copy_latency_s", "device_memory_bytes", "peak_flops", "memory_bytes_per_s")
 _POSITIVE = ("d2h_bytes_per_s", "h2d_bytes_per_s", "device_memory_bytes", "peak_flops", "memory_bytes_per_s")
-_HOST_COSTS = ("hook_cost_s", "copy_issue_s", "wait_resume_s", "copy_host_s_per_byte")
+HOST_COSTS = ("hook_cost_s", "copy_issue_s", "wait_resume_s", "copy_host_s_per_byte")  # optional, 0 = not measured
 _NUMBER_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
 
 
@@ -103,7 +103,7 @@ def hardware_from_dict(data: Any, source: str) -> Hardware:
             raise HardwareError(f"{source}: field {k}: missing")
     if not isinstance(data["name"], str) or not data["name"]:
         raise HardwareError(f"{source}: field name: expected a non-empty string, got {data['name']!r}")
-    vals = {k: _as_number(data[k], f"{source}: field {k}") for k in (*_REQUIRED, *_HOST_COSTS) if k in data}
+    vals = {k: _as_number(data[k], f"{source}: field {k}") for k in (*_REQUIRED, *HOST_COSTS) if k in data}
     for k in _POSITIVE:
         if vals[k] <= 0:
             raise HardwareError(f"{source}: field {k}: must be > 0, got {data[k]!r}")

@@ -47,14 +47,15 @@ import torch
 from swapsched.budget import BudgetError, check_budget, format_bytes, parse_budget, smallest_feasible
 from swapsched.env.simulator import FREED, HOST, IN, OUT, RESIDENT, event_tables, simulate
 from swapsched.errors import UserError
-from swapsched.hardware import Hardware, default_hardware, load_hardware
+from swapsched.hardware import HOST_COSTS, Hardware, default_hardware, load_hardware
 from swapsched.plan import SwapPlan
 from swapsched.policy import Policy
 from swapsched.runtime.backends import Backend, CopyError, CpuBackend, Ticket, make_backend, resolve_backend
 from swapsched.runtime.profiler import StorageIds, TraceRecorder, is_cached_cast, is_parameter, static_bytes_of, storage_key
 from swapsched.trace import Trace
 
-__all__ = ["SwapRuntime", "StepReport", "RunSummary", "Divergence", "DivergenceError", "timed_by_execution"]
+__all__ = ["SwapRuntime", "StepReport", "RunSummary", "Divergence", "DivergenceError", "timed_by_execution",
+           "fitted_host_costs"]
 
 # one set of locations for the simulator and the runtime (the runtime never has NOT_YET or WAITING)
 
@@ -297,7 +298,10 @@ class SwapRuntime:
     process pays one-off costs, allocator growth and kernel selection, that later steps do not).
     ``retime_steps``: on the CPU backend, after this many executed steps the trace's gaps are
     re-measured from them, the policy plans again on them (a plan given by ``use_plan`` stays) and
-    the prediction is redone (0: keep the profiled timing).
+    the prediction is redone; after every further this many steps the gaps are re-measured and the
+    prediction follows (the plan stays). With a ``hardware`` that has no host costs (the shipped
+    profiles), the host's costs are fitted from the executed steps at the same points
+    (``fitted_host_costs``). 0: keep the profiled timing.
     ``audit``: measure the memory really held, independently of the accounting, into
     ``report().measured_peak_bytes`` (on the CPU backend a finalizer per saved storage: slower).
     ``strict``: a step that leaves the profiled trace raises :class:`DivergenceError` where it
@@ -346,6 +350,10 @@ class SwapRuntime:
             raise UserError(f"retime_steps must be 0 (off) or more, got {retime_steps}")
         self.retime_steps = int(retime_steps)
         self._executed: list[StepReport] = []  # executed steps not yet used to re-time the trace
+        # uncalibrated hardware (no host costs): the runtime fits them from its executed steps
+        self._given_hardware = self.hardware
+        self._fit_host = self.backend.name == "cpu" and not any(getattr(hw, k) for k in HOST_COSTS)
+        self._host_steps: deque[StepReport] = deque(maxlen=64)
         self._policy_planned = False  # the plan is the policy's (re-planned after re-timing), not use_plan's
         # parameters, gradients and optimizer state: counted in absolute budgets when the model is given
         self.static_bytes = static_bytes_of(model, optimizer) if model is not None else 0
@@ -408,17 +416,23 @@ class SwapRuntime:
             self._profiled = self.profile_steps - 1
             self._profiles = []
             self._executed = []
-        elif self.backend.name == "cpu" and self.retime_steps and not self.trace.meta.get("timed_by_execution"):
+        elif self.backend.name == "cpu" and self.retime_steps:
             if self._report.gaps_s is not None:
                 self._executed.append(self._report)
+                self._host_steps.append(self._report)
             if len(self._executed) >= self.retime_steps:
+                first = not self.trace.meta.get("timed_by_execution")
                 retimed = timed_by_execution(self.trace, self._executed)
                 self._executed = []
-                if self._policy_planned:
-                    self._plan_from(retimed)  # the policy plans again, on the compute as it runs
+                if self._fit_host:
+                    self.hardware = fitted_host_costs(self._given_hardware, list(self._host_steps), retimed.n_events)
+                if first and self._policy_planned:
+                    self._plan_from(retimed)  # once: the policy plans again, on the compute as it runs
                 else:
+                    # the plan stays (a plan given by use_plan always does); its prediction follows
+                    # the compute and the host's costs as the latest steps ran them
                     self.trace = retimed
-                    self._adopt(self.plan)  # a plan given by use_plan stays; its prediction is redone
+                    self._adopt(self.plan)
 
     def report(self) -> StepReport:
         """The last step's report (also printed when ``verbose``)."""
@@ -509,6 +523,29 @@ def timed_by_execution(trace: Trace, reports: list[StepReport]) -> Trace:
     if not timed:
         raise UserError("timed_by_execution needs reports of whole executed steps on the CPU backend")
     return _median_timing(trace, [r.gaps_s for r in timed], [r.tail_s for r in timed], "timed_by_execution")
+
+
+def fitted_host_costs(hardware: Hardware, reports: list[StepReport], n_events: int) -> Hardware:
+    """``hardware`` with the host's costs of the runtime fitted to executed steps (R6/R8's host
+    costs), so that predictions need no calibration step.
+
+    Each step's time in the hooks (waits left out) is ``n_events * hook_cost_s + copies *
+    copy_issue_s + bytes * copy_host_s_per_byte``, fitted by non-negative least squares as
+    ``swapsched calibrate`` fits its workloads. Steps of one plan alone cannot tell the three apart:
+    then it is all per event, which every plan pays alike. (What a wait costs the compute after it
+    is in the gaps the same steps re-time.)"""
+    rows = [(n_events, r.copies, r.evicted_bytes + r.prefetched_bytes + r.on_demand_bytes) for r in reports]
+    y = np.array([max(r.hook_s or 0.0, 0.0) for r in reports], dtype=np.float64)
+    if not rows:
+        return hardware
+    if len({row[1:] for row in rows}) < 2:
+        return replace(hardware, hook_cost_s=float(np.median(y)) / max(n_events, 1))
+    from scipy.optimize import nnls
+
+    a = np.array(rows, dtype=np.float64)
+    scale = np.maximum(np.abs(a).max(axis=0), 1.0)  # columns of very different magnitudes
+    hook, issue, per_byte = (float(c) for c in nnls(a / scale, y)[0] / scale)
+    return replace(hardware, hook_cost_s=hook, copy_issue_s=issue, copy_host_s_per_byte=per_byte)
 
 
 def _median_trace(traces: list[Trace]) -> Trace:

@@ -256,17 +256,24 @@ def test_report_before_any_step_is_an_error():
 def test_cpu_runtime_retimes_its_trace_from_executed_steps():
     case = build_model("gpt", "tiny")
     rt = SwapRuntime(budget="100%", policy="no-swap", backend="cpu", model=case.model, retime_steps=2)
+    reports = []
     for _ in range(rt.profile_steps + 1):
         with rt.step():
             case.loss().backward()
+        reports.append(rt.report())
     profiled, predicted = rt.trace, rt.predicted_s
-    assert "timed_by_execution" not in profiled.meta
+    assert "timed_by_execution" not in profiled.meta and rt.hardware.hook_cost_s == 0
     with rt.step():
         case.loss().backward()
     rep = rt.report()
+    reports.append(rep)
     assert rt.trace.meta["timed_by_execution"] == 2
     assert [(e.kind, e.tensor) for e in rt.trace.events] == [(e.kind, e.tensor) for e in profiled.events]
-    assert rt.predicted_s != predicted and rt.predicted_s == pytest.approx(rt.trace.ideal_s, rel=1e-9)
+    # uncalibrated hardware: the hooks' cost is fitted from the same two steps (one plan: all per event)
+    n = rt.trace.n_events
+    assert rt.hardware.hook_cost_s == pytest.approx(np.median([r.hook_s for r in reports[-2:]]) / n, rel=1e-12)
+    assert rt.predicted_s != predicted and rt.predicted_s == pytest.approx(rt.trace.ideal_s + n * rt.hardware.hook_cost_s,
+                                                                         rel=1e-9)
     # the re-timed compute plus the hooks is what the step measured, less the tail of the step
     assert 0 < rep.hook_s < rep.step_s and rep.copies == 0 and rep.waits == 0
     rt.close()
@@ -535,3 +542,23 @@ def test_the_runtime_closes_itself_as_a_context_manager_and_reports_the_run():
     assert run.moved_bytes == sum(r.evicted_bytes + r.prefetched_bytes + r.on_demand_bytes for r in steps) > 0
     assert run.peak_device_bytes == max(r.peak_device_bytes for r in executed) <= run.budget_bytes
     assert run.overhead == run.median_step_s / run.plain_step_s - 1 and "run: 6 steps" in str(rt.report())
+
+
+def test_fitted_host_costs_recover_what_the_hooks_cost_by_hand():
+    from swapsched.hardware import load_hardware
+    from swapsched.runtime.swapper import StepReport, fitted_host_costs
+
+    def rep(copies, nbytes, hook_s):
+        return StepReport(step=1, mode="execute", step_s=1.0, stall_s=0.0, predicted_step_s=None, evicted_bytes=nbytes,
+                          prefetched_bytes=0, on_demand_bytes=0, peak_device_bytes=0, budget_bytes=0,
+                          plan_followed=True, guard_evictions=0, kept_small=0, hook_s=hook_s, copies=copies)
+
+    hw = load_hardware("cpu-emulated")
+    # 100 events at 10 us, 50 us per copy, 1 ns per byte: three plans tell the three costs apart
+    truth = [(c, b, 100 * 10e-6 + c * 50e-6 + b * 1e-9) for c, b in [(0, 0), (10, 1_000_000), (40, 200_000), (20, 3_000_000)]]
+    fit = fitted_host_costs(hw, [rep(*t) for t in truth], 100)
+    assert fit.hook_cost_s == pytest.approx(10e-6, rel=1e-6) and fit.copy_issue_s == pytest.approx(50e-6, rel=1e-6)
+    assert fit.copy_host_s_per_byte == pytest.approx(1e-9, rel=1e-6) and fit.d2h_bytes_per_s == hw.d2h_bytes_per_s
+    # one plan alone: everything per event, which every plan pays alike
+    one = fitted_host_costs(hw, [rep(10, 1_000_000, 3e-3), rep(10, 1_000_000, 5e-3)], 100)
+    assert one.hook_cost_s == pytest.approx(4e-5) and one.copy_issue_s == 0 and one.copy_host_s_per_byte == 0
