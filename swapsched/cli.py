@@ -96,6 +96,14 @@ def _policy_list(value: str) -> list[str]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _simulated_on(trace: Any, hw: Any) -> str:
+    """Where a plot's simulation runs: a trace measured on the CPU keeps its CPU compute times
+    and borrows only the profile's links, and the title says so."""
+    if trace.timing == "measured" and not str(trace.device).startswith("cuda"):
+        return f"simulated with {hw.name}'s links (compute as measured on {trace.device})"
+    return f"simulated on {hw.name}"
+
+
 def _positive(cast: type) -> Callable[[str], Any]:
     """An argparse type: a positive int or float, or one clear line."""
     kind = "integer" if cast is int else "number"
@@ -219,7 +227,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.plot:
         from swapsched.plots import plot_timelines
 
-        plot_timelines([(plan.policy, res)], budget, args.plot, title=f"{trace.name} on {hw.name}")
+        plot_timelines([(plan.policy, res)], budget, args.plot, title=f"{trace.name}, {_simulated_on(trace, hw)}")
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
@@ -288,7 +296,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
                     detail.append((r.policy, run_policy(pol, tr, b, hw, record=True)[1]))
             stem = Path(args.plot)
             timeline_path = stem.with_name(stem.stem + "-timeline" + stem.suffix)
-            plot_timelines(detail, b, timeline_path, title=f"{tr.name} at {first.budget} on {hw.name}")
+            plot_timelines(detail, b, timeline_path, title=f"{tr.name} at {first.budget}, {_simulated_on(tr, hw)}")
             print(f"wrote {timeline_path}", file=sys.stderr)
     return 0
 

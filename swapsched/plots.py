@@ -41,7 +41,7 @@ def plot_timelines(results: Sequence[tuple[str, Any]], budget: int, path: str | 
     n = len(results)
     fig, axes = plt.subplots(2 * n, 1, figsize=(10, 3.2 * n), squeeze=False,
                              gridspec_kw={"height_ratios": [3, 1.2] * n})
-    gib = 2**30
+    div, unit = _bytes_unit(max([budget] + [m for _, r in results if r.timeline for _, m in r.timeline.memory]))
     for j, (label, res) in enumerate(results):
         tl = res.timeline
         ax_m, ax_s = axes[2 * j][0], axes[2 * j + 1][0]
@@ -49,12 +49,12 @@ def plot_timelines(results: Sequence[tuple[str, Any]], budget: int, path: str | 
             ax_m.set_title(f"{label}: no timeline")
             continue
         ts = [t for t, _ in tl.memory]
-        ms = [m / gib for _, m in tl.memory]
+        ms = [m / div for _, m in tl.memory]
         ax_m.step(ts, ms, where="post", label="device memory")
-        ax_m.axhline(budget / gib, color="red", linestyle="--", label="budget")
+        ax_m.axhline(budget / div, color="red", linestyle="--", label="budget")
         status = "OOM" if res.oom else f"overhead {res.overhead:+.1%}"
         ax_m.set_title(f"{label}: {status}")
-        ax_m.set_ylabel("GiB")
+        ax_m.set_ylabel(unit)
         ax_m.legend(loc="upper right", fontsize=8)
         rows = [("compute", [(a, b) for a, b in tl.compute], "tab:blue"),
                 ("d2h", [(a, b) for a, b, _ in tl.d2h], "tab:orange"),
@@ -70,35 +70,73 @@ def plot_timelines(results: Sequence[tuple[str, Any]], budget: int, path: str | 
     return _save(plt, fig, path, title)
 
 
+def _bytes_unit(peak: float) -> tuple[float, str]:
+    """The divisor and unit that fit ``peak`` bytes (so small traces do not read 0.010 GiB)."""
+    for div, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if peak >= div:
+            return float(div), unit
+    return 1.0, "B"
+
+
 def plot_compare(rows: Sequence[CaseResult], policies: Sequence[str], path: str | Path) -> Path:
-    """Grouped bars: overhead per case (trace x budget x hardware) and policy; OOM drawn as an x."""
+    """A heat map per budget: one row per trace (with the hardware it is simulated on), one column
+    per policy, the colour each step's excess over the case's analytic floor (R8) on a log scale,
+    which spans decades over a corpus. OOM and skipped cells are marked, not coloured. Scales to
+    the whole corpus: about a sixth of an inch per row."""
+    import math
+
+    import numpy as np
+    from matplotlib.colors import LogNorm
+
     plt = _pyplot()
-    cases = list(dict.fromkeys(r.case for r in rows))
-    by = {(*r.case, r.policy): r for r in rows}
-    width = 0.8 / max(len(policies), 1)
-    fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(cases) * max(1, len(policies) / 3)), 4.5))
-    ymax = 0.0
-    for j, pol in enumerate(policies):
-        xs, ys, oom_x = [], [], []
-        for i, c in enumerate(cases):
-            r = by.get((*c, pol))
-            if r is None or r.skipped:
-                continue
-            x = i + (j - (len(policies) - 1) / 2) * width
-            if r.overhead is None:
-                oom_x.append(x)
-            else:
-                xs.append(x)
-                ys.append(100 * r.overhead)
-        bars = ax.bar(xs, ys, width, label=pol)
-        ymax = max([ymax, *ys])
-        if oom_x:
-            ax.scatter(oom_x, [0] * len(oom_x), marker="x", color=bars.patches[0].get_facecolor() if bars.patches else "k")
-    ax.set_xticks(range(len(cases)), [f"{t}\n{b} {h}" for t, b, h in cases], rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("overhead over ideal step (%)   (x = OOM)")
-    ax.set_ylim(0, ymax * 1.1 + 1)
-    ax.legend(fontsize=7, ncol=3)
-    return _save(plt, fig, path)
+    budgets = list(dict.fromkeys(r.budget for r in rows))
+    lines = list(dict.fromkeys((r.trace, r.hardware) for r in rows))
+    by = {(r.trace, r.hardware, r.budget, r.policy): r for r in rows}
+    excess = []
+    for r in rows:
+        if r.result is not None and not r.result.oom and r.floor_s and math.isfinite(r.result.iteration_s):
+            excess.append(max(r.result.iteration_s / r.floor_s - 1.0, 1e-4))
+    lo, hi = (min(excess), max(excess)) if excess else (1e-4, 1.0)
+    norm = LogNorm(vmin=max(lo, 1e-4), vmax=max(hi, lo * 10, 1e-3))
+    annotate = len(lines) * len(policies) <= 240
+    fig, axes = plt.subplots(1, len(budgets), squeeze=False, sharey=True,
+                             figsize=(max(4.0, 0.55 * len(policies) + 1.5) * len(budgets) + 2.5, 1.5 + 0.17 * len(lines)))
+    image = None
+    for k, budget in enumerate(budgets):
+        ax = axes[0][k]
+        grid = np.full((len(lines), len(policies)), np.nan)
+        for i, (trace, hw) in enumerate(lines):
+            for j, pol in enumerate(policies):
+                r = by.get((trace, hw, budget, pol))
+                mark = None
+                if r is None or r.skipped:
+                    mark = "-"
+                elif r.result is None or r.result.oom:
+                    mark = "OOM"
+                elif r.floor_s:
+                    grid[i, j] = max(r.result.iteration_s / r.floor_s - 1.0, 1e-4)
+                    if annotate:
+                        mark = f"{100 * grid[i, j]:.0f}" if grid[i, j] >= 0.01 else f"{100 * grid[i, j]:.1f}"
+                if mark:
+                    bright = mark in ("-", "OOM") or norm(grid[i, j]) > 0.6  # dark text on light cells
+                    ax.text(j, i, mark, ha="center", va="center", fontsize=6, color="black" if bright else "white")
+        image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap="viridis", norm=norm, interpolation="nearest")
+        ax.set_facecolor("#dddddd")  # skipped and OOM cells
+        ax.set_xticks(range(len(policies)), policies, rotation=60, ha="right", fontsize=7)
+        ax.set_title(f"budget {budget}", fontsize=9)
+        if k == 0:
+            ax.set_yticks(range(len(lines)), [f"{t} ({h})" for t, h in lines], fontsize=6)
+    if image is not None:
+        bar = fig.colorbar(image, ax=axes[0].tolist(), fraction=0.04, pad=0.02)
+        bar.set_label("step over the analytic floor, %  (log)")
+        bar.ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{100 * v:g}"))
+    fig.suptitle("simulated step time over the R8 floor; - = budget below the smallest feasible, OOM = plan does "
+                 "not fit", fontsize=8)
+    p = Path(path)
+    with atomic_path(p) as tmp:
+        fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return p
 
 
 def plot_runs(results: Sequence[Any], path: str | Path, title: str = "") -> Path:
@@ -108,13 +146,14 @@ def plot_runs(results: Sequence[Any], path: str | Path, title: str = "") -> Path
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(max(8, 1.1 * len(names) * 2), 4))
     ax_t.bar(names, [1e3 * r.step_s_median for r in results], color="tab:blue")
     ax_t.set_ylabel("median step (ms)")
-    peaks = [(r.peak_device_bytes or 0) / 2**20 for r in results]
-    ax_m.bar(names, peaks, color="tab:orange")
     budgets = [r.budget_bytes for r in results if r.budget_bytes]
+    div, unit = _bytes_unit(max([r.peak_device_bytes or 0 for r in results] + budgets + [1]))
+    peaks = [(r.peak_device_bytes or 0) / div for r in results]
+    ax_m.bar(names, peaks, color="tab:orange")
     if budgets:
-        ax_m.axhline(budgets[0] / 2**20, color="red", linestyle="--", label="budget")
+        ax_m.axhline(budgets[0] / div, color="red", linestyle="--", label="budget")
         ax_m.legend()
-    ax_m.set_ylabel("peak device memory (MiB; 0 = not measurable here)")
+    ax_m.set_ylabel(f"peak device memory ({unit}; 0 = not measurable here)")
     for ax in (ax_t, ax_m):
         ax.tick_params(axis="x", rotation=45)
     return _save(plt, fig, path, title)
