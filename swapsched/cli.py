@@ -386,7 +386,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from swapsched.runtime.calibrate import calibrate
 
     resolve_backend(args.backend)  # a clear error where there is no CUDA device
-    cal = calibrate(args.backend, bandwidth=args.bandwidth, name=args.name)
+    cal = calibrate(args.backend, bandwidth=args.bandwidth, name=args.name, progress=not args.no_progress)
     hw = cal.hardware
     when = __import__("time").strftime("%Y-%m-%d")
     src = f"measured by swapsched calibrate --backend {args.backend} on {when}"
@@ -532,6 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--backend", choices=["cpu", "cuda"], default="cpu", help="backend whose copies are measured (default cpu)")
     sp.add_argument("--bandwidth", type=_positive_float, help="CPU backend: measure the engines throttled to this many bytes/s")
     sp.add_argument("--name", help="profile name (default calibrated-BACKEND)")
+    sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     sp.add_argument("--out", default="calibrated.yaml", type=_out_file, help="hardware YAML to write (default calibrated.yaml)")
 
     sp = add("train-policy", cmd_train_policy, "Train a swap policy (MaskablePPO on SwapEnv) and evaluate it on held-out traces.")

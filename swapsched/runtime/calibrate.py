@@ -21,7 +21,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -133,7 +133,7 @@ def training_step(rt: SwapRuntime, case: ModelCase) -> Callable[[], StepReport]:
 
 def execute_in_rounds(rt: SwapRuntime, train_step: Callable[[], StepReport],
                       plans: Sequence[tuple[SwapPlan, int | None]], rounds: int, steps: int = 2,
-                      seed: int = 0) -> list[list[list[StepReport]]]:
+                      seed: int = 0, on_round: Callable[[], Any] | None = None) -> list[list[list[StepReport]]]:
     """Execute each ``(plan, budget bytes or None)`` on ``rt`` in ``rounds`` rounds, the plans in
     a shuffled order each round, so that the machine's drift hits them alike: after each switch
     one step that warms the host pool for the plan's sizes, then ``steps`` measured ones.
@@ -148,11 +148,13 @@ def execute_in_rounds(rt: SwapRuntime, train_step: Callable[[], StepReport],
             rt.use_plan(*plans[k])
             train_step()
             reports[k].append([r for r in (train_step() for _ in range(steps)) if r.mode == "execute"])
+        if on_round is not None:
+            on_round()
     return reports
 
 
 def _measure_workload(model: str, size: str, backend_name: str, bandwidth: float | None,
-                      rounds: int) -> tuple[list[list[list[StepReport]]], int]:
+                      rounds: int, on_round: Callable[[], Any] | None = None) -> tuple[list[list[list[StepReport]]], int]:
     """Reports of four plans on one workload (no eviction, round trips of the smaller and of the
     larger half of the tensors, swap-all) from ``execute_in_rounds``; and its event count."""
     from swapsched.runtime.swapper import SwapRuntime
@@ -169,7 +171,7 @@ def _measure_workload(model: str, size: str, backend_name: str, bandwidth: float
         assert rt.trace is not None and rt.budget_bytes is not None and rt.plan is not None
         plans = [rt.plan, _round_trips(rt.trace, "smaller"), _round_trips(rt.trace, "larger"),
                  on_demand_plan(rt.trace, "swap-all")]
-        reports = execute_in_rounds(rt, train_step, [(p, None) for p in plans], rounds)
+        reports = execute_in_rounds(rt, train_step, [(p, None) for p in plans], rounds, on_round=on_round)
     finally:
         rt.close()
     if not all(all(r) for r in reports):
@@ -177,7 +179,8 @@ def _measure_workload(model: str, size: str, backend_name: str, bandwidth: float
     return reports, rt.trace.n_events
 
 
-def calibrate_host(backend_name: str, bandwidth: float | None = None, rounds: int = 32) -> HostCosts:
+def calibrate_host(backend_name: str, bandwidth: float | None = None, rounds: int = 32,
+                   on_round: Callable[[], Any] | None = None) -> HostCosts:
     """Measure the runtime's host costs on the fixed ``WORKLOADS``.
 
     On each, four plans run (see ``_measure_workload``): one that evicts nothing, two that send
@@ -197,7 +200,7 @@ def calibrate_host(backend_name: str, bandwidth: float | None = None, rounds: in
 
     rows, ys, hooks = [], [], []
     for model, size in WORKLOADS:
-        (keep, *moving), n_events = _measure_workload(model, size, backend_name, bandwidth, rounds)
+        (keep, *moving), n_events = _measure_workload(model, size, backend_name, bandwidth, rounds, on_round)
         hooks.append(med(r.hook_s for rnd in keep for r in rnd) / n_events)
         for plan_rounds in moving:
             reps = [r for rnd in plan_rounds for r in rnd]
@@ -216,19 +219,28 @@ def calibrate_host(backend_name: str, bandwidth: float | None = None, rounds: in
 
 
 def calibrate(backend_name: str = "cpu", bandwidth: float | None = None, name: str | None = None,
-              base: str = "cpu-emulated") -> Calibration:
-    """Measure link and hooks; the result keeps ``base``'s compute peaks (used for roofline only)."""
+              base: str = "cpu-emulated", progress: bool = False) -> Calibration:
+    """Measure link and hooks; the result keeps ``base``'s compute peaks (used for roofline only).
+    ``progress``: a bar over the link and the host-cost rounds (35-60 s in all on a CPU)."""
+    from tqdm import tqdm
+
+    rounds = 32
+    bar = tqdm(total=1 + rounds * len(WORKLOADS), desc="calibrating", unit="round", disable=not progress)
     ref = load_hardware(base if backend_name == "cpu" else DEFAULT_GPU_HARDWARE)
     # the CPU engines throttled to the bandwidth alone (no added latency): the latency measured is
     # what the machine adds, thread wake-up included; unthrottled without a bandwidth
     backend = CpuBackend(bandwidth, bandwidth, 0.0) if backend_name == "cpu" else CudaBackend()
     try:
         d2h, h2d = calibrate_link(backend)
+        bar.update()
     finally:
         backend.shutdown()
     lat_d, bw_d = _fit(d2h)
     lat_h, bw_h = _fit(h2d)
-    host = calibrate_host(backend_name, bandwidth)
+    try:
+        host = calibrate_host(backend_name, bandwidth, rounds, on_round=bar.update)
+    finally:
+        bar.close()
     mem = torch.cuda.get_device_properties(0).total_memory if backend_name == "cuda" else ref.device_memory_bytes
     hw = Hardware(
         name=name or f"calibrated-{backend_name}", d2h_bytes_per_s=bw_d, h2d_bytes_per_s=bw_h,
