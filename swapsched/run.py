@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -53,11 +52,6 @@ def _pair(model: str, size: str | None, batch_size: int | None, seq_len: int | N
     return a, b
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def _train(case: ModelCase, ref: ModelCase, steps: int, device: str, wrap: Callable[[], Any],
            on_step: Callable[[int, float, bool], None] | None = None) -> tuple[list[float], bool, list[int]]:
     """``steps`` SGD steps of ``case`` inside ``wrap()`` and of ``ref`` plainly: step times, whether
@@ -67,16 +61,11 @@ def _train(case: ModelCase, ref: ModelCase, steps: int, device: str, wrap: Calla
     times, matches, peaks = [], True, []
     cuda = device.startswith("cuda")
     for s in range(steps):
-        _sync(device)
         if cuda:
+            torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        t0 = time.perf_counter()
-        with wrap():
-            la = case.loss()
-            la.backward()
-        _sync(device)
-        dt = time.perf_counter() - t0
+        la, dt = case.timed_step(wrap)
         if cuda:
             peaks.append(torch.cuda.max_memory_allocated() - base)
         lb = ref.loss()

@@ -12,9 +12,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +47,21 @@ class ModelCase:
 
     def loss(self) -> torch.Tensor:
         return self.loss_fn(self.model(*self.inputs))
+
+    def timed_step(self, wrap: Callable[[], Any] | None = None) -> tuple[torch.Tensor, float]:
+        """Forward and backward inside ``wrap()`` (a context such as ``runtime.step``), timed from a
+        synchronized start to the device's end: the loss and the seconds. The one step harness of
+        ``run``, the live env and calibration; gradients are the caller's to apply or clear."""
+        cuda = next(self.model.parameters()).device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with wrap() if wrap is not None else contextlib.nullcontext():
+            loss = self.loss()
+            loss.backward()
+        if cuda:
+            torch.cuda.synchronize()
+        return loss, time.perf_counter() - t0
 
 
 # ----------------------------------------------------------------------------- architectures

@@ -94,9 +94,28 @@ class Ticket:
 
 
 class Backend:
-    """What the swapper needs from a device: copies out and in, completion, waiting, memory."""
+    """What the swapper needs from a device: copies out and in, completion, waiting, memory, and
+    what the device can tell (its capabilities), so that nothing above branches on a name.
+
+    ``device_type``: where the "device" tensors live (``"cpu"`` for the emulated device), which is
+    also the clock of the profiling steps. ``emulated``: the device is the host itself, so compute
+    is synchronous and timed by the host clock between hooks (executed steps can re-time the
+    trace), and memory is what the runtime accounts, measured from the storages' own lifetimes (no
+    allocator to ask)."""
 
     name = "abstract"
+    device_type = "cpu"
+    emulated = True
+
+    def synchronize(self) -> None:
+        """Wait until the device has run everything queued (step boundaries only)."""
+
+    def reset_peak(self) -> None:
+        """Start the device allocator's peak over (a real device's)."""
+
+    def peak_bytes(self) -> int | None:
+        """The device allocator's peak since ``reset_peak``; None on the emulated device."""
+        return None
 
     def copy_out(self, src: torch.Tensor) -> Ticket:
         raise NotImplementedError
@@ -277,6 +296,17 @@ class CudaBackend(Backend):
     on ``cuda:1`` while ``cuda:0`` is current gets its copies on ``cuda:1``'s streams)."""
 
     name = "cuda"
+    device_type = "cuda"
+    emulated = False
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_bytes(self) -> int | None:
+        return int(torch.cuda.max_memory_allocated(self.device))
 
     def __init__(self, device: torch.device | int | None = None):
         if not torch.cuda.is_available():

@@ -123,8 +123,7 @@ def training_step(rt: SwapRuntime, case: ModelCase) -> Callable[[], StepReport]:
     backward in ``rt.step()`` (which on CUDA ends with the device), gradients cleared; its report."""
 
     def step() -> StepReport:
-        with rt.step():
-            case.loss().backward()
+        case.timed_step(rt.step)
         case.model.zero_grad(set_to_none=True)
         return rt.report()
 

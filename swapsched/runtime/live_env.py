@@ -11,12 +11,10 @@ It lives with the runtime, which it drives; the simulator and ``SwapEnv`` never 
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
-import torch
 
 from swapsched.env.swap_env import SwapEnv
 from swapsched.plan import SwapPlan
@@ -67,19 +65,9 @@ class LiveSwapEnv(gym.Env):
         self.observation_space = self.sim_env.observation_space
 
     def _train_step(self, wrap: Any) -> float:
-        dev = next(self.case.model.parameters()).device
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        if wrap is None:
-            self.case.loss().backward()
-        else:
-            with wrap():
-                self.case.loss().backward()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
+        _, seconds = self.case.timed_step(wrap)
         self.case.model.zero_grad(set_to_none=True)  # the weights never change: every episode is the same step
-        return time.perf_counter() - t0
+        return seconds
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
         super().reset(seed=seed)

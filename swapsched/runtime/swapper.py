@@ -352,7 +352,7 @@ class SwapRuntime:
         self._executed: list[StepReport] = []  # executed steps not yet used to re-time the trace
         # uncalibrated hardware (no host costs): the runtime fits them from its executed steps
         self._given_hardware = self.hardware
-        self._fit_host = self.backend.name == "cpu" and not any(getattr(hw, k) for k in HOST_COSTS)
+        self._fit_host = self.backend.emulated and not any(getattr(hw, k) for k in HOST_COSTS)
         self._host_steps: deque[StepReport] = deque(maxlen=64)
         self._policy_planned = False  # the plan is the policy's (re-planned after re-timing), not use_plan's
         # parameters, gradients and optimizer state: counted in absolute budgets when the model is given
@@ -376,12 +376,10 @@ class SwapRuntime:
         """One training step (forward and backward) under the runtime."""
         if self._exec is not None:
             raise UserError("runtime.step() is already active; steps cannot nest")
-        cuda = self.backend.name == "cuda"
-        if cuda:
-            # the step is timed on the device: what is queued before it (the last optimizer step)
-            # finishes first, and the step ends when the device has run it (below)
-            torch.cuda.synchronize(self.backend.device)
-            self.backend.take_device_stall_s()  # waits of an earlier, aborted step do not count
+        # the step is timed on the device: what is queued before it (the last optimizer step)
+        # finishes first, and the step ends when the device has run it (below)
+        self.backend.synchronize()
+        self.backend.take_device_stall_s()  # waits of an earlier, aborted step do not count
         self.steps += 1
         if self.plan is None or self.trace is None:
             ex: _StepExecution = _ProfileStep(self)
@@ -398,8 +396,7 @@ class SwapRuntime:
             raise
         finally:
             self._exec = None
-        if cuda:
-            torch.cuda.synchronize(self.backend.device)
+        self.backend.synchronize()
         step_s = time.perf_counter() - t0
         rep = ex.report(step_s)
         self._report = replace(rep, run=self._tally.add(rep, self))
@@ -416,7 +413,7 @@ class SwapRuntime:
             self._profiled = self.profile_steps - 1
             self._profiles = []
             self._executed = []
-        elif self.backend.name == "cpu" and self.retime_steps:
+        elif self.backend.emulated and self.retime_steps:
             if self._report.gaps_s is not None:
                 self._executed.append(self._report)
                 self._host_steps.append(self._report)
@@ -592,13 +589,12 @@ class _StepExecution:
         self.finalizers: list[weakref.finalize] = []
         # the audit meter: bytes of the saved storages alive now, kept by finalizers on the storages
         # themselves, so it sees what really holds memory whoever keeps it (never our accounting)
-        self.audit = rt.audit and self.backend.name == "cpu"
+        self.audit = rt.audit and self.backend.emulated
         self.alive = self.alive_peak = 0
         # finalizers may run on a copy thread (the CPU backend drops a source there): they only
         # append here, and the step's thread does the arithmetic
         self.dead_bytes: deque[int] = deque()
-        if self.backend.name == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+        self.backend.reset_peak()
 
     def _account(self, delta: int) -> None:
         self.used += delta
@@ -616,9 +612,9 @@ class _StepExecution:
         self._on_death(storage, dead.append, nbytes)
 
     def measured_peak(self) -> int | None:
-        if self.backend.name == "cuda" and self.rt.audit:
-            return int(torch.cuda.max_memory_allocated())
-        return self.rt.static_bytes + self.alive_peak if self.audit else None
+        if not self.rt.audit:
+            return None
+        return self.rt.static_bytes + self.alive_peak if self.audit else self.backend.peak_bytes()
 
     @staticmethod
     def _rebuild(p: _Packed, flat: torch.Tensor) -> torch.Tensor:
@@ -667,13 +663,13 @@ class _ProfileStep(_StepExecution):
 
     def __init__(self, rt: SwapRuntime):
         super().__init__(rt)
-        clock = "cuda" if self.backend.name == "cuda" else "cpu"
+        clock = self.backend.device_type  # the host clock, or events on the device's stream
         self.ids = StorageIds()  # live storage -> its record (R2)
         self.recorder = TraceRecorder(clock)
         self.recorder.start()
         self.trace: Trace | None = None
         self.moved = 0
-        self.device = "cuda" if self.backend.name == "cuda" else "cpu"
+        self.device = self.backend.device_type
         # trace id (order of first sight) -> (storage, handles autograd holds, bytes, key), all weak
         self.owners: dict[int, tuple[weakref.ref[Any], list[weakref.ref[_Packed]], int, int]] = {}
         self.cast_keys: set[int] = set()
@@ -1187,9 +1183,9 @@ class _ExecuteStep(_StepExecution):
         self._drop_finalizers()
 
     def report(self, step_s: float) -> StepReport:
-        cuda_peak = torch.cuda.max_memory_allocated() if self.backend.name == "cuda" else None
+        cuda_peak = self.backend.peak_bytes()
         # host-clock gaps mean compute only where compute is synchronous, and only for a whole step
-        timed = self.backend.name == "cpu" and not self.diverged and len(self.gaps) == self.trace.n_events
+        timed = self.backend.emulated and not self.diverged and len(self.gaps) == self.trace.n_events
         return StepReport(
             step=self.rt.steps, mode="diverged" if self.diverged else "execute", step_s=step_s,
             stall_s=self.stall_s + self.backend.take_device_stall_s(),  # CUDA: compute's waits on the device
