@@ -388,20 +388,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     resolve_backend(args.backend)  # a clear error where there is no CUDA device
     cal = calibrate(args.backend, bandwidth=args.bandwidth, name=args.name, progress=not args.no_progress)
     hw = cal.hardware
-    when = __import__("time").strftime("%Y-%m-%d")
-    src = f"measured by swapsched calibrate --backend {args.backend} on {when}"
-    hw.save(args.out, comments={
-        "d2h_bytes_per_s": f"{src}: least-squares fit over 64 KiB..32 MiB copies",
-        "h2d_bytes_per_s": f"{src}: least-squares fit over 64 KiB..32 MiB copies",
-        "copy_latency_s": f"{src}: intercept of the fits, both directions averaged",
-        "device_memory_bytes": "the emulated device's nominal size" if args.backend == "cpu" else "torch.cuda device properties",
-        "peak_flops": "copied from the base profile (roofline retiming only)",
-        "memory_bytes_per_s": "copied from the base profile (roofline retiming only)",
-        "hook_cost_s": f"{src}: the runtime's own time in its hooks per saved-tensor event, no eviction (median)",
-        "copy_issue_s": f"{src}: step time added per copy issued (least squares, gpt-tiny and mlp-medium)",
-        "wait_resume_s": f"{src}: step time added per wait for a copy (least squares, gpt-tiny and mlp-medium)",
-        "copy_host_s_per_byte": f"{src}: step time added per byte copied (least squares, gpt-tiny and mlp-medium)",
-    })
+    cal.save(args.out)  # each number with where it came from
     print(f"d2h {hw.d2h_bytes_per_s / 1e9:.3f} GB/s   h2d {hw.h2d_bytes_per_s / 1e9:.3f} GB/s   "
           f"latency {1e6 * hw.copy_latency_s:.1f} us   hook {1e6 * hw.hook_cost_s:.2f} us/event   "
           f"copy issue {1e6 * hw.copy_issue_s:.1f} us   per byte {1e9 * hw.copy_host_s_per_byte:.3f} ns   "

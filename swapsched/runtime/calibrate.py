@@ -20,7 +20,8 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -44,10 +45,35 @@ SIZES = [2**16, 2**18, 2**20, 2**22, 2**24, 2**25]
 
 @dataclass(frozen=True)
 class Calibration:
+    """What ``calibrate`` measured: the profile, the copy timings it was fitted to, and where each
+    of the profile's numbers came from (written beside it as YAML comments)."""
+
     hardware: Hardware
     d2h_points: tuple[tuple[int, float], ...]
     h2d_points: tuple[tuple[int, float], ...]
     host: HostCosts
+    provenance: dict[str, str] = field(default_factory=dict)
+
+    def save(self, path: str | Path) -> Path:
+        return self.hardware.save(path, comments=self.provenance)
+
+
+def _provenance(backend_name: str) -> dict[str, str]:
+    src = f"measured by swapsched calibrate --backend {backend_name} on {time.strftime('%Y-%m-%d')}"
+    sizes = f"{SIZES[0] // 2**10} KiB..{SIZES[-1] // 2**20} MiB copies"
+    work = " and ".join(f"{m}-{s}" for m, s in WORKLOADS)
+    return {
+        "d2h_bytes_per_s": f"{src}: least-squares fit over {sizes}",
+        "h2d_bytes_per_s": f"{src}: least-squares fit over {sizes}",
+        "copy_latency_s": f"{src}: intercept of the fits, both directions averaged",
+        "device_memory_bytes": "the emulated device's nominal size" if backend_name == "cpu" else "torch.cuda device properties",
+        "peak_flops": "copied from the base profile (roofline retiming only)",
+        "memory_bytes_per_s": "copied from the base profile (roofline retiming only)",
+        "hook_cost_s": f"{src}: the runtime's own time in its hooks per saved-tensor event, no eviction (median)",
+        "copy_issue_s": f"{src}: step time added per copy issued (least squares, {work})",
+        "wait_resume_s": f"{src}: step time added per wait for a copy (least squares, {work})",
+        "copy_host_s_per_byte": f"{src}: step time added per byte copied (least squares, {work})",
+    }
 
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -247,4 +273,4 @@ def calibrate(backend_name: str = "cpu", bandwidth: float | None = None, name: s
         memory_bytes_per_s=ref.memory_bytes_per_s, hook_cost_s=host.hook_cost_s,
         copy_issue_s=host.copy_issue_s, wait_resume_s=host.wait_resume_s, copy_host_s_per_byte=host.copy_host_s_per_byte,
     )
-    return Calibration(hw, tuple(d2h), tuple(h2d), host)
+    return Calibration(hw, tuple(d2h), tuple(h2d), host, _provenance(backend_name))
