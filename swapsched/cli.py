@@ -403,7 +403,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def cmd_train_policy(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from swapsched.agents.evaluate import PolicySummary
     from swapsched.agents.train import load_train_config, train_policy, train_search
     from swapsched.report import format_summary
 
@@ -431,9 +430,9 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
         print(f"interrupted: continue with  swapsched train-policy --config {args.config} --resume {res.checkpoint} "
               f"--out {res.checkpoint}", file=sys.stderr)
         return 130
-    print(f"held-out traces: {', '.join(res.held_out['traces'])}")
-    print(format_summary([PolicySummary(**{**s, "mean_overhead": float("nan") if s["mean_overhead"] is None else s["mean_overhead"]})
-                          for s in res.held_out["summary"]]))
+    assert res.held_out is not None  # evaluated: training was not interrupted
+    print(f"held-out traces: {', '.join(res.held_out.traces)}")
+    print(format_summary(res.held_out.summary))
     return 0
 
 

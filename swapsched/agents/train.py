@@ -13,10 +13,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from swapsched._paths import atomic_path
+from swapsched.agents.evaluate import PolicySummary
 from swapsched.errors import UserError, read_yaml
 from swapsched.hardware import TRAINING_HARDWARE, load_hardware
 from swapsched.trace import write_json
@@ -88,7 +88,21 @@ class TrainResult:
     timesteps: int
     train_seconds: float
     interrupted: bool
-    held_out: dict[str, Any]
+    held_out: HeldOut | None  # None when training was interrupted (no evaluation ran)
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """The trained policy and the baselines on the held-out traces (simulated)."""
+
+    traces: tuple[str, ...]
+    budgets: tuple[str, ...]
+    hardware: tuple[str, ...]
+    summary: tuple[PolicySummary, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"traces": list(self.traces), "budgets": list(self.budgets), "hardware": list(self.hardware),
+                "summary": [s.to_dict() for s in self.summary]}  # NaN becomes null as the card is written
 
 
 def _callbacks(total: int, progress: bool, config: TrainConfig, out: Path, validation: list, extra: list) -> Any:
@@ -250,7 +264,7 @@ def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True,
     best = out.with_name(out.stem + ".best.zip")
     held_out = load_corpus(split="test")
     ev = config.eval
-    results = {} if interrupted else evaluate(LearnedPolicy(out, mode="greedy"), held_out, ev["budgets"],
+    results = None if interrupted else evaluate(LearnedPolicy(out, mode="greedy"), held_out, ev["budgets"],
                                               [load_hardware(h) for h in ev["hardware"]], ev.get("baselines", []))
     card = {
         "checkpoint": out.name,
@@ -266,7 +280,7 @@ def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True,
         "trained_on": [t.name for t in traces],
         "training_families": sorted({family[t.name] for t in traces}),
         "validation_families": list(config.validation_families),
-        "held_out": results,
+        "held_out": results.to_dict() if results is not None else {},
     }
     card_path = out.with_suffix(".json")
     write_json(card, card_path, indent=1)
@@ -274,15 +288,11 @@ def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True,
                        interrupted, results)
 
 
-def evaluate(policy: Any, traces: list, budgets: list[str], hardware: list, baselines: list[str]) -> dict[str, Any]:
+def evaluate(policy: Any, traces: list, budgets: list[str], hardware: list, baselines: list[str]) -> HeldOut:
     """Mean overhead and OOMs of ``policy`` and each baseline over traces x budgets x hardware."""
     from swapsched.agents.evaluate import compare, summarize
 
     names = [policy.name, *baselines]
     rows = compare(traces, budgets, hardware, [policy, *baselines], progress=False)
-    summary = summarize(rows, names)
-    return {
-        "traces": [t.name for t in traces], "budgets": budgets, "hardware": [h.name for h in hardware],
-        "summary": [{k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in s.to_dict().items()}
-                    for s in summary],
-    }
+    return HeldOut(tuple(t.name for t in traces), tuple(budgets), tuple(h.name for h in hardware),
+                   tuple(summarize(rows, names)))
