@@ -46,7 +46,7 @@ from swapsched.deploy import SwapRuntime  # noqa: E402
 from swapsched.env.simulator import simulate  # noqa: E402
 from swapsched.hardware import Hardware  # noqa: E402
 from swapsched.runtime.calibrate import calibrate, calibrate_host, execute_in_rounds, training_step  # noqa: E402
-from swapsched.runtime.swapper import timed_by_execution  # noqa: E402
+from swapsched.runtime.retime import timed_by_execution  # noqa: E402
 from swapsched.zoo import build_model  # noqa: E402
 
 FULL_MODELS = [("gpt", "small"), ("resnet", "small"), ("vgg", "small"), ("unet", "small")]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -259,6 +260,14 @@ class Trace:
             "timing": self.timing,
             "device": self.device,
         }
+
+    def with_timing(self, gaps: Sequence[float], tail_s: float, **meta: Any) -> Trace:
+        """This trace with each event's gap and the tail replaced (the same events, re-measured),
+        ``meta`` added."""
+        if len(gaps) != self.n_events:
+            raise TraceError(f"trace {self.name!r}: {len(gaps)} gaps for {self.n_events} events")
+        events = tuple(replace(e, compute_s=float(g)) for e, g in zip(self.events, gaps, strict=True))
+        return replace(self, events=events, tail_compute_s=float(tail_s), meta={**self.meta, **meta})
 
     def retimed(self, hardware: Hardware) -> Trace:
         """This trace with every gap re-timed by roofline for ``hardware``.

@@ -546,7 +546,8 @@ def test_the_runtime_closes_itself_as_a_context_manager_and_reports_the_run():
 
 def test_fitted_host_costs_recover_what_the_hooks_cost_by_hand():
     from swapsched.hardware import load_hardware
-    from swapsched.runtime.swapper import StepReport, fitted_host_costs
+    from swapsched.runtime.retime import fitted_host_costs
+    from swapsched.runtime.swapper import StepReport
 
     def rep(copies, nbytes, hook_s):
         return StepReport(step=1, mode="execute", step_s=1.0, stall_s=0.0, predicted_step_s=None, evicted_bytes=nbytes,

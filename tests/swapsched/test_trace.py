@@ -124,3 +124,12 @@ def test_write_json_is_strict_and_plain(tmp_path):
     p = write_json({"a": math.nan, "b": [np.float64(1.5), np.int64(2), math.inf], "c": np.arange(2)}, tmp_path / "x.json",
                    indent=1)
     assert json.loads(p.read_text()) == {"a": None, "b": [1.5, 2, None], "c": [0, 1]}
+
+
+def test_with_timing_replaces_gaps_and_tail_and_keeps_the_events(two_tensors):
+    t = two_tensors.with_timing([0.5, 0.25, 1.0, 2.0], 0.75, timed_by_execution=3)
+    assert [e.compute_s for e in t.events] == [0.5, 0.25, 1.0, 2.0] and t.tail_compute_s == 0.75
+    assert [(e.kind, e.tensor) for e in t.events] == [(e.kind, e.tensor) for e in two_tensors.events]
+    assert t.ideal_s == 4.5 and t.meta["timed_by_execution"] == 3 and two_tensors.ideal_s == 5.0
+    with pytest.raises(TraceError, match="3 gaps for 4 events"):
+        two_tensors.with_timing([1.0, 1.0, 1.0], 0.0)

@@ -1,0 +1,75 @@
+"""Re-timing a trace from the steps that ran it, and the host's costs from the same steps.
+
+The profiling steps give the first trace; on the emulated device (compute timed by the host clock)
+executed steps measure each gap again without the profiling's copies, and their time in the hooks
+gives what the runtime costs the host. ``SwapRuntime`` calls these between steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from swapsched.errors import UserError
+from swapsched.hardware import Hardware
+from swapsched.trace import Trace
+
+if TYPE_CHECKING:
+    from swapsched.runtime.swapper import StepReport
+
+__all__ = ["timed_by_execution", "median_trace", "fitted_host_costs"]
+
+
+def timed_by_execution(trace: Trace, reports: list[StepReport]) -> Trace:
+    """``trace`` with each gap (and the tail) the median over executed steps' host-clock gaps.
+
+    Why the CPU runtime re-times its trace: the profiling steps copy every saved tensor, and on the
+    emulated device those copies free and re-allocate process memory, so the compute measured
+    around them runs slower (page faults, cold caches) than once the plan executes. Executed steps
+    measure each gap between hooks with the hooks' own time left out, as the profiler does; the
+    simulator adds ``hook_cost_s`` per event."""
+    timed = [r for r in reports if r.gaps_s is not None and len(r.gaps_s) == trace.n_events]
+    if not timed:
+        raise UserError("timed_by_execution needs reports of whole executed steps on the CPU backend")
+    return _median_timing(trace, [r.gaps_s for r in timed], [r.tail_s for r in timed], "timed_by_execution")
+
+
+def fitted_host_costs(hardware: Hardware, reports: list[StepReport], n_events: int) -> Hardware:
+    """``hardware`` with the host's costs of the runtime fitted to executed steps (R6/R8's host
+    costs), so that predictions need no calibration step.
+
+    Each step's time in the hooks (waits left out) is ``n_events * hook_cost_s + copies *
+    copy_issue_s + bytes * copy_host_s_per_byte``, fitted by non-negative least squares as
+    ``swapsched calibrate`` fits its workloads. Steps of one plan alone cannot tell the three apart:
+    then it is all per event, which every plan pays alike. (What a wait costs the compute after it
+    is in the gaps the same steps re-time.)"""
+    rows = [(n_events, r.copies, r.evicted_bytes + r.prefetched_bytes + r.on_demand_bytes) for r in reports]
+    y = np.array([max(r.hook_s or 0.0, 0.0) for r in reports], dtype=np.float64)
+    if not rows:
+        return hardware
+    if len({row[1:] for row in rows}) < 2:
+        return replace(hardware, hook_cost_s=float(np.median(y)) / max(n_events, 1))
+    from scipy.optimize import nnls
+
+    a = np.array(rows, dtype=np.float64)
+    scale = np.maximum(np.abs(a).max(axis=0), 1.0)  # columns of very different magnitudes
+    hook, issue, per_byte = (float(c) for c in nnls(a / scale, y)[0] / scale)
+    return replace(hardware, hook_cost_s=hook, copy_issue_s=issue, copy_host_s_per_byte=per_byte)
+
+
+def median_trace(traces: list[Trace]) -> Trace:
+    """The last trace, with each gap's median over the traces that saw the same events."""
+    last = traces[-1]
+    same = [t for t in traces if [(e.kind, e.tensor) for e in t.events] == [(e.kind, e.tensor) for e in last.events]]
+    if len(same) < 2:
+        return last
+    return _median_timing(last, [t.gaps for t in same], [t.tail_compute_s for t in same], "median_of_steps")
+
+
+def _median_timing(trace: Trace, gaps: list, tails: list[float], meta_key: str) -> Trace:
+    """``trace`` with each gap and the tail the median over several timings of the same events;
+    ``meta[meta_key]`` says how many."""
+    median = np.median(np.array(gaps, dtype=np.float64), axis=0)
+    return trace.with_timing(median, float(np.median(tails)), **{meta_key: len(tails)})
