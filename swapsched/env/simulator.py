@@ -421,12 +421,11 @@ class Simulation:
 def simulate(trace: Trace, plan: SwapPlan | list[Eviction], hardware: Hardware, budget: int, *, record: bool = False,
              validate: bool = True) -> SimResult:
     """Simulate one step of ``trace`` executing ``plan`` under ``budget`` bytes on ``hardware``."""
-    evictions = plan.evictions if isinstance(plan, SwapPlan) else tuple(plan)
+    whole = plan if isinstance(plan, SwapPlan) else SwapPlan(trace.name, "?", tuple(plan))
     if validate:
-        (plan if isinstance(plan, SwapPlan) else SwapPlan(trace.name, "?", evictions)).validate(trace)
+        whole.validate(trace)
     sim = Simulation(trace, hardware, budget, record=record)
-    for e in evictions:
-        sim.schedule(e.tensor, e.swap_out_at, e.prefetch_at)
+    sim.out_at, sim.prefetch_at = whole.by_event(trace.n_events)  # what schedule() builds one eviction at a time
     return sim.finish()
 
 

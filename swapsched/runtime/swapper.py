@@ -497,12 +497,7 @@ class SwapRuntime:
         plan.validate(self.trace)
         res = simulate(self.trace, plan, self.hardware, self.budget_bytes, validate=False)
         self.plan, self.predicted_s = plan, (None if res.oom else res.iteration_s)
-        n = self.trace.n_events
-        self.out_at: list[list[int]] = [[] for _ in range(n)]
-        self.prefetch_at: list[list[int]] = [[] for _ in range(n)]
-        for e in plan.evictions:
-            self.out_at[e.swap_out_at].append(e.tensor)
-            self.prefetch_at[e.prefetch_at].append(e.tensor)
+        self.out_at, self.prefetch_at = plan.by_event(self.trace.n_events)  # as the simulator lays it out
         tb = event_tables(self.trace)
         self.expected_codes = [~t if u else t for t, u in zip(tb.tensor, tb.is_unpack, strict=False)]
         self.work_at = [bool(f or o or p) for f, o, p in zip(tb.free, self.out_at, self.prefetch_at, strict=False)]
