@@ -53,6 +53,23 @@ def test_host_pool_reuses_by_size():
     assert pool.allocated_bytes == 200
 
 
+def test_backends_say_what_they_can_so_nothing_branches_on_their_name():
+    from swapsched.runtime.backends import Backend, CudaBackend
+
+    cpu = CpuBackend()
+    try:
+        # the emulated device: host-timed compute, no allocator to ask, synchronizing is a no-op
+        assert cpu.emulated and cpu.device_type == "cpu" and cpu.peak_bytes() is None
+        cpu.synchronize()
+        cpu.reset_peak()
+    finally:
+        cpu.shutdown()
+    # the CUDA backend's own answers (class attributes and overrides: no device needed to read them)
+    assert not CudaBackend.emulated and CudaBackend.device_type == "cuda"
+    for name in ("synchronize", "reset_peak", "peak_bytes", "copy_out", "copy_in", "done", "wait_host", "wait_for_use"):
+        assert getattr(CudaBackend, name) is not getattr(Backend, name), name
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
