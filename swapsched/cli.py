@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from swapsched.errors import UserError
+from swapsched.hardware import DEFAULT_GPU_HARDWARE
 
 __all__ = ["main"]
 
@@ -485,7 +486,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("compare", cmd_compare, "Compare policies on traces x budgets x hardware in one table.")
     sp.add_argument("--traces", nargs="+", metavar="T", help="trace files (default: the shipped corpus)")
     sp.add_argument("--budgets", type=_budgets, default=["30%", "50%", "70%"], help="comma list (default 30%%,50%%,70%%)")
-    sp.add_argument("--hardware", type=_csv, default=["h100-pcie5"], help="comma list of names or YAML paths")
+    sp.add_argument("--hardware", type=_csv, default=[DEFAULT_GPU_HARDWARE],
+                    help=f"comma list of names or YAML paths (default {DEFAULT_GPU_HARDWARE})")
     sp.add_argument("--policies", default=",".join(FAST_POLICIES),
                     help="'all' or a comma list of: no-swap, swap-all, vdnn-all, vdnn-conv, min, capuchin, local-search, "
                          "swapadvisor, optimal, optimal:SECONDSs, default, default-greedy, default-ppo, learned:PATH.zip, "

@@ -18,7 +18,7 @@ import torch
 from swapsched._paths import atomic_path
 from swapsched.agents.evaluate import PolicySummary
 from swapsched.errors import UserError, read_yaml
-from swapsched.hardware import TRAINING_HARDWARE, load_hardware
+from swapsched.hardware import DEFAULT_GPU_HARDWARE, TRAINING_HARDWARE, load_hardware
 from swapsched.trace import write_json
 
 __all__ = ["TrainConfig", "TrainResult", "load_train_config", "train_policy", "train_search", "evaluate", "validation_ratio"]
@@ -36,7 +36,7 @@ class TrainConfig:
     corpus_split: str = "train"
     budget_range: tuple[float, float] = (0.25, 0.9)
     hardware: tuple[str, ...] = TRAINING_HARDWARE
-    eval: dict[str, Any] = field(default_factory=lambda: {"budgets": ["30%", "50%", "70%"], "hardware": ["h100-pcie5"],
+    eval: dict[str, Any] = field(default_factory=lambda: {"budgets": ["30%", "50%", "70%"], "hardware": [DEFAULT_GPU_HARDWARE],
                                                           "baselines": ["swap-all", "min", "capuchin"]})
     ppo: dict[str, Any] = field(default_factory=dict)
     # families of the train split kept out of training to choose the best checkpoint by
