@@ -31,6 +31,11 @@ def planned_demand(trace: Trace, evictions: list[Eviction] | tuple[Eviction, ...
     A tensor counts from the gap of its first pack to the gap it is freed in (R2), except, if
     evicted, from the first gap that starts after its swap-out would finish to the gap before its
     prefetch event (the swap-in allocates at that event, R6).
+
+    ``SwapEnv``'s action mask counts the same occupancy with the swap-out taking no time (its
+    ``_DecisionTable.occupy_from``): a bound that never masks a feasible action, where this is an
+    estimate for choosing one. Two uses of one rule, kept apart on purpose: merged, either the
+    mask would refuse plans that fit or the heuristics would plan as if copies were free.
     """
     n = trace.n_events
     b = trace.tensor_bytes
