@@ -206,16 +206,24 @@ def test_ctrl_c_leaves_a_loadable_checkpoint(tmp_path):
 def test_a_corrupt_or_mismatched_checkpoint_is_one_clear_line(tmp_path):
     trace = tmp_path / "t.json"
     assert main(["profile", "mlp", "--size", "tiny", "--out", str(trace)]) == 0
+    from stable_baselines3 import PPO
+
+    from swapsched._paths import checkpoint_dir
+
     bad = tmp_path / "bad.zip"
     bad.write_bytes(b"not a zip at all")
-    for policy, message in ((f"learned-ppo:{bad}", "cannot load checkpoint"), (str(bad), "has no plan editor")):
+    cut = tmp_path / "cut.zip"  # a real checkpoint cut short
+    cut.write_bytes((checkpoint_dir() / "default.zip").read_bytes()[:100_000])
+    other = tmp_path / "other.zip"  # another algorithm's checkpoint
+    PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=32, device="cpu").save(other)
+    for policy, message in ((f"learned-ppo:{bad}", "cannot load checkpoint"), (str(bad), "has no plan editor"),
+                            (f"learned-ppo:{cut}", "wasn't a zip-file"),
+                            (f"learned-ppo:{other}", "must subclass MaskableActorCriticPolicy")):
         r = run("plan", "--trace", str(trace), "--policy", policy, "--hardware", "h100-pcie5", "--budget", "70%",
                 "--out", str(tmp_path / "p.json"))
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert r.returncode == 2 and len(lines) == 1 and message in lines[0], r.stderr
     import shutil
-
-    from swapsched._paths import checkpoint_dir
 
     old = tmp_path / "old.zip"
     shutil.copy(checkpoint_dir() / "default.zip", old)
