@@ -268,7 +268,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     rows = compare(traces, args.budgets, hws, policies, seed=args.seed, search_seconds=args.search_seconds,
                    progress=not args.no_progress)
     print(format_table(rows, policies))
-    left = [p for p in ("local-search", "swapadvisor", "optimal") if p not in policies]
+    left = [p for p in ("local-search", "swapadvisor", "optimal")
+            if not any(q == p or q.startswith(f"{p}:") for q in policies)]  # optimal:2s is optimal
     if left:
         print(f"(not run, slower: {', '.join(left)}; add them with --policies)")
     print()
