@@ -60,6 +60,11 @@ __all__ = ["SwapRuntime", "StepReport", "RunSummary", "Divergence", "DivergenceE
 # one set of locations for the simulator and the runtime (the runtime never has NOT_YET or WAITING)
 
 
+# the autograd engine's id of the backward pass running now (a private API, present since torch
+# 2.0; where it is missing every pass counts as one, and only a budget error loses its reason)
+_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: 0)
+
+
 class _Record:
     """One saved storage (R2). Plain slots: one is made per saved tensor, on the hot path."""
 
@@ -413,6 +418,7 @@ class SwapRuntime:
             self._profiled = self.profile_steps - 1
             self._profiles = []
             self._executed = []
+            self._host_steps.clear()  # steps of another trace: their event counts differ
         elif self.backend.emulated and self.retime_steps:
             if self._report.gaps_s is not None:
                 self._executed.append(self._report)
@@ -680,7 +686,7 @@ class _ProfileStep(_StepExecution):
     def unpack(self, packed: Any) -> torch.Tensor:
         kind, tid, p = packed
         p.check_version()
-        self.passes.add(torch._C._current_graph_task_id())  # one id per backward pass
+        self.passes.add(_graph_task_id())  # one id per backward pass
         self.recorder.unpack(tid)
         if tid is not None:
             self.unpacked.add(tid)
