@@ -1,8 +1,13 @@
-"""Shared fixtures: tiny hand-made traces and a round-number hardware profile."""
+"""Shared fixtures: tiny hand-made traces, a round-number hardware profile, and training a model
+under the runtime beside a plain copy."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
+import torch
 
 from swapsched.hardware import Hardware
 from swapsched.trace import Event, TensorInfo, Trace
@@ -29,3 +34,20 @@ def two_tensors() -> Trace:
 @pytest.fixture
 def hw() -> Hardware:
     return make_hw()
+
+
+def train_together(a: torch.nn.Module, b: torch.nn.Module, rt: Any, steps: int,
+                   run: Callable[[torch.nn.Module, int], torch.Tensor]) -> list[Any]:
+    """Step ``a`` under ``rt`` and ``b`` plainly with ``run(model, step)`` (which returns the loss
+    after its backward); assert equal losses and gradients each step; return the step reports."""
+    reports = []
+    for i in range(steps):
+        for m in (a, b):
+            m.zero_grad(set_to_none=True)
+        with rt.step():
+            la = run(a, i)
+        lb = run(b, i)
+        assert torch.equal(la, lb), f"step {i}: losses differ"
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters(), strict=True)), f"step {i}"
+        reports.append(rt.report())
+    return reports

@@ -4,33 +4,14 @@ Each against the same run without swapsched: bit-identical losses and gradients.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
 import torch.nn as nn
 
 from swapsched.budget import BudgetError
 from swapsched.deploy import SwapRuntime
-from swapsched.runtime.swapper import StepReport
 from swapsched.zoo import build_model
-
-
-def _together(a: nn.Module, b: nn.Module, rt: SwapRuntime, steps: int,
-              run: Callable[[nn.Module, int], torch.Tensor]) -> list[StepReport]:
-    """Step ``a`` under ``rt`` and ``b`` plainly with ``run(model, step)`` (which returns the loss
-    after its backward); assert equal losses and gradients each step; return the step reports."""
-    reports = []
-    for i in range(steps):
-        for m in (a, b):
-            m.zero_grad(set_to_none=True)
-        with rt.step():
-            la = run(a, i)
-        lb = run(b, i)
-        assert torch.equal(la, lb), f"step {i}: losses differ"
-        assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters(), strict=True)), f"step {i}"
-        reports.append(rt.report())
-    return reports
+from tests.conftest import train_together
 
 
 def test_evaluation_under_no_grad_between_steps_changes_nothing():
@@ -46,7 +27,7 @@ def test_evaluation_under_no_grad_between_steps_changes_nothing():
 
     rt = SwapRuntime(budget="50%", policy="min", backend="cpu", min_bytes=0, model=a.model)
     try:
-        assert [r.mode for r in _together(a.model, b.model, rt, 7, run)] == ["profile"] * 3 + ["execute"] * 4
+        assert [r.mode for r in train_together(a.model, b.model, rt, 7, run)] == ["profile"] * 3 + ["execute"] * 4
         assert rt.report().evicted_bytes > 0
     finally:
         rt.close()
@@ -66,7 +47,7 @@ def test_a_step_in_eval_mode_diverges_finishes_on_demand_and_says_where():
 
     rt = SwapRuntime(budget="60%", policy="min", backend="cpu", min_bytes=0, model=a.model, profile_steps=1)
     try:
-        reports = _together(a.model, b.model, rt, 8, run)
+        reports = train_together(a.model, b.model, rt, 8, run)
         assert [r.mode for r in reports][3:] == ["execute", "diverged", "profile", "execute", "execute"]
         where = reports[4].divergence
         assert where is not None and where.expected != where.seen and not reports[4].plan_followed
@@ -94,7 +75,7 @@ def test_torch_compile_per_block_swaps_between_blocks_with_identical_gradients()
 
     rt = SwapRuntime(budget="70%", policy="swap-all", backend="cpu", min_bytes=0, model=a.model)
     try:
-        assert _together(a.model, b.model, rt, 6, run)[-1].mode == "execute"
+        assert train_together(a.model, b.model, rt, 6, run)[-1].mode == "execute"
         assert rt.report().evicted_bytes > 0
     finally:
         rt.close()
@@ -175,7 +156,7 @@ def test_the_saved_tensor_cases_peers_test_their_offloading_with(policy):
 
     rt = SwapRuntime(budget="90%", policy=policy, backend="cpu", min_bytes=0, model=a)
     try:
-        assert _together(a, b, rt, 6, run)[-1].mode == "execute"
+        assert train_together(a, b, rt, 6, run)[-1].mode == "execute"
         assert rt.report().evicted_bytes > 0
     finally:
         rt.close()

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from swapsched.deploy import SwapRuntime
 from swapsched.plan import Eviction, SwapPlan
 from swapsched.zoo import build_model
+from tests.conftest import train_together
 
 POLICIES = ["no-swap", "swap-all", "vdnn-all", "vdnn-conv", "min", "capuchin", "swapadvisor", "default"]
 
@@ -378,15 +379,10 @@ def test_double_backward_executes_its_plan_with_identical_gradients(policy):
     """create_graph=True: the first backward saves new tensors (some of them views of what it
     unpacked, or of a weight), and the second reads them all; the executed steps match the trace."""
     a, b = build_model("mlp", "small", seed=3), build_model("mlp", "small", seed=3)
+    cases = {id(a.model): a, id(b.model): b}
     rt = SwapRuntime(budget="90%", policy=policy, backend="cpu", min_bytes=0, model=a.model)
     try:
-        for _ in range(6):
-            with rt.step():
-                la = _gradient_penalty_step(a)
-            lb = _gradient_penalty_step(b)
-            assert torch.equal(la, lb)
-            assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True))
-        rep = rt.report()
+        rep = train_together(a.model, b.model, rt, 6, lambda m, i: _gradient_penalty_step(cases[id(m)]))[-1]
         assert rep.mode == "execute" and rep.divergence is None and rep.evicted_bytes > 0
         assert rep.plan_followed == (rep.guard_evictions == 0 and rep.peak_device_bytes <= rep.budget_bytes)
     finally:
@@ -410,15 +406,10 @@ def test_retain_graph_below_its_floor_says_why_and_at_its_floor_trains_identical
                 two_passes(a)
     rt.close()
     a, b = build_model("mlp", "small", seed=3), build_model("mlp", "small", seed=3)
+    cases = {id(a.model): a, id(b.model): b}
     rt = SwapRuntime(budget="100%", policy="swap-all", backend="cpu", min_bytes=0, model=a.model)
     try:
-        for _ in range(5):
-            with rt.step():
-                la = two_passes(a)
-            lb = two_passes(b)
-            assert torch.equal(la, lb)
-            assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True))
-        assert rt.report().mode == "execute"
+        assert train_together(a.model, b.model, rt, 5, lambda m, i: two_passes(cases[id(m)]))[-1].mode == "execute"
     finally:
         rt.close()
 
