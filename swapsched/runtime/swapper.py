@@ -450,8 +450,8 @@ class SwapRuntime:
         if self.trace is None:
             raise UserError("use_plan() needs the profiled trace: run the profiling steps first")
         if budget is not None:
-            self.budget_bytes = parse_budget(budget, self.trace)
-            self.budget_spec = check_budget(budget)  # a malformed budget fails here, not after profiling
+            self.budget_bytes = self._budget_for(check_budget(budget), self.trace)
+            self.budget_spec = budget  # a malformed budget fails here, not after profiling
         self._adopt(plan)
         self._policy_planned = False
 
@@ -466,26 +466,31 @@ class SwapRuntime:
         self.close()
 
     # ------------------------------------------------------------------ planning
+    def _budget_for(self, spec: str | int | float, trace: Trace) -> int:
+        """``spec`` in bytes for this step's trace; below what the step can meet, one error that
+        names the runtime's budget and says why the step cannot go lower."""
+        out = parse_budget(spec, trace, check_feasible=False)
+        if out >= trace.min_feasible_bytes:
+            return out
+        need, pct = smallest_feasible(trace)
+        passes = int(trace.meta.get("backward_passes", 1))
+        if passes > 1:
+            why = (f"; its {passes} backward passes read the same saved tensors (retain_graph=True or "
+                   "create_graph=True), and each tensor stays on the device from its first unpack to its last")
+        elif need >= trace.peak_bytes_no_swap:
+            # one autograd node reads every saved tensor at once: nothing can be away when it runs
+            why = ("; its backward reads every saved tensor at once, as a model compiled whole with "
+                   "torch.compile does (one autograd node): compile its blocks separately so that tensors "
+                   "can move between them")
+        else:
+            why = ""
+        raise BudgetError(f"the runtime's budget {spec!r} is below this training step's smallest "
+                          f"feasible budget, {format_bytes(need)} ({need} bytes, {pct:.1f}% of its saved "
+                          f"activations){why}; give at least that")
+
     def _plan_from(self, trace: Trace) -> None:
         self.trace = trace
-        try:
-            self.budget_bytes = parse_budget(self.budget_spec, trace)
-        except BudgetError:
-            need, pct = smallest_feasible(trace)
-            passes = int(trace.meta.get("backward_passes", 1))
-            if passes > 1:
-                why = (f"; its {passes} backward passes read the same saved tensors (retain_graph=True or "
-                       "create_graph=True), and each tensor stays on the device from its first unpack to its last")
-            elif need >= trace.peak_bytes_no_swap:
-                # one autograd node reads every saved tensor at once: nothing can be away when it runs
-                why = ("; its backward reads every saved tensor at once, as a model compiled whole with "
-                       "torch.compile does (one autograd node): compile its blocks separately so that tensors "
-                       "can move between them")
-            else:
-                why = ""
-            raise BudgetError(f"SwapRuntime(budget={self.budget_spec!r}) is below this training step's smallest "
-                              f"feasible budget, {format_bytes(need)} ({need} bytes, {pct:.1f}% of its saved "
-                              f"activations){why}; give at least that") from None
+        self.budget_bytes = self._budget_for(self.budget_spec, trace)
         if self.policy is None:  # nothing plans: every tensor stays until use_plan()
             plan = SwapPlan.of(trace, "keep-all", [])
         else:

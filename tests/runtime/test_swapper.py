@@ -554,3 +554,16 @@ def test_fitted_host_costs_recover_what_the_hooks_cost_by_hand():
     # one plan alone: everything per event, which every plan pays alike
     one = fitted_host_costs(hw, [rep(10, 1_000_000, 3e-3), rep(10, 1_000_000, 5e-3)], 100)
     assert one.hook_cost_s == pytest.approx(4e-5) and one.copy_issue_s == 0 and one.copy_host_s_per_byte == 0
+
+
+def test_use_plan_below_the_floor_says_the_smallest_budget_in_the_runtimes_words():
+    from swapsched.budget import BudgetError
+
+    case = build_model("mlp", "tiny", seed=0)
+    with SwapRuntime(budget="60%", policy="min", backend="cpu", min_bytes=0, model=case.model) as rt:
+        for _ in range(4):
+            with rt.step():
+                case.loss().backward()
+        with pytest.raises(BudgetError, match=r"the runtime's budget '5%' is below this training step's smallest feasible"):
+            rt.use_plan(rt.plan, budget="5%")
+        assert rt.budget_spec == "60%"  # refused: nothing changed
