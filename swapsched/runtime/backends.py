@@ -8,8 +8,12 @@ logic in ``runtime/swapper.py`` is the same above both; only these primitives di
 stream while a side-stream copy still reads it):
 
 - swap-out: the ``Ticket`` holds the source device storage until the copy is complete; the swapper
-  keeps the ticket until ``done()`` is true and only then drops it, so the storage can never be
-  reused under an unfinished copy. No ``record_stream`` is needed on the hot path.
+  drops it once ``done()`` is true, or, when it needs the room sooner, right after making the
+  compute stream wait for the copy (``wait_for_use``: a stream wait on CUDA, as torchtune does, so
+  the host does not drain the device's queue). Either way only work ordered after the copy can
+  reuse the storage's memory: compute queued after the wait (the block belongs to the compute
+  stream), or a swap-in buffer, whose copy waits for the swap-out's event. No ``record_stream`` is
+  needed on the hot path.
 - swap-in: the destination device buffer is allocated on the *compute* stream (so its lifetime is
   ordered by compute), the copy stream first waits for an event recorded after that allocation, and
   the ticket holds the pinned host buffer until the copy is complete.

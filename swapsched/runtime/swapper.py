@@ -821,7 +821,7 @@ class _ExecuteStep(_StepExecution):
         t = rec.out
         if t.error is not None:
             raise CopyError(f"swap-out of tensor {rec.tid} ({format_bytes(rec.nbytes)}) failed: {t.error}") from t.error
-        t.src = None  # the copy is complete: the device storage may go (see backends.py)
+        t.src = None  # complete, or compute waits for it: the device storage may go (see backends.py)
         if rec.state == OUT:
             rec.state = HOST
         # no accounting here: the bytes go when the storage dies (see _ExecuteStep's docstring)
@@ -862,7 +862,11 @@ class _ExecuteStep(_StepExecution):
             if self.outs:
                 t0 = time.perf_counter()
                 self.waits += not self.backend.done(self.outs[0].out)
-                self._wait(self.outs[0], self.outs[0].out)
+                # the compute that follows waits for the swap-out, not the host (a stream wait on
+                # CUDA, so the device's queue does not drain; its stall is timed on the device).
+                # Dropping the source then is safe: only compute, queued after the wait, can reuse
+                # its memory, and a swap-in of it waits for the swap-out on its own stream (R6)
+                self._wait(self.outs[0], self.outs[0].out, use=True)
                 self.stall_s += time.perf_counter() - t0
                 self._retire_out(self.outs.popleft())
                 continue

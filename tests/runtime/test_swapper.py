@@ -567,3 +567,34 @@ def test_use_plan_below_the_floor_says_the_smallest_budget_in_the_runtimes_words
         with pytest.raises(BudgetError, match=r"the runtime's budget '5%' is below this training step's smallest feasible"):
             rt.use_plan(rt.plan, budget="5%")
         assert rt.budget_spec == "60%"  # refused: nothing changed
+
+
+def test_making_room_orders_compute_after_the_swap_out_instead_of_waiting_on_the_host():
+    """Finding 7 of issue 15: the room for a tensor is made by ``wait_for_use`` on the swap-out
+    (a stream wait on CUDA), never by a host wait that would drain the device's queue. On the CPU
+    backend both block the host; which one is called is what this checks."""
+    from swapsched.runtime.backends import CpuBackend
+
+    class Counting(CpuBackend):
+        def __init__(self):
+            super().__init__(5e7, 5e7, 0.0)  # a slow link: swap-outs are still running when room is needed
+            self.outs, self.used_outs = set(), 0
+
+        def copy_out(self, src):
+            t = super().copy_out(src)
+            self.outs.add(t)  # the ticket itself (identity), kept: an id() could be reused
+            return t
+
+        def wait_for_use(self, t):
+            self.used_outs += t in self.outs
+            super().wait_for_use(t)
+
+    backend = Counting()
+    case = build_model("mlp", "small", seed=1)
+    with SwapRuntime(budget="40%", policy="swap-all", backend=backend, min_bytes=0, model=case.model) as rt:
+        for _ in range(5):
+            with rt.step():
+                case.loss().backward()
+        rep = rt.report()
+    assert rep.mode == "execute" and rep.waits > 0 and backend.used_outs > 0
+    assert rep.peak_device_bytes <= rep.budget_bytes
