@@ -121,6 +121,14 @@ class Backend:
         """The device allocator's peak since ``reset_peak``; None on the emulated device."""
         return None
 
+    def mark(self) -> Any:
+        """A point in the device's compute order (the host clock on the emulated device)."""
+        return time.perf_counter()
+
+    def elapsed_s(self, a: Any, b: Any) -> float:
+        """Seconds of device time from mark ``a`` to mark ``b`` (valid once the device ran both)."""
+        return float(b - a)
+
     def copy_out(self, src: torch.Tensor) -> Ticket:
         raise NotImplementedError
 
@@ -311,6 +319,14 @@ class CudaBackend(Backend):
 
     def peak_bytes(self) -> int | None:
         return int(torch.cuda.max_memory_allocated(self.device))
+
+    def mark(self) -> Any:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))  # the compute stream, as the step runs it
+        return ev
+
+    def elapsed_s(self, a: Any, b: Any) -> float:
+        return float(a.elapsed_time(b)) / 1e3  # ms between two recorded events
 
     def __init__(self, device: torch.device | int | None = None):
         if not torch.cuda.is_available():

@@ -23,16 +23,18 @@ __all__ = ["timed_by_execution", "median_trace", "fitted_host_costs"]
 
 
 def timed_by_execution(trace: Trace, reports: list[StepReport]) -> Trace:
-    """``trace`` with each gap (and the tail) the median over executed steps' host-clock gaps.
+    """``trace`` with each gap (and the tail) the median over executed steps' gaps.
 
-    Why the CPU runtime re-times its trace: the profiling steps copy every saved tensor, and on the
-    emulated device those copies free and re-allocate process memory, so the compute measured
-    around them runs slower (page faults, cold caches) than once the plan executes. Executed steps
-    measure each gap between hooks with the hooks' own time left out, as the profiler does; the
-    simulator adds ``hook_cost_s`` per event."""
+    Why the runtime re-times its trace: the profiling steps copy every saved tensor synchronously.
+    On the emulated device those copies free and re-allocate process memory, so the compute
+    measured around them runs slower (page faults, cold caches) than once the plan executes; on
+    CUDA every hook waits for its copy, so the device idles while the host launches the next
+    kernels, and a launch-bound model's compute is overestimated. Executed steps measure each gap
+    between hooks with the hooks' own time left out: the host clock on the emulated device, CUDA
+    timing events in the compute order on a GPU. The simulator adds ``hook_cost_s`` per event."""
     timed = [r for r in reports if r.gaps_s is not None and len(r.gaps_s) == trace.n_events]
     if not timed:
-        raise UserError("timed_by_execution needs reports of whole executed steps on the CPU backend")
+        raise UserError("timed_by_execution needs reports of whole executed steps with their gaps measured")
     return _median_timing(trace, [r.gaps_s for r in timed], [r.tail_s for r in timed], "timed_by_execution")
 
 

@@ -419,7 +419,7 @@ class SwapRuntime:
             self._profiles = []
             self._executed = []
             self._host_steps.clear()  # steps of another trace: their event counts differ
-        elif self.backend.emulated and self.retime_steps:
+        elif self.retime_steps and (self.backend.emulated or not self.trace.meta.get("timed_by_execution")):
             if self._report.gaps_s is not None:
                 self._executed.append(self._report)
                 self._host_steps.append(self._report)
@@ -458,6 +458,13 @@ class SwapRuntime:
     def close(self) -> None:
         """Stop the copy engines. ``with SwapRuntime(...) as runtime:`` closes itself."""
         self.backend.shutdown()
+
+    def _device_timed_step(self) -> bool:
+        """Whether the next executed step marks its gaps on the device: on a real device, until
+        the trace has been re-timed once (the marks cost a few microseconds a hook; on the
+        emulated device the host clock times every step for free)."""
+        return (not self.backend.emulated and self.retime_steps > 0 and self.trace is not None
+                and not self.trace.meta.get("timed_by_execution"))
 
     def __enter__(self) -> SwapRuntime:
         return self
@@ -760,7 +767,7 @@ class _ExecuteStep(_StepExecution):
 
     __slots__ = ("trace", "budget", "room", "out_at", "prefetch_at", "tensor_bytes", "frees", "expected", "work",
                  "keys", "by_tid", "i", "outs", "waiting", "ins", "n_seen", "first_sight", "gaps", "hook_s",
-                 "last_exit", "tail_s", "deaths", "alloc")
+                 "last_exit", "tail_s", "deaths", "alloc", "marks_in", "marks_out", "mark_start", "mark_end")
 
     def __init__(self, rt: SwapRuntime):
         super().__init__(rt)
@@ -802,6 +809,17 @@ class _ExecuteStep(_StepExecution):
         self.hook_s = 0.0
         self.last_exit = time.perf_counter()
         self.tail_s = 0.0
+        # on a real device, for the steps the runtime re-times its trace from: a mark in the
+        # compute order as each hook starts and ends (CUDA timing events), read after the step
+        # (R1's gaps as the device ran them, where the profiling steps' synchronous copies
+        # stretched them). Entries are by event index: a hook that returns early (a parameter)
+        # is overwritten by the event's own hook. None: not timed on the device.
+        self.marks_in: list[Any] | None = None
+        self.marks_out: list[Any] = []
+        self.mark_start = self.mark_end = None
+        if rt._device_timed_step():
+            self.marks_in = [None] * tr.n_events
+            self.mark_start = self.backend.mark()
 
     # ------------------------------------------------------------------ memory (R4, R6)
     def _count_deaths(self) -> None:
@@ -944,6 +962,8 @@ class _ExecuteStep(_StepExecution):
         # the hot path: every saved tensor of the step passes here, so lookups come first and
         # each rarer case costs only the branch that needs it
         t_in = time.perf_counter()
+        if self.marks_in is not None and self.i < len(self.marks_in):
+            self.marks_in[self.i] = self.backend.mark()
         st = t.untyped_storage()
         key = st._cdata
         rec = self.keys.get(key)
@@ -999,6 +1019,8 @@ class _ExecuteStep(_StepExecution):
 
     def unpack(self, p: _Packed) -> torch.Tensor:
         t_in = time.perf_counter()
+        if self.marks_in is not None and self.i < len(self.marks_in):
+            self.marks_in[self.i] = self.backend.mark()
         p.check_version()
         rec = p.rec
         if rec is None:
@@ -1023,6 +1045,8 @@ class _ExecuteStep(_StepExecution):
         alloc = self.alloc
         if i + 1 < len(alloc) and self.used + alloc[i + 1] > self.room:
             self._room_for_next(alloc[i + 1])
+        if self.marks_in is not None:
+            self.marks_out.append(self.backend.mark())
         now = time.perf_counter()
         self.gaps.append(t_in - self.last_exit)  # the compute since the previous event's hook
         self.hook_s += now - t_in
@@ -1086,6 +1110,8 @@ class _ExecuteStep(_StepExecution):
     # ------------------------------------------------------------------ end of step
     def finish(self) -> None:
         self.tail_s = time.perf_counter() - self.last_exit
+        if self.marks_in is not None:
+            self.mark_end = self.backend.mark()
         self.hook_s -= self.stall_s
         if not self.diverged and self.i != self.trace.n_events:
             self._diverge(f"the end of the step after {self.i} of {self.trace.n_events} events")
@@ -1137,10 +1163,20 @@ class _ExecuteStep(_StepExecution):
         self._count_deaths()  # what died since the last hook (a storage still alive stays counted)
         self._drop_finalizers()
 
+    def _device_gaps(self) -> tuple[tuple[float, ...] | None, float | None]:
+        """Each gap and the tail from the device's marks (the step has synchronized), or None."""
+        ins, outs, n = self.marks_in, self.marks_out, self.trace.n_events
+        if ins is None or self.diverged or self.mark_end is None or len(outs) != n or any(m is None for m in ins):
+            return None, None
+        elapsed = self.backend.elapsed_s
+        before = [self.mark_start, *outs[:-1]]
+        return tuple(max(elapsed(a, b), 0.0) for a, b in zip(before, ins, strict=True)), elapsed(outs[-1], self.mark_end)
+
     def report(self, step_s: float) -> StepReport:
         cuda_peak = self.backend.peak_bytes()
         # host-clock gaps mean compute only where compute is synchronous, and only for a whole step
         timed = self.backend.emulated and not self.diverged and len(self.gaps) == self.trace.n_events
+        gaps, tail = (tuple(self.gaps), self.tail_s) if timed else self._device_gaps()
         return StepReport(
             step=self.rt.steps, mode="diverged" if self.diverged else "execute", step_s=step_s,
             stall_s=self.stall_s + self.backend.take_device_stall_s(),  # CUDA: compute's waits on the device
@@ -1152,6 +1188,6 @@ class _ExecuteStep(_StepExecution):
             divergence=self.divergence,
             guard_evictions=self.guard, kept_small=int(self.rt.plan.meta.get("kept_small", 0)), cuda_peak_bytes=cuda_peak,
             hook_s=self.hook_s, copies=self.copies, waits=self.waits,
-            gaps_s=tuple(self.gaps) if timed else None, tail_s=self.tail_s if timed else None,
+            gaps_s=gaps, tail_s=tail,
             measured_peak_bytes=self.measured_peak(), unowned_bytes=int(self.trace.meta.get("unowned_bytes", 0)),
         )

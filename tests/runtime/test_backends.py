@@ -174,3 +174,23 @@ def test_cuda_copies_run_on_the_tensors_own_device():
     be.wait_host(back)
     assert back.dst.device == torch.device("cuda:1") and out.device == torch.device("cuda:1")
     assert torch.equal(back.dst, flat)
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_retimes_its_trace_from_executed_steps_with_timing_events():
+    """Finding 8 of issue 15: the first executed steps mark each hook in the compute order; the
+    trace is re-timed from those device gaps once, and later steps mark nothing."""
+    case = build_model("gpt", "small", seed=2, device="cuda")
+    rt = SwapRuntime(budget="50%", policy="min", backend="cuda", model=case.model, min_bytes=0, retime_steps=2)
+    reports = []
+    for _ in range(6):
+        with rt.step():
+            case.loss().backward()
+        reports.append(rt.report())
+    trace = rt.trace
+    rt.close()
+    assert [r.mode for r in reports] == ["profile"] * 3 + ["execute"] * 3
+    assert reports[3].gaps_s is not None and reports[4].gaps_s is not None and reports[5].gaps_s is None
+    assert trace.meta["timed_by_execution"] == 2 and len(reports[3].gaps_s) == trace.n_events
+    assert all(g >= 0 for g in reports[3].gaps_s) and sum(reports[3].gaps_s) <= reports[3].step_s

@@ -598,3 +598,33 @@ def test_making_room_orders_compute_after_the_swap_out_instead_of_waiting_on_the
         rep = rt.report()
     assert rep.mode == "execute" and rep.waits > 0 and backend.used_outs > 0
     assert rep.peak_device_bytes <= rep.budget_bytes
+
+
+def test_a_real_device_times_its_gaps_with_marks_until_the_trace_is_retimed():
+    """Finding 8 of issue 15: on a device that is not the host (CUDA), executed steps mark each
+    hook's start and end in the compute order and re-time the trace from those marks, once. Here a
+    CPU backend that claims not to be emulated stands in; its marks are the host clock."""
+    from swapsched.runtime.backends import CpuBackend
+
+    class DeviceLike(CpuBackend):
+        emulated = False
+
+    case = build_model("gpt", "tiny", seed=2)
+    with SwapRuntime(budget="60%", policy="min", backend=DeviceLike(), min_bytes=0, model=case.model,
+                     retime_steps=2) as rt:
+        reports = []
+        for _ in range(6):
+            with rt.step():
+                case.loss().backward()
+            reports.append(rt.report())
+        trace = rt.trace
+    n = trace.n_events
+    timed = [r for r in reports if r.gaps_s is not None]
+    assert [r.mode for r in reports] == ["profile"] * 3 + ["execute"] * 3
+    assert reports[3] in timed and reports[4] in timed and reports[5] not in timed  # marks stop once re-timed
+    assert trace.meta["timed_by_execution"] == 2
+    for r in timed:
+        assert len(r.gaps_s) == n and min(r.gaps_s) >= 0 and r.tail_s >= 0
+        assert sum(r.gaps_s) + r.tail_s <= r.step_s  # gaps leave the hooks' own time out
+    expected = np.median([timed[0].gaps_s, timed[1].gaps_s], axis=0)
+    assert [e.compute_s for e in trace.events] == pytest.approx(expected.tolist(), rel=1e-12)
