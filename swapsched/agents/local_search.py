@@ -208,13 +208,17 @@ def improve(trace: Trace, budget: int, hardware: Hardware, start: SwapPlan, *, s
     deadline = time.perf_counter() + seconds
     state = _SearchState(trace, budget, hardware, {e.tensor: (e.swap_out_at, e.prefetch_at) for e in start.evictions})
     evals = 1
-    while (time.perf_counter() < deadline and (max_evals is None or evals < max_evals)
+    eval_s, sims = 0.0, 0  # mean seconds per simulation: the search stops when the next would overrun
+    while (time.perf_counter() + eval_s < deadline and (max_evals is None or evals < max_evals)
            and state.score > target * (1 + 1e-9)):
         c, m = state.propose(rng, weights)
         if m is None:
             continue
         cand = state.apply(m)
+        t_sim = time.perf_counter()
         r2 = simulate(trace, [Eviction(k, o, p) for k, (o, p) in cand.items()], hardware, budget, validate=False)
+        sims += 1
+        eval_s += (time.perf_counter() - t_sim - eval_s) / sims
         evals += 1
         s = plan_score(r2, trace)
         better = s < state.score - 1e-12 * max(state.score, 1.0)
