@@ -333,13 +333,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         from swapsched.runtime.backends import resolve_backend
 
         others = args.compare_policies or [p for p in policy_names() if p not in (args.policy, "optimal", "swapadvisor")]
+        from tqdm import tqdm
+
         others = [p for p in others if p != args.policy]
-        for pol in others:
-            results.append(run_runtime(args.model, pol, args.budget, args.steps, backend=args.backend,
-                                       bandwidth=args.bandwidth, hardware=args.hardware, **common))
         device = resolve_backend(args.backend)
-        for peer in PEERS:
-            results.append(run_peer(peer, args.model, args.steps, device=device, **common))
+        bar = tqdm([*others, *PEERS], desc="compare", unit="method", disable=not progress, file=sys.stderr)
+        for method in bar:
+            bar.set_postfix_str(method)
+            if method in PEERS:
+                results.append(run_peer(method, args.model, args.steps, device=device, **common))
+            else:
+                results.append(run_runtime(args.model, method, args.budget, args.steps, backend=args.backend,
+                                           bandwidth=args.bandwidth, hardware=args.hardware, **common))
     base = next((r.step_s_median for r in results if r.method == "plain"), None)
     print()
     print(_run_table(results, base))
