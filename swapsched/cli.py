@@ -204,12 +204,12 @@ def _print_result(r: dict[str, Any]) -> None:
     if r["oom"]:
         print(f"OOM at event {r['oom_event']}: the plan does not fit {format_bytes(r['budget_bytes'])}")
     else:
-        print(f"step {1e3 * r['iteration_s']:.3f} ms   ideal {1e3 * r['ideal_s']:.3f} ms   overhead {100 * r['overhead']:+.2f}%"
+        print(f"step {1e3 * r['iteration_s']:.3f} ms   ideal {1e3 * r['ideal_s']:.3f} ms   overhead {round(100 * r['overhead'], 2) + 0.0:+.2f}%"
               f"   stall {1e3 * r['stall_s']:.3f} ms")
     print(f"peak {format_bytes(r['peak_bytes'])} of budget {format_bytes(r['budget_bytes'])}   "
           f"moved d2h {format_bytes(r['d2h_bytes'])}  h2d {format_bytes(r['h2d_bytes'])}")
     if r.get("bound_s") is not None:
-        print(f"proven lower bound {1e3 * r['bound_s']:.3f} ms: this plan is within {100 * r['gap']:.2f}% of the best possible")
+        print(f"proven lower bound {1e3 * r['bound_s']:.3f} ms: this plan is within {max(100 * r['gap'], 0.0):.2f}% of the best possible")
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
