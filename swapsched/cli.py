@@ -502,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--seed", type=int, default=0, help="seed of the randomized policies (default 0)")
     sp.add_argument("--search-seconds", type=_positive_float, default=2.0, help="time box of swapadvisor per case")
     sp.add_argument("--json", metavar="OUT", type=_out_file, help="write every row and the summary as JSON")
-    sp.add_argument("--plot", metavar="PNG", type=_out_file, help="bar chart of overheads (+ PNG-timeline for the first case)")
+    sp.add_argument("--plot", metavar="PNG", type=_out_file, help="heat map of each policy's step over the R8 floor per budget (+ PNG-timeline for the first case)")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     sp = add("run", cmd_run, "Train a zoo model with the live runtime; --compare runs every policy and PyTorch's peers.")
