@@ -373,6 +373,7 @@ class SwapRuntime:
         self.steps = 0
         self._report: StepReport | None = None
         self._tally = _RunTally()
+        self._closed = False
         self._exec: _StepExecution | None = None
 
     # ------------------------------------------------------------------ the public surface
@@ -381,6 +382,8 @@ class SwapRuntime:
         """One training step (forward and backward) under the runtime."""
         if self._exec is not None:
             raise UserError("runtime.step() is already active; steps cannot nest")
+        if self._closed:
+            raise UserError("this runtime is closed (its copy engines are stopped); make a new SwapRuntime")
         # the step is timed on the device: what is queued before it (the last optimizer step)
         # finishes first, and the step ends when the device has run it (below)
         self.backend.synchronize()
@@ -457,6 +460,7 @@ class SwapRuntime:
 
     def close(self) -> None:
         """Stop the copy engines. ``with SwapRuntime(...) as runtime:`` closes itself."""
+        self._closed = True
         self.backend.shutdown()
 
     def _device_timed_step(self) -> bool:

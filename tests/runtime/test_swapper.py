@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from swapsched.deploy import SwapRuntime
+from swapsched.errors import UserError
 from swapsched.plan import Eviction, SwapPlan
 from swapsched.zoo import build_model
 from tests.conftest import train_together
@@ -520,6 +521,8 @@ def test_the_runtime_closes_itself_as_a_context_manager_and_reports_the_run():
             case.model(torch.randn(3, 256)).sum().backward()
         run = rt.report().run
     assert not rt.backend.d2h.is_alive() and not rt.backend.h2d.is_alive()  # closed on leaving the block
+    with pytest.raises(UserError, match="this runtime is closed"), rt.step():
+        pass
     assert (run.steps, run.profiled, run.executed, run.diverged) == (7, 3, 3, 1)
     steps = []
     with SwapRuntime(budget="50%", policy="swap-all", backend="cpu", min_bytes=0, model=ref.model) as rt:
