@@ -11,7 +11,7 @@ pytest.importorskip("accelerate")
 from swapsched.integrations.hf import swap_trainer  # noqa: E402
 
 
-def _trainer(tmp_path, name):
+def _trainer(tmp_path, name, accumulate=1):
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)
@@ -20,18 +20,20 @@ def _trainer(tmp_path, name):
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (32, 32), generator=gen)]
     args = transformers.TrainingArguments(output_dir=str(tmp_path / name), per_device_train_batch_size=4, max_steps=7,
                                           learning_rate=1e-3, report_to=[], save_strategy="no", logging_strategy="no",
-                                          use_cpu=True, seed=0, disable_tqdm=True)
+                                          use_cpu=True, seed=0, disable_tqdm=True,
+                                          gradient_accumulation_steps=accumulate)
     return transformers.Trainer(model=model, args=args, train_dataset=data)
 
 
-def test_one_line_trains_bit_identically_and_swaps(tmp_path):
-    plain, swapped = _trainer(tmp_path, "plain"), _trainer(tmp_path, "swapped")
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_one_line_trains_bit_identically_and_swaps(tmp_path, accumulate):
+    plain, swapped = _trainer(tmp_path, "plain", accumulate), _trainer(tmp_path, "swapped", accumulate)
     runtime = swap_trainer(swapped, budget="60%", policy="min", backend="cpu", min_bytes=0)  # the one line
     plain.train()
     swapped.train()
     rep = runtime.report()
     assert rep.mode == "execute" and rep.evicted_bytes > 0 and rep.peak_device_bytes <= rep.budget_bytes
-    assert rep.run.steps == 7 and rep.run.executed == 4
+    assert rep.run.steps == 7 * accumulate and rep.run.executed == 7 * accumulate - 3  # a runtime step per micro-batch
     assert not runtime.backend.d2h.is_alive()  # closed when training ended
     for p, q in zip(plain.model.parameters(), swapped.model.parameters(), strict=True):
         assert torch.equal(p, q)
