@@ -36,6 +36,16 @@ def hw() -> Hardware:
     return make_hw()
 
 
+def step_reports(rt: Any, case: Any, steps: int) -> list[Any]:
+    """``steps`` training steps of the zoo ``case`` under ``rt``: each step's report."""
+    reports = []
+    for _ in range(steps):
+        with rt.step():
+            case.loss().backward()
+        reports.append(rt.report())
+    return reports
+
+
 def train_together(a: torch.nn.Module, b: torch.nn.Module, rt: Any, steps: int,
                    run: Callable[[torch.nn.Module, int], torch.Tensor]) -> list[Any]:
     """Step ``a`` under ``rt`` and ``b`` plainly with ``run(model, step)`` (which returns the loss

@@ -10,6 +10,7 @@ import torch
 from swapsched.deploy import SwapRuntime
 from swapsched.runtime.backends import CpuBackend, HostPool
 from swapsched.zoo import build_model
+from tests.conftest import step_reports
 
 
 def test_throttled_copies_take_link_time_and_round_trip_exactly():
@@ -183,11 +184,7 @@ def test_cuda_retimes_its_trace_from_executed_steps_with_timing_events():
     trace is re-timed from those device gaps once, and later steps mark nothing."""
     case = build_model("gpt", "small", seed=2, device="cuda")
     rt = SwapRuntime(budget="50%", policy="min", backend="cuda", model=case.model, min_bytes=0, retime_steps=2)
-    reports = []
-    for _ in range(6):
-        with rt.step():
-            case.loss().backward()
-        reports.append(rt.report())
+    reports = step_reports(rt, case, 6)
     trace = rt.trace
     rt.close()
     assert [r.mode for r in reports] == ["profile"] * 3 + ["execute"] * 3

@@ -15,7 +15,7 @@ from swapsched.deploy import SwapRuntime
 from swapsched.errors import UserError
 from swapsched.plan import Eviction, SwapPlan
 from swapsched.zoo import build_model
-from tests.conftest import train_together
+from tests.conftest import step_reports, train_together
 
 POLICIES = ["no-swap", "swap-all", "vdnn-all", "vdnn-conv", "min", "capuchin", "swapadvisor", "default"]
 
@@ -258,11 +258,7 @@ def test_report_before_any_step_is_an_error():
 def test_cpu_runtime_retimes_its_trace_from_executed_steps():
     case = build_model("gpt", "tiny")
     rt = SwapRuntime(budget="100%", policy="no-swap", backend="cpu", model=case.model, retime_steps=2)
-    reports = []
-    for _ in range(rt.profile_steps + 1):
-        with rt.step():
-            case.loss().backward()
-        reports.append(rt.report())
+    reports = step_reports(rt, case, rt.profile_steps + 1)
     profiled, predicted = rt.trace, rt.predicted_s
     assert "timed_by_execution" not in profiled.meta and rt.hardware.hook_cost_s == 0
     with rt.step():
@@ -524,12 +520,8 @@ def test_the_runtime_closes_itself_as_a_context_manager_and_reports_the_run():
     with pytest.raises(UserError, match="this runtime is closed"), rt.step():
         pass
     assert (run.steps, run.profiled, run.executed, run.diverged) == (7, 3, 3, 1)
-    steps = []
     with SwapRuntime(budget="50%", policy="swap-all", backend="cpu", min_bytes=0, model=ref.model) as rt:
-        for _ in range(6):
-            with rt.step():
-                ref.loss().backward()
-            steps.append(rt.report())
+        steps = step_reports(rt, ref, 6)
     run = rt.report().run
     executed = [r for r in steps if r.mode == "execute"]
     assert run.executed == len(executed) == 3 and run.median_step_s == sorted(r.step_s for r in executed)[1]
@@ -615,11 +607,7 @@ def test_a_real_device_times_its_gaps_with_marks_until_the_trace_is_retimed():
     case = build_model("gpt", "tiny", seed=2)
     with SwapRuntime(budget="60%", policy="min", backend=DeviceLike(), min_bytes=0, model=case.model,
                      retime_steps=2) as rt:
-        reports = []
-        for _ in range(6):
-            with rt.step():
-                case.loss().backward()
-            reports.append(rt.report())
+        reports = step_reports(rt, case, 6)
         trace = rt.trace
     n = trace.n_events
     timed = [r for r in reports if r.gaps_s is not None]
