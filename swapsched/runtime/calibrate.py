@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from scipy.optimize import nnls
 
 from swapsched.hardware import DEFAULT_GPU_HARDWARE, Hardware, load_hardware
 from swapsched.plan import Eviction, SwapPlan, on_demand_plan
 from swapsched.runtime.backends import Backend, CpuBackend, CudaBackend
+from swapsched.runtime.retime import nonnegative_fit
 from swapsched.trace import Trace
 
 if TYPE_CHECKING:
@@ -234,11 +234,7 @@ def calibrate_host(backend_name: str, bandwidth: float | None = None, rounds: in
             # what the plan adds, against the no-eviction steps of the same round (the machine's
             # speed drifts by tens of percent over minutes, much less within one round)
             ys.append(med(med(net(r) for r in mv) - med(net(r) for r in kp) for mv, kp in zip(plan_rounds, keep, strict=False)))
-    a = np.array(rows, dtype=np.float64)
-    scale = np.maximum(np.abs(a).max(axis=0), 1.0)  # columns of very different magnitudes (copies, bytes)
-    # non-negative least squares: a cost the data would make negative is 0, and the others are
-    # fitted without it (clipping an ordinary fit afterwards would leave them biased)
-    coef = nnls(a / scale, np.maximum(np.array(ys), 0.0))[0] / scale
+    coef = nonnegative_fit(np.array(rows, dtype=np.float64), np.maximum(np.array(ys), 0.0))
     issue, per_byte, resume = (float(c) for c in coef)
     return HostCosts(max(med(hooks), 0.0), issue, per_byte, resume)
 

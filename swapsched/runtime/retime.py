@@ -19,7 +19,7 @@ from swapsched.trace import Trace
 if TYPE_CHECKING:
     from swapsched.runtime.swapper import StepReport
 
-__all__ = ["timed_by_execution", "median_trace", "fitted_host_costs"]
+__all__ = ["timed_by_execution", "median_trace", "fitted_host_costs", "nonnegative_fit"]
 
 
 def timed_by_execution(trace: Trace, reports: list[StepReport]) -> Trace:
@@ -53,12 +53,18 @@ def fitted_host_costs(hardware: Hardware, reports: list[StepReport], n_events: i
         return hardware
     if len({row[1:] for row in rows}) < 2:
         return replace(hardware, hook_cost_s=float(np.median(y)) / max(n_events, 1))
+    hook, issue, per_byte = (float(c) for c in nonnegative_fit(np.array(rows, dtype=np.float64), y))
+    return replace(hardware, hook_cost_s=hook, copy_issue_s=issue, copy_host_s_per_byte=per_byte)
+
+
+def nonnegative_fit(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Costs ``c >= 0`` minimizing ``|a c - y|``: a cost the data would make negative is 0, and the
+    others are fitted without it (clipping an ordinary fit afterwards would leave them biased).
+    Columns are scaled first, since they differ by orders of magnitude (copies, bytes)."""
     from scipy.optimize import nnls
 
-    a = np.array(rows, dtype=np.float64)
-    scale = np.maximum(np.abs(a).max(axis=0), 1.0)  # columns of very different magnitudes
-    hook, issue, per_byte = (float(c) for c in nnls(a / scale, y)[0] / scale)
-    return replace(hardware, hook_cost_s=hook, copy_issue_s=issue, copy_host_s_per_byte=per_byte)
+    scale = np.maximum(np.abs(a).max(axis=0), 1.0)
+    return np.asarray(nnls(a / scale, y)[0] / scale)
 
 
 def median_trace(traces: list[Trace]) -> Trace:
