@@ -7,39 +7,17 @@ editor) and ``NAME.moves.npz`` (the search's move prior). See :class:`LearnedPol
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from swapsched._paths import checkpoint_dir
-from swapsched.errors import UserError
+from swapsched.agents.checkpoint import ENV_VERSION, CheckpointError, check_card, resolve_checkpoint
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.trace import Trace
 
 __all__ = ["LearnedPolicy", "CheckpointError", "resolve_checkpoint", "check_card", "greedy_rollout", "ENV_VERSION"]
-
-
-class CheckpointError(UserError):
-    """A checkpoint is missing or unreadable."""
-
-
-def resolve_checkpoint(name_or_path: str | Path) -> Path:
-    p = Path(name_or_path)
-    if p.suffix == ".zip" or p.is_file():
-        if not p.is_file():
-            raise CheckpointError(f"checkpoint {p} not found")
-        return p
-    cand = checkpoint_dir() / f"{name_or_path}.zip"
-    if not cand.is_file():
-        known = sorted(q.stem for q in checkpoint_dir().glob("*.zip"))
-        raise CheckpointError(
-            f"no pretrained policy {str(name_or_path)!r}; shipped: {', '.join(known) or 'none'} "
-            "(train one with: swapsched train-policy)"
-        )
-    return cand
 
 
 #: How a checkpoint plans: ``search`` (``default``), ``greedy`` (``default-greedy``), ``ppo`` (``default-ppo``).
@@ -77,19 +55,16 @@ class LearnedPolicy:
         if self.mode not in MODES:
             raise CheckpointError(f"unknown mode {self.mode!r}; one of {', '.join(MODES)}")
         self.path = resolve_checkpoint(self.checkpoint)
-        check_card(self.path)
+        self.card = check_card(self.path)
         if self.name == "learned":
             suffix = {"search": "", "greedy": "-greedy", "ppo": "-ppo"}[self.mode]
             self.name = f"default{suffix}" if self.path.stem == "default" else f"learned{suffix}:{self.path.stem}"
 
     def _load(self) -> Any:
         if self._model is None:
-            from sb3_contrib import MaskablePPO
+            from swapsched.agents.checkpoint import load_ppo
 
-            try:
-                self._model = MaskablePPO.load(str(self.path), device="cpu")
-            except Exception as exc:  # zip/pickle errors of many kinds: say which file
-                raise CheckpointError(f"cannot load checkpoint {self.path}: {exc}") from None
+            self._model = load_ppo(self.path, card=self.card, device="cpu")  # deserializes no pickle
         return self._model
 
     def _move_prior(self) -> Any:
@@ -160,24 +135,3 @@ def greedy_rollout(model: Any, trace: Trace, budget: int, hardware: Hardware, na
         obs, _, terminated, truncated, _ = env.step(int(action))
         done = terminated or truncated
     return SwapPlan.of(trace, name, env.evictions)
-
-
-#: What a checkpoint's observations and actions mean; a card recording another version was trained
-#: for a different SwapEnv and cannot be used by this code.
-ENV_VERSION = 1
-
-
-def check_card(path: Path) -> dict[str, Any]:
-    """The checkpoint's card (``NAME.json``), checked against this code's ``ENV_VERSION``."""
-    card_path = path.with_suffix(".json")
-    if not card_path.is_file():
-        return {}
-    try:
-        card = json.loads(card_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint card {card_path} is unreadable ({exc}); delete it or retrain") from None
-    version = card.get("env_version", 1) if isinstance(card, dict) else None
-    if version != ENV_VERSION:
-        raise CheckpointError(f"checkpoint {path.name} was trained for SwapEnv version {version}, this swapsched has "
-                              f"version {ENV_VERSION}; retrain it with: swapsched train-policy --out {path}")
-    return card

@@ -233,14 +233,11 @@ def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True,
     venv.seed(config.seed)
     tb = str(tensorboard) if tensorboard else None
     if resume is not None:
-        from swapsched.agents.learned import check_card, resolve_checkpoint
+        from swapsched.agents.checkpoint import check_card, load_ppo, resolve_checkpoint
 
         path = resolve_checkpoint(resume)
-        check_card(path)
-        try:
-            model = MaskablePPO.load(str(path), env=venv, device="cpu", tensorboard_log=tb)
-        except Exception as exc:
-            raise TrainConfigError(f"cannot resume from {path}: {exc}") from None
+        # spaces from the environment, schedules from the card's config: nothing unpickled
+        model = load_ppo(path, venv, card=check_card(path), device="cpu", tensorboard_log=tb)
     else:
         ppo = dict(config.ppo)
         net_arch = ppo.pop("net_arch", [128, 128])

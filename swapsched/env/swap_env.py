@@ -92,6 +92,12 @@ class SwapEnv(gym.Env):
 
     metadata = {"render_modes": []}
 
+    @staticmethod
+    def spaces() -> tuple[spaces.Box, spaces.Discrete]:
+        """The observation and action spaces, the same for every trace (a checkpoint is loaded
+        against these, not against spaces unpickled from its file)."""
+        return spaces.Box(0.0, 1.0, (N_FEATURES,), dtype=np.float32), spaces.Discrete(1 + len(LEADS))
+
     def __init__(
         self,
         traces: Sequence[Trace] | None = None,
@@ -113,9 +119,8 @@ class SwapEnv(gym.Env):
             raise ValueError(f"budget_range must satisfy 0 < low <= high <= 1, got {budget_range}")
         self.budget_range = (float(lo), float(hi))
         self.oom_penalty = float(oom_penalty)
-        self.n_actions = 1 + len(LEADS)
-        self.action_space = spaces.Discrete(self.n_actions)
-        self.observation_space = spaces.Box(0.0, 1.0, (N_FEATURES,), dtype=np.float32)
+        self.observation_space, self.action_space = self.spaces()
+        self.n_actions = int(self.action_space.n)
         self.evictions: list[Eviction] = []
 
     # ------------------------------------------------------------------ episode set-up
