@@ -176,14 +176,18 @@ class SwapEnv(gym.Env):
             t = self.table
             p = self.pos
             a, z = t.keep_from[p], t.first_unpack[p]
-            if z > a:
-                # the account over the gaps keeping would occupy; each eviction occupies a suffix
-                suffix_max = np.maximum.accumulate(self.lower[a:z][::-1])[::-1]
+            # the account over the gaps the choices would occupy, each a suffix of [lo, z): keeping
+            # from the program's release (a), an eviction from its prefetch, which may come before
+            # that release (R2: the swap-in buffer and the original held by the program coexist)
+            lo = t.swap_out[p] + 1  # <= a, and <= every occupy_from
+            if z > lo:
+                suffix_max = np.maximum.accumulate(self.lower[lo:z][::-1])[::-1]
                 room = self.budget - t.bytes[p]
-                mask[0] = suffix_max[0] <= room
+                if z > a:
+                    mask[0] = suffix_max[a - lo] <= room
                 for i, start in enumerate(t.occupy_from[p]):
                     if start < z:
-                        mask[1 + i] = suffix_max[start - a] <= room
+                        mask[1 + i] = suffix_max[start - lo] <= room
         self._mask, self._mask_pos = mask, self.pos
         return mask.copy()
 

@@ -72,3 +72,21 @@ def test_latency_makes_the_bound_tighter_than_the_floor():
     best = simulate(tr, Optimal().plan(tr, 100, hw), hw, 100)
     assert bound.bound_s > analytic_floor(tr, 100, hw) + 1e-9
     assert bound.bound_s <= best.iteration_s
+
+
+def test_two_swap_outs_share_the_device_to_host_engine_before_one_gap():
+    # T0, T1 of 100 B, T2 of 200 B; 100 B/s links, no latency; budget 200. Gaps 1, 0, 0, 1, 1, 1
+    # (ideal 4 s). T2's gap (e2, ideal start t=1) needs both T0 and T1 away. T0 can leave after
+    # e0 (t=1), T1 after e1 (t=1); one d2h engine copies them one after the other, 1 -> 2 -> 3, so
+    # gap 2 starts at 3: 2 s stall, and the backward copies fit in its 1 s gaps (T2 is freed at
+    # e3, then T1 and T0 come back 4 -> 5 -> 6 for e4 at 5 and e5 at 6). Step 6 s, the optimum.
+    # Each copy alone needs only 1 s before gap 2 and the R8 floor is max(1, 2) + max(3, 2) = 5:
+    # only the engine's capacity over [end of gap 0, start of gap 2] proves 6.
+    tr = make_trace([100, 100, 200], [("pack", 0, 1.0), ("pack", 1, 0.0), ("pack", 2, 0.0), ("unpack", 2, 1.0),
+                                      ("unpack", 1, 1.0), ("unpack", 0, 1.0)])
+    hw = make_hw()
+    assert analytic_floor(tr, 200, hw) == 5.0
+    best = simulate(tr, Optimal().plan(tr, 200, hw), hw, 200)
+    assert best.iteration_s == 6.0
+    bound = lower_bound(tr, 200, hw)
+    assert bound.bound_s == pytest.approx(6.0, rel=1e-6) and bound.status == "milp"

@@ -146,6 +146,49 @@ def test_wait_resume_follows_each_stall(two_tensors, hw):
     assert simulate(two_tensors, [Eviction(0, 0, 2)], _with(hw, wait_resume_s=0.5), 200).host_s == 0.0  # no wait
 
 
+def test_a_swap_in_waits_for_its_own_swap_out(two_tensors):
+    # R6: T0 out at e0 (t=1) on a 25 B/s link: 1 -> 5. Its prefetch is issued at e0 as well and
+    # admitted at once (budget 300: T0, its swap-in buffer and T1 fit), but its copy may start only
+    # when the host copy is whole: max(1, h2d free 0, out done 5) = 5, 100 B/s: 5 -> 6. Gaps: e1
+    # at 2, e2 at 4, e3 at 5, where T0 is needed: stall 1 s, step 6.
+    r = simulate(two_tensors, [Eviction(0, 0, 0)], make_hw(d2h=25, h2d=100), 300, record=True)
+    assert r.timeline.d2h == ((1.0, 5.0, 0),) and r.timeline.h2d == ((5.0, 6.0, 0),)
+    assert r.iteration_s == 6.0 and r.stall_bwd_s == 1.0 and r.stall_fwd_s == 0.0
+
+
+def test_a_swap_out_is_issued_before_a_prefetch_planned_at_the_same_event(two_tensors, hw):
+    # R5: at e0 (t=1), (c) issues T0's swap-out (1 -> 2), then (d) its prefetch, which the plan
+    # puts at e0 too: T0 is OUT, so the prefetch is queued and copies 2 -> 3 once the swap-out is
+    # done. e3 (t=5) finds T0 resident: step 5, no stall. The other order would see T0 still
+    # resident at (d), drop the prefetch, and bring T0 back on demand at e3: 5 -> 6.
+    r = simulate(two_tensors, [Eviction(0, 0, 0)], hw, 300, record=True)
+    assert r.timeline.h2d == ((2.0, 3.0, 0),)
+    assert r.iteration_s == 5.0 and r.stall_s == 0.0
+
+
+def test_copy_latency_is_paid_by_every_copy(hw):
+    # Two 100 B swap-outs issued together at e1 (t=2), 0.5 s latency each: the d2h engine runs
+    # them 2 -> 3.5 and 3.5 -> 5 (1 s of bytes + 0.5 s each). Both come back on demand: T1 at e2
+    # (t=7): 7 -> 8.5; T0 at e3 (t=9.5 after its 1 s gap): 9.5 -> 11. Stall 1.5 + 1.5, step 11.
+    tr = make_trace([100, 100], [("pack", 0, 1), ("pack", 1, 1), ("unpack", 1, 5), ("unpack", 0, 1)])
+    r = simulate(tr, [Eviction(0, 1, 3), Eviction(1, 1, 2)], make_hw(latency=0.5), 200, record=True)
+    assert [(a, b) for a, b, _ in r.timeline.d2h] == [(2.0, 3.5), (3.5, 5.0)]
+    assert [(a, b) for a, b, _ in r.timeline.h2d] == [(7.0, 8.5), (9.5, 11.0)]
+    assert r.iteration_s == 11.0 and r.stall_s == 3.0
+
+
+def test_a_tensor_unpacked_twice_is_freed_at_its_last_unpack(hw):
+    # T0, T1 of 100 B; T1 is unpacked at e2 and again at e3. Gaps 1, 1, 1, 1, 0. Budget 100.
+    # T0 out at e0 (t=1): 1 -> 2; T1's gap waits for it (R4): 1 s forward stall, e1 at 3, e2 at 4.
+    # T0's prefetch is issued at e2 but T1 still holds the 100 B (its last unpack is e3): it waits
+    # for room (R6) until T1 is freed at e3 (t=5), copies 5 -> 6, and e4 (t=5, a zero gap) stalls
+    # 1 s: step 6. Freed at its first unpack, T1 would leave room at e2: the copy 4 -> 5, no stall.
+    tr = make_trace([100, 100], [("pack", 0, 1), ("pack", 1, 1), ("unpack", 1, 1), ("unpack", 1, 1), ("unpack", 0, 0)])
+    r = simulate(tr, [Eviction(0, 0, 2)], hw, 100, record=True)
+    assert r.timeline.h2d == ((5.0, 6.0, 0),)
+    assert r.stall_fwd_s == 1.0 and r.stall_bwd_s == 1.0 and r.iteration_s == 6.0 and r.peak_bytes == 100
+
+
 def test_plan_breaking_r7_is_rejected(two_tensors, hw):
     with pytest.raises(PlanError, match="R7"):
         simulate(two_tensors, [Eviction(0, 3, 3)], hw, 200)
@@ -213,6 +256,20 @@ def test_properties_of_any_valid_plan(case):
     assert r.stall_s == pytest.approx(r.iteration_s - r.ideal_s, abs=1e-9)
     moved = sum(tr.tensors[e.tensor].bytes for e in plan.evictions)
     assert r.d2h_bytes == r.h2d_bytes == moved
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces_and_plans())
+def test_every_swap_in_starts_after_its_swap_out_ends(case):
+    """R6 on any plan: a host copy is read back only once it is whole, and each engine runs one
+    copy at a time, in issue order."""
+    tr, plan, hw, budget = case
+    r = simulate(tr, plan, hw, budget, record=True)
+    out_end = {k: end for _, end, k in r.timeline.d2h}
+    for start, _, k in r.timeline.h2d:
+        assert start >= out_end[k]
+    for copies in (r.timeline.d2h, r.timeline.h2d):
+        assert all(b[0] >= a[1] for a, b in zip(copies, copies[1:], strict=False))
 
 
 @settings(max_examples=100, deadline=None)

@@ -11,7 +11,7 @@ from swapsched.budget import BudgetError
 from swapsched.env.corpus import load_corpus
 from swapsched.env.simulator import simulate
 from swapsched.env.swap_env import N_FEATURES, SwapEnv
-from swapsched.plan import SwapPlan
+from swapsched.plan import Eviction, SwapPlan
 from tests.conftest import make_hw, make_trace
 
 
@@ -96,6 +96,47 @@ def test_keep_is_masked_when_it_cannot_fit():
     assert env.tensor == 0 and not mask[0] and mask[1]
     env.reset(options={"trace": 0, "hardware": 0, "budget_bytes": 200})
     assert env.action_masks().all()
+
+
+def _held_after_swap_out(tr, released_at: dict[int, int]):
+    """``tr`` with tensors held by the program through a later gap than their last pack (R2)."""
+    from dataclasses import replace
+
+    tensors = tuple(replace(t, released_at=released_at.get(t.id)) for t in tr.tensors)
+    return replace(tr, tensors=tensors)
+
+
+def test_an_early_prefetch_counts_beside_the_original_the_program_still_holds():
+    # T0, T1 of 100 B: e0 pack0 @1, e1 pack1 @1, e2 unpack1, e3 unpack0; the program holds T0
+    # through gap 1 (it computes T1 from it: released_at 1). Budget 250.
+    # Evicting T0 at e0 with its prefetch at e0 (action 6): the swap-in buffer is allocated at e0,
+    # so gap 1 holds T0 (the program's), its swap-in buffer and T1 = 300 > 250: an OOM, since the
+    # swap-out frees nothing while the program holds T0. Keeping T0 holds 200 at gap 1; evicting
+    # on demand holds 200 too. Only the earliest prefetch may be refused.
+    tr = _held_after_swap_out(make_trace([100, 100], [("pack", 0, 1), ("pack", 1, 1), ("unpack", 1, 1), ("unpack", 0, 1)]),
+                              {0: 1})
+    hw = make_hw()
+    env = SwapEnv(traces=[tr], hardware=[hw])
+    env.reset(options={"trace": 0, "hardware": 0, "budget_bytes": 250})
+    mask = env.action_masks()
+    assert env.tensor == 0 and mask[0] and mask[1] and not mask[6]
+    assert simulate(tr, [Eviction(0, 0, 0)], hw, 250).oom  # what the refused action would do
+    assert not simulate(tr, [Eviction(0, 0, 3)], hw, 250).oom
+
+
+def test_an_agent_following_the_mask_never_ooms_where_the_program_holds_tensors_late(corpus):
+    """As below, on traces whose tensors are released gaps after their last pack, as the runtime
+    measures them (the corpus's are released at their last pack)."""
+    rng = np.random.default_rng(2)
+    traces = []
+    for tr in corpus[:8]:
+        late = {t: int(min(tr.last_forward_pack[t] + rng.integers(0, 4), tr.first_unpack[t] - 1))
+                for t in range(tr.n_tensors) if rng.random() < 0.5}
+        traces.append(_held_after_swap_out(tr, late))
+    env = SwapEnv(traces=traces, budget_range=(0.01, 0.6))
+    for seed in range(60):
+        _, info = _rollout(env, lambda m, o: int(rng.choice(np.flatnonzero(m))), seed=seed)
+        assert "oom_event" not in info, (env.trace.name, env.budget)
 
 
 def test_an_agent_following_the_mask_never_ooms(corpus):

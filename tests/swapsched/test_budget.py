@@ -27,6 +27,12 @@ def test_percent_of_activation_peak(trace):
     assert parse_budget("75%", trace) == 1150
 
 
+def test_a_percentage_that_does_not_divide_evenly_rounds_down(trace):
+    # 77.7% of the 200 B above static is 155.4 B: the budget is 1155, never more than asked for
+    assert parse_budget("77.7%", trace) == 1155
+    assert parse_budget("50.9%", trace) == 1101  # 101.8 B
+
+
 @pytest.mark.parametrize("spec, message", [
     ("-1GiB", "must be a positive amount"), ("0", "must be a positive amount"),
     ("lots", "not understood"), ("150%", "over 100%"), ("5 parsecs", "unknown unit"),
