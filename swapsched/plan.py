@@ -1,4 +1,5 @@
-"""SwapPlan: which saved tensors to evict, when to swap each out and when to prefetch it (R7)."""
+"""SwapPlan: which saved tensors to evict, when to swap each out and when to prefetch it (R7), and
+which blocks to recompute instead (R9)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ __all__ = [
 ]
 
 FORMAT = "swapsched.plan"
-VERSION = 1
+#: 2 adds ``recompute`` (R9); version-1 files (swap only) still load.
+VERSION = 2
+READS = (1, 2)
 
 
 class PlanError(UserError):
@@ -41,16 +44,25 @@ class Eviction:
 
 @dataclass(frozen=True)
 class SwapPlan:
-    """The decision for one trace. Tensors not listed stay resident."""
+    """The decision for one trace: per saved tensor keep (not listed), swap (an eviction) or
+    recompute (a member of a block named in ``recompute``, :attr:`Trace.segments`, R9)."""
 
     trace: str
     policy: str
     evictions: tuple[Eviction, ...] = ()
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
+    recompute: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, trace: Trace, policy: str, evictions: Iterable[Eviction], **meta: Any) -> SwapPlan:
-        return cls(trace=trace.name, policy=policy, evictions=tuple(sorted(evictions)), meta=dict(meta))
+    def of(cls, trace: Trace, policy: str, evictions: Iterable[Eviction], *, recompute: Iterable[str] = (),
+           **meta: Any) -> SwapPlan:
+        return cls(trace=trace.name, policy=policy, evictions=tuple(sorted(evictions)), meta=dict(meta),
+                   recompute=tuple(sorted(set(recompute))))
+
+    def recomputed(self, trace: Trace) -> list[int]:
+        """Indices into ``trace.segments`` of the blocks this plan recomputes."""
+        index = {s.name: s.index for s in trace.segments}
+        return sorted(index[n] for n in self.recompute if n in index)
 
     @property
     def evicted(self) -> frozenset[int]:
@@ -89,6 +101,17 @@ class SwapPlan:
                     f"{where}.prefetch_at: {ev.prefetch_at} must be in [{ev.swap_out_at}, {fu[t]}] "
                     f"(R7: at or after the swap-out, at most tensor {t}'s first unpack)"
                 )
+        segments = {sg.name: sg for sg in trace.segments}
+        for k, name in enumerate(self.recompute):
+            sg = segments.get(name)
+            if sg is None:
+                known = ", ".join(list(segments)[:6]) or "none"
+                raise PlanError(f"{source}: recompute[{k}]: trace {trace.name!r} has no recomputable block {name!r} "
+                                f"(its blocks: {known}{', ...' if len(segments) > 6 else ''})")
+            swapped = sorted(seen & set(sg.members))
+            if swapped:
+                raise PlanError(f"{source}: recompute[{k}]: block {name!r} is recomputed, so its tensor {swapped[0]} cannot "
+                                "also be evicted (R9: a member is rebuilt, not swapped; its anchor may be)")
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -101,6 +124,7 @@ class SwapPlan:
             "evictions": [
                 {"tensor": e.tensor, "swap_out_at": e.swap_out_at, "prefetch_at": e.prefetch_at} for e in self.evictions
             ],
+            "recompute": list(self.recompute),
         }
 
     def save(self, path: str | Path) -> Path:
@@ -113,8 +137,10 @@ def plan_from_dict(data: Any, source: str = "<dict>") -> SwapPlan:
         raise PlanError(f"{source}: expected a JSON object at the top level, got {type(data).__name__}")
     if data.get("format") != FORMAT:
         raise PlanError(f"{source}: field format: expected {FORMAT!r}, got {data.get('format')!r} (is this a swapsched plan?)")
-    if data.get("version") != VERSION:
-        raise PlanError(f"{source}: field version: this swapsched reads version {VERSION}, got {data.get('version')!r}")
+    version = data.get("version")
+    if version not in READS:
+        raise PlanError(f"{source}: field version: this swapsched reads versions {', '.join(map(str, READS))}, "
+                        f"got {version!r}")
     evs = []
     for k, e in enumerate(f.get(data, "evictions", "evictions", list)):
         w = f"evictions[{k}]"
@@ -125,11 +151,18 @@ def plan_from_dict(data: Any, source: str = "<dict>") -> SwapPlan:
                 prefetch_at=f.number(e, "prefetch_at", f"{w}.prefetch_at", integer=True),
             )
         )
+    recompute = f.get(data, "recompute", "recompute", list, optional=True) if version == 2 else None
+    names = []
+    for k, name in enumerate(recompute or []):
+        if not isinstance(name, str) or not name:
+            raise PlanError(f"{source}: field recompute[{k}]: expected a block name (a string), got {name!r}")
+        names.append(name)
     return SwapPlan(
         trace=f.get(data, "trace", "trace", str),
         policy=f.get(data, "policy", "policy", str),
         evictions=tuple(sorted(evs)),
         meta=f.get(data, "meta", "meta", dict, optional=True) or {},
+        recompute=tuple(sorted(set(names))),
     )
 
 

@@ -28,7 +28,7 @@ from swapsched.errors import UserError
 if TYPE_CHECKING:
     from swapsched.hardware import Hardware
 
-__all__ = ["TensorInfo", "Event", "Trace", "TraceError", "load_trace", "save_trace", "open_json", "write_json", "plain_json"]
+__all__ = ["TensorInfo", "Event", "Trace", "Segment", "segment_of", "TraceError", "load_trace", "save_trace", "open_json", "write_json", "plain_json"]
 
 FORMAT = "swapsched.trace"
 VERSION = 1
@@ -68,6 +68,39 @@ class Event:
     compute_s: float
     flops: float | None = None
     other_bytes: int | None = None  # non-saved device memory live during the gap before it (R3)
+
+
+def segment_of(module: str) -> tuple[str, int] | None:
+    """The container element activation checkpointing would wrap for a tensor packed in
+    ``module``: ``(container path, index)`` at the first index in the path (``blocks.3.attn.qkv``
+    -> ``("blocks", 3)``), as users checkpoint each element of a ``ModuleList``/``Sequential``.
+    None outside any container (embeddings, a final head): not recomputable."""
+    parts = module.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[:i]), int(p)
+    return None
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A block that can be recomputed instead of kept or swapped (R9, DESIGN.md).
+
+    ``anchor`` is the block's first saved tensor, its input as the block's first op saved it: a
+    checkpoint keeps it (or it is swapped). ``members`` are the other tensors the block saves,
+    which a recompute rebuilds. ``at`` is the event at which backward recomputes the block (the
+    first unpack of a member); ``forward_s`` the block's forward compute, the gaps before its
+    forward packs (R1), which the recompute spends again; ``flops`` the same from the events'
+    FLOPs where every one has them."""
+
+    index: int
+    name: str
+    anchor: int
+    members: tuple[int, ...]
+    at: int
+    forward_s: float
+    bytes: int
+    flops: float | None = None
 
 
 @dataclass(frozen=True)
@@ -177,6 +210,53 @@ class Trace:
             if e is not None:
                 out[t.id] = max(int(e), int(out[t.id]))
         return out
+
+    @cached_property
+    def segments(self) -> tuple[Segment, ...]:
+        """The recomputable blocks (R9), in forward order. A block qualifies when a recompute can
+        stand in for its members: each is packed only before ``at`` (nothing saves it again after
+        backward starts on it), and the anchor is still needed at ``at`` (so a checkpoint holds it)."""
+        # container -> element index -> its tensors
+        elements: dict[str, dict[int, list[int]]] = {}
+        for t in self.tensors:
+            where = segment_of(t.module)
+            if where is not None and self.first_pack[t.id] >= 0 and self.first_unpack[t.id] >= 0:
+                elements.setdefault(where[0], {}).setdefault(where[1], []).append(t.id)
+        groups: dict[str, list[int]] = {}
+        for container, by_index in elements.items():
+            prefix = f"{container}." if container else ""
+            idx = sorted(by_index)
+            if np.median([len(by_index[i]) for i in idx]) > 1:
+                for i in idx:  # blocks of several layers: one checkpoint each
+                    groups[f"{prefix}{i}"] = by_index[i]
+                continue
+            # single layers (a Sequential of convs and activations): consecutive runs of about
+            # sqrt(n) layers, as torch.utils.checkpoint.checkpoint_sequential would cut them
+            size = max(2, round(math.sqrt(len(idx))))
+            for c in range(0, len(idx), size):
+                run = idx[c:c + size]
+                groups[f"{prefix}{run[0]}-{run[-1]}"] = [k for i in run for k in by_index[i]]
+        last_pack = np.full(self.n_tensors, -1, dtype=np.int64)
+        for i, e in enumerate(self.events):
+            if e.kind == "pack":
+                last_pack[e.tensor] = i
+        out: list[Segment] = []
+        bstart = self.backward_start
+        for name, ids in sorted(groups.items(), key=lambda kv: min(int(self.first_pack[k]) for k in kv[1])):
+            ids.sort(key=lambda k: (int(self.first_pack[k]), k))
+            anchor, members = ids[0], tuple(ids[1:])
+            if not members:
+                continue
+            at = int(min(self.first_unpack[k] for k in members))
+            if any(last_pack[k] >= at for k in members) or self.last_unpack[anchor] < at:
+                continue
+            mine = set(ids)
+            fwd = [i for i, e in enumerate(self.events[:bstart]) if e.kind == "pack" and e.tensor in mine]
+            flops = [self.events[i].flops for i in fwd]
+            out.append(Segment(len(out), name, anchor, members, at, float(sum(self.events[i].compute_s for i in fwd)),
+                               int(sum(self.tensors[k].bytes for k in members)),
+                               float(sum(flops)) if flops and all(f is not None for f in flops) else None))  # type: ignore[misc]
+        return tuple(out)
 
     @cached_property
     def backward_start(self) -> int:

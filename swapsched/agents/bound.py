@@ -30,7 +30,14 @@ Formulation (indices are events; gap *j* is the compute before event *j*, R1):
   ``sum_{k: fp_k >= q} d_k e[k, j] <= (G_j - G_{q+1}) + (S_j - S_q)``; and symmetrically every
   tensor away at *j* first unpacked at or before *r* was copied in between the start of gap *j* and
   event *r*: ``sum_{k: fu_k <= r} h_k e[k, j] <= (G_{r+1} - G_j) + (S_{r+1} - S_j)``.
-- Objective: minimize ``S_n``; the bound is ``G_n + tail + S_n``, and never below the R8 floor.
+- Recompute (R9), over the joint space: ``r_s`` in {0, 1}: block *s* is recomputed. Its members are
+  then away from the gap after their release through the gap of its recompute event ``at_s``, so
+  the memory row at gap *j* counts ``avail_s(j) r_s`` too (the members' bytes absent there); and the
+  recompute runs on the compute stream at event ``at_s``: ``S_{at_s+1} - S_{at_s} >= forward_s r_s``
+  (summed over the blocks recomputed at one event). The anchor's presence at ``at_s``, and the
+  rebuilt members' room, are not constrained (relaxed).
+- Objective: minimize ``S_n``; the bound is ``G_n + tail + S_n``, and never below the floor (R8's,
+  or over the joint space ``env.simulator.joint_floor``).
 
 What is relaxed (so the bound stays a bound): each tensor's away-gaps need not be contiguous; the FIFO order of
 each copy engine (R6) becomes only its capacity over windows; the host's own cost per copy
@@ -56,7 +63,7 @@ import numpy as np
 from scipy import sparse
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from swapsched.env.simulator import analytic_floor
+from swapsched.env.simulator import analytic_floor, joint_floor
 from swapsched.hardware import Hardware
 from swapsched.trace import Trace
 
@@ -84,10 +91,12 @@ def _spread(idx: np.ndarray, m: int) -> np.ndarray:
 
 
 def lower_bound(trace: Trace, budget: int, hardware: Hardware, *, time_limit_s: float = 30.0,
-                max_gaps: int = 60, windows: int = 12, integer: bool = True) -> Bound:
-    """The relaxation's optimum (see the module docstring), or the R8 floor where it says more."""
+                max_gaps: int = 60, windows: int = 12, integer: bool = True, recompute: bool = True) -> Bound:
+    """The relaxation's optimum (see the module docstring), or the floor where it says more.
+    ``recompute``: bound every plan, recomputing ones included (R9); False: swap-only plans."""
     t0 = time.perf_counter()
-    floor = analytic_floor(trace, budget, hardware)
+    segments = trace.segments if recompute else ()
+    floor = (joint_floor if segments else analytic_floor)(trace, budget, hardware)
     n = trace.n_events
     if n == 0:
         return Bound(floor, floor, "floor", 0.0, 0, 0)
@@ -111,12 +120,20 @@ def lower_bound(trace: Trace, budget: int, hardware: Hardware, *, time_limit_s: 
     d = hardware.copy_latency_s + b / hardware.d2h_bytes_per_s
     h = hardware.copy_latency_s + b / hardware.h2d_bytes_per_s
 
-    # variables: S_0..S_n, then e[k, j] for the eligible pairs
+    # variables: S_0..S_n, then e[k, j] for the eligible pairs, then r_s per block (R9)
     pairs = [(int(k), int(j)) for j in checked for k in np.flatnonzero((rel < j) & (fu >= j) & (fp < j))]
-    if not pairs:
+    if not pairs and not segments:
         return Bound(floor, floor, "floor", time.perf_counter() - t0, int(checked.size), 0)
     nS = n + 1
-    nv = nS + len(pairs)
+    nR = nS + len(pairs)
+    nv = nR + len(segments)
+    # bytes of block s absent during gap j if it is recomputed: members from their release to at_s
+    absent: dict[int, list[tuple[int, float]]] = {}
+    for sg in segments:
+        for j in checked:
+            gone = sum(float(b[k]) for k in sg.members if rel[k] < j <= sg.at)
+            if gone > 0:
+                absent.setdefault(int(j), []).append((nR + sg.index, gone))
     rows: list[int] = []
     cols: list[int] = []
     vals: list[float] = []
@@ -142,10 +159,15 @@ def lower_bound(trace: Trace, budget: int, hardware: Hardware, *, time_limit_s: 
         c_in = h[k] - (G[fu[k] + 1] - G[j])
         if c_in > 0:  # c_in e - S_{fu+1} + S_j <= 0
             row([(col, c_in), (int(fu[k]) + 1, -1.0), (j, 1.0)], 0.0)
+    for sg in segments:  # the recompute's own compute at its event: S_at - S_{at+1} + forward r <= 0
+        row([(int(sg.at), 1.0), (int(sg.at) + 1, -1.0), (nR + sg.index, sg.forward_s)], 0.0)
+    for j in absent.keys() - by_gap.keys():  # a gap only recompute can relieve
+        row([(c, -gone) for c, gone in absent[j]], -float(must[j]))
     for j, members in by_gap.items():
         ks = np.array([k for k, _ in members])
         cs = [c for _, c in members]
-        row([(c, -b[k]) for k, c in members], -float(must[j]))  # memory: sum b e >= must_j
+        # memory: sum b e + sum absent r >= must_j
+        row([(c, -b[k]) for k, c in members] + [(c, -gone) for c, gone in absent.get(j, [])], -float(must[j]))
         for q in _spread(np.unique(fp[ks]), windows):  # d2h capacity in [end of gap q, start of gap j]
             sel = [(c, d[k]) for k, c in zip(ks, cs, strict=True) if fp[k] >= q]
             row([*sel, (j, -1.0), (int(q), 1.0)], float(G[j] - G[q + 1]))
@@ -156,8 +178,8 @@ def lower_bound(trace: Trace, budget: int, hardware: Hardware, *, time_limit_s: 
     cost = np.zeros(nv)
     cost[n] = 1.0
     lo = np.zeros(nv)
-    hi = np.concatenate(([0.0], np.full(n, np.inf), np.ones(len(pairs))))
-    integral = np.concatenate((np.zeros(nS), np.ones(len(pairs)))) if integer else np.zeros(nv)
+    hi = np.concatenate(([0.0], np.full(n, np.inf), np.ones(len(pairs) + len(segments))))
+    integral = np.concatenate((np.zeros(nS), np.ones(len(pairs) + len(segments)))) if integer else np.zeros(nv)
     left = max(time_limit_s - (time.perf_counter() - t0), 0.5)
     res = milp(cost, constraints=LinearConstraint(a, -np.inf, np.array(rhs)), integrality=integral,
                bounds=Bounds(lo, hi), options={"time_limit": left, "presolve": True})

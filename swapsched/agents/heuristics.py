@@ -217,17 +217,20 @@ class Belady:
 @dataclass(frozen=True)
 class Capuchin:
     """Capuchin (Peng et al., "Capuchin: Tensor-based GPU Memory Management for Deep Learning",
-    ASPLOS 2020), its swap half.
+    ASPLOS 2020): its swap half, then (``recompute=True``, the default) its hybrid choice between
+    swapping and recomputing (:func:`~swapsched.agents.recompute.hybridize`, R9).
 
     From the measured step, rank tensors by free time (time between the use before eviction and the
     reuse, less the round-trip copy), evict the best until the budget holds, and place each prefetch
     to finish just before its use; then its feedback loop: simulate, and move the prefetch of each
     tensor whose reuse stalled one lead class earlier, for up to ``rounds`` rounds, keeping the best.
-    Departures: no recomputation (Capuchin mixes both; swapsched only swaps); the feedback runs
-    on the simulator rather than on a second real iteration, and ends with :func:`repair`.
+    Departures: the feedback runs on the simulator rather than on a second real iteration, and the
+    swap half ends with :func:`repair`; recompute is per block (``torch.utils.checkpoint``'s unit),
+    not per tensor. ``recompute=False`` (``capuchin-swap``) is the swap half alone.
     """
 
     rounds: int = 6
+    recompute: bool = True
     name: str = "capuchin"
 
     def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
@@ -247,7 +250,7 @@ class Capuchin:
         chosen = _evict_until_fits(trace, demand, budget, _release_gaps(trace, hardware), free_time, just_in_time)
         lead_idx = {k: 1 for k in chosen}
         if not lead_idx:
-            return SwapPlan.of(trace, self.name, [])
+            return self._hybrid(trace, budget, hardware, SwapPlan.of(trace, self.name, []))
         guard = {k: self._first_needed_gap(trace, k, planned_pf[k], demand, budget) for k in lead_idx}
         best_plan, best_t = None, math.inf
         for _ in range(self.rounds + 1):
@@ -265,7 +268,14 @@ class Capuchin:
             if res.oom or not moved:
                 break
         assert best_plan is not None
-        return repair(trace, best_plan, budget, hardware)
+        return self._hybrid(trace, budget, hardware, repair(trace, best_plan, budget, hardware))
+
+    def _hybrid(self, trace: Trace, budget: int, hardware: Hardware, swap_plan: SwapPlan) -> SwapPlan:
+        if not (self.recompute and trace.segments):
+            return swap_plan
+        from swapsched.agents.recompute import hybridize
+
+        return hybridize(trace, budget, hardware, swap_plan)
 
     @staticmethod
     def _first_needed_gap(trace: Trace, k: int, pf: int, demand: np.ndarray, budget: int) -> int:

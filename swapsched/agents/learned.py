@@ -37,7 +37,11 @@ class LearnedPolicy:
       :func:`~swapsched.agents.local_search.improve` drawing its moves from the move prior, until the
       planning time is spent: ``search_seconds``, or by default 0.9 s up to 500 saved tensors,
       growing to 2.4 s at 2,000 (all of the planning included). Never worse than the best heuristic
-      on the simulator, since its plan is a candidate.
+      on the simulator, since its plan is a candidate. With ``recompute=True`` (``default``; R9) it
+      plans keep / swap / recompute jointly: checkpoint-all, the best swap plan with every block
+      recomputed, and the best swap plan made hybrid by Capuchin's step are candidates too, and the
+      search also toggles blocks' recompute (the learned prior weights only the swap moves: it was
+      trained on them). ``recompute=False`` (``default-swap``) is the swap-only planner.
     - ``mode="ppo"`` (``default-ppo``): the MaskablePPO policy's one deterministic rollout in
       ``SwapEnv``, the reinforcement-learned planner this project started from.
     """
@@ -47,6 +51,7 @@ class LearnedPolicy:
     mode: str = "ppo"
     search_seconds: float | None = None
     seed: int = 0
+    recompute: bool = True
     _model: Any = field(default=None, init=False, repr=False)
     _prior: Any = field(default=None, init=False, repr=False)
     _editor: Any = field(default=None, init=False, repr=False)
@@ -57,7 +62,7 @@ class LearnedPolicy:
         self.path = resolve_checkpoint(self.checkpoint)
         self.card = check_card(self.path)
         if self.name == "learned":
-            suffix = {"search": "", "greedy": "-greedy", "ppo": "-ppo"}[self.mode]
+            suffix = {"search": "" if self.recompute else "-swap", "greedy": "-greedy", "ppo": "-ppo"}[self.mode]
             self.name = f"default{suffix}" if self.path.stem == "default" else f"learned{suffix}:{self.path.stem}"
 
     def _load(self) -> Any:
@@ -108,19 +113,29 @@ class LearnedPolicy:
         if self.mode == "greedy":
             return self.edited(trace, budget, hardware)
         from swapsched.agents.local_search import best_plan, heuristic_plans, improve, planning_seconds
-        from swapsched.env.simulator import analytic_floor
+        from swapsched.env.simulator import analytic_floor, joint_floor
 
         total = self.search_seconds if self.search_seconds is not None else planning_seconds(trace)
         heur = heuristic_plans(trace, budget, hardware, deadline=t0 + total / 2)
         min_plan = next(p for p in heur if p.policy == "min")
         cands = [editor.edit(trace, budget, hardware, min_plan, "editor"), *heur]
         start, _ = best_plan(trace, budget, hardware, cands)
+        joint = self.recompute and bool(trace.segments)
+        if joint:
+            from swapsched.agents.recompute import CheckpointAll, hybridize, with_all_recomputed
+
+            # the best swap plan and capuchin's swap half, each made hybrid by Capuchin's step
+            swaps = [start, *(p for p in heur if p.policy == "capuchin" and p is not start)]
+            cands = [start, CheckpointAll().plan(trace, budget, hardware), with_all_recomputed(trace, start, "swap+checkpoint"),
+                     *(hybridize(trace, budget, hardware, p, deadline=t0 + (0.4 + 0.2 * i) * total) for i, p in enumerate(swaps))]
+            start, _ = best_plan(trace, budget, hardware, cands)
         left = total - (time.perf_counter() - t0)
-        # stop early where the plan meets the R8 floor: nothing can be faster
+        # stop early where the plan meets the floor (R8, or R8 over the joint space): nothing can be faster
+        floor = (joint_floor if joint else analytic_floor)(trace, budget, hardware)
         plan, _, evals = improve(trace, budget, hardware, start, seconds=max(left, 0.0), seed=self.seed, prior=prior,
-                                 target=analytic_floor(trace, budget, hardware))
-        return SwapPlan.of(trace, self.name, plan.evictions, checkpoint=str(self.path), start=start.policy,
-                           search_evals=evals)
+                                 target=floor, recompute=joint)
+        return SwapPlan.of(trace, self.name, plan.evictions, recompute=plan.recompute, checkpoint=str(self.path),
+                           start=start.policy, search_evals=evals)
 
 
 def greedy_rollout(model: Any, trace: Trace, budget: int, hardware: Hardware, name: str) -> SwapPlan:

@@ -8,7 +8,9 @@ step (R1-R8, so every accepted plan is one the simulator, and hence the runtime,
 - issue one swap-out later by 1-8 events (it still frees the tensor, R7, and may stop it crowding
   the link while something more urgent copies);
 - drop one eviction; add one (out at its last forward pack, prefetch one of the lead classes ahead);
-- replace one eviction by one of a kept tensor of the nearest size.
+- replace one eviction by one of a kept tensor of the nearest size;
+- with ``recompute=True``, also recompute a block instead (its members' evictions go, R9), or stop
+  recomputing one.
 
 Moves are drawn at random, half of them aimed at the tensors whose unpack stalled in the current
 best plan (read from the simulator's recorded timeline). A move is kept when it lowers the step
@@ -57,7 +59,8 @@ def plan_score(result: SimResult, trace: Trace) -> float:
 
 
 def heuristic_plans(trace: Trace, budget: int, hardware: Hardware, deadline: float | None = None) -> list[SwapPlan]:
-    """The single-pass heuristics' exact plans (no-swap, swap-all, vDNN both ways, min, capuchin).
+    """The single-pass heuristics' exact swap plans (no-swap, swap-all, vDNN both ways, min, capuchin's
+    swap half).
 
     With a ``deadline`` (a ``time.perf_counter()`` value), capuchin is left out when it would not
     fit before it: its feedback loop and repair cost about 100 simulations of the step (3.8 s on a
@@ -70,7 +73,7 @@ def heuristic_plans(trace: Trace, budget: int, hardware: Hardware, deadline: flo
         simulate(trace, plans[-1], hardware, budget, validate=False)
         if t0 + 100 * (time.perf_counter() - t0) > deadline:
             return plans
-    return [*plans, Capuchin().plan(trace, budget, hardware)]
+    return [*plans, Capuchin(recompute=False).plan(trace, budget, hardware)]
 
 
 def best_plan(trace: Trace, budget: int, hardware: Hardware, plans: Sequence[SwapPlan]) -> tuple[SwapPlan, float]:
@@ -104,26 +107,33 @@ class Move:
 class _SearchState:
     """The current plan, its simulated score and the evicted tensors whose unpack stalled in it."""
 
-    def __init__(self, trace: Trace, budget: int, hardware: Hardware, plan: dict[int, tuple[int, int]]):
+    def __init__(self, trace: Trace, budget: int, hardware: Hardware, plan: dict[int, tuple[int, int]],
+                 recompute: frozenset[int] = frozenset(), joint: bool = False):
         self.trace, self.budget, self.hw = trace, budget, hardware
+        self.joint = joint and bool(trace.segments)
         self.fu, self.lfp, self.b = trace.first_unpack, trace.last_forward_pack, trace.tensor_bytes
         self.h2d = np.array([hardware.h2d_time(int(x)) for x in self.b])
         self.by_size = np.argsort(self.b, kind="stable")
         self.rank = np.empty(trace.n_tensors, dtype=np.int64)
         self.rank[self.by_size] = np.arange(trace.n_tensors)
-        self.adopt(plan)
+        self.adopt(plan, recompute)
 
-    def adopt(self, plan: dict[int, tuple[int, int]]) -> None:
-        self.plan = plan
+    def adopt(self, plan: dict[int, tuple[int, int]], recompute: frozenset[int] = frozenset()) -> None:
+        self.plan, self.recompute = plan, recompute
+        # members of recomputed blocks are rebuilt, never evicted (R9)
+        self.rebuilt = {k for s in recompute for k in self.trace.segments[s].members}
         evs = [Eviction(k, o, p) for k, (o, p) in plan.items()]
-        self.result = simulate(self.trace, evs, self.hw, self.budget, record=True, validate=False)
+        self.result = simulate(self.trace, evs, self.hw, self.budget, record=True, validate=False, recompute=sorted(recompute))
         self.score = plan_score(self.result, self.trace)
         stalled = {int(ev) for _, _, ev in (self.result.timeline.stalls if self.result.timeline else ())}
         self.hot = [k for k in plan if int(self.fu[k]) in stalled]  # evicted tensors whose unpack stalled
 
     def propose(self, rng: np.random.Generator, weights: np.ndarray) -> tuple[int, Move | None]:
         """A move of a class drawn by ``weights`` (over ``MOVE_CLASSES``), or None where the class
-        has no move here; the class index either way."""
+        has no move here; the class index either way. In a joint search a share of the moves
+        toggles a block's recompute instead (class -1: outside the classes a prior weights)."""
+        if self.joint and rng.random() < RECOMPUTE_SHARE:
+            return -1, Move("recompute", int(rng.integers(0, len(self.trace.segments))), None)
         c = int(rng.choice(len(MOVE_CLASSES), p=weights))
         kind, d, aimed = MOVE_CLASSES[c]
         cur, fu = self.plan, self.fu
@@ -149,13 +159,16 @@ class _SearchState:
         n, cur = self.trace.n_tensors, self.plan
         evicted = list(cur)
         if kind == "add" and len(cur) < n:
-            kept = [k for k in range(n) if k not in cur]
+            kept = [k for k in range(n) if k not in cur and k not in self.rebuilt]
+            if not kept:
+                return None
             k = int(rng.choice(kept))
             return Move("add", k, self._fresh(k, int(rng.integers(0, len(LEADS)))))
         if kind == "replace" and evicted and len(cur) < n:
             k = int(rng.choice(evicted))
             rk = int(self.rank[k])
-            near = [int(self.by_size[j]) for j in range(max(rk - 3, 0), min(rk + 4, n)) if int(self.by_size[j]) not in cur]
+            near = [int(self.by_size[j]) for j in range(max(rk - 3, 0), min(rk + 4, n))
+                    if int(self.by_size[j]) not in cur and int(self.by_size[j]) not in self.rebuilt]
             if not near:
                 return None
             j = near[int(rng.integers(0, len(near)))]
@@ -166,8 +179,15 @@ class _SearchState:
         so = int(self.lfp[k])
         return so, prefetch_event(self.trace, k, LEADS[lead_index] * float(self.h2d[k]), so)
 
-    def apply(self, m: Move) -> dict[int, tuple[int, int]]:
+    def apply(self, m: Move) -> tuple[dict[int, tuple[int, int]], frozenset[int]]:
+        """The plan and the recomputed blocks after ``m``."""
         cand = dict(self.plan)
+        if m.kind == "recompute":
+            if m.tensor in self.recompute:
+                return cand, self.recompute - {m.tensor}
+            for k in self.trace.segments[m.tensor].members:  # rebuilt, so no longer swapped
+                cand.pop(k, None)
+            return cand, self.recompute | {m.tensor}
         if m.kind == "drop":
             del cand[m.tensor]
         else:
@@ -175,7 +195,7 @@ class _SearchState:
                 del cand[m.removed]
             assert m.placement is not None
             cand[m.tensor] = m.placement
-        return cand
+        return cand, self.recompute
 
 
 def _uniform_weights() -> np.ndarray:
@@ -190,11 +210,13 @@ def _uniform_weights() -> np.ndarray:
 
 
 UNIFORM = _uniform_weights()
+#: In a joint search, the share of moves that toggle a block's recompute (R9).
+RECOMPUTE_SHARE = 0.15
 
 
 def improve(trace: Trace, budget: int, hardware: Hardware, start: SwapPlan, *, seconds: float,
             seed: int = 0, max_evals: int | None = None, target: float = 0.0, prior: Any = None,
-            log: list | None = None) -> tuple[SwapPlan, float, int]:
+            log: list | None = None, recompute: bool = False) -> tuple[SwapPlan, float, int]:
     """Hill-climb from ``start`` for ``seconds`` (or ``max_evals`` scored plans, or until the step
     time reaches ``target``, a proven lower bound); returns the best plan (named as ``start``), its
     score and the number of plans scored.
@@ -202,11 +224,13 @@ def improve(trace: Trace, budget: int, hardware: Hardware, start: SwapPlan, *, s
     Each step draws a move class from ``prior.weights`` (a learned proposal,
     :class:`~swapsched.agents.guide.MovePrior`) or from ``UNIFORM``, a concrete move of that class at
     random, simulates it and keeps it if the step gets faster. ``log`` collects
-    ``(class index, improved)`` for every simulated move: a prior's training data."""
+    ``(class index, improved)`` for every simulated move: a prior's training data. ``recompute``:
+    search keep / swap / recompute jointly (start's recomputed blocks are kept as its start)."""
     rng = np.random.default_rng(seed)
     weights = UNIFORM if prior is None else prior.weights
     deadline = time.perf_counter() + seconds
-    state = _SearchState(trace, budget, hardware, {e.tensor: (e.swap_out_at, e.prefetch_at) for e in start.evictions})
+    state = _SearchState(trace, budget, hardware, {e.tensor: (e.swap_out_at, e.prefetch_at) for e in start.evictions},
+                         frozenset(start.recomputed(trace)), joint=recompute)
     evals = 1
     eval_s, sims = 0.0, 0  # mean seconds per simulation: the search stops when the next would overrun
     while (time.perf_counter() + eval_s < deadline and (max_evals is None or evals < max_evals)
@@ -214,20 +238,21 @@ def improve(trace: Trace, budget: int, hardware: Hardware, start: SwapPlan, *, s
         c, m = state.propose(rng, weights)
         if m is None:
             continue
-        cand = state.apply(m)
+        cand, cand_rc = state.apply(m)
         t_sim = time.perf_counter()
-        r2 = simulate(trace, [Eviction(k, o, p) for k, (o, p) in cand.items()], hardware, budget, validate=False)
+        r2 = simulate(trace, [Eviction(k, o, p) for k, (o, p) in cand.items()], hardware, budget, validate=False,
+                      recompute=sorted(cand_rc))
         sims += 1
         eval_s += (time.perf_counter() - t_sim - eval_s) / sims
         evals += 1
         s = plan_score(r2, trace)
         better = s < state.score - 1e-12 * max(state.score, 1.0)
-        if log is not None:
+        if log is not None and c >= 0:
             log.append((c, better))
         if better:
-            state.adopt(cand)
+            state.adopt(cand, cand_rc)
     plan = SwapPlan.of(trace, start.policy, [Eviction(k, o, p) for k, (o, p) in state.plan.items()],
-                       **{**start.meta, "search_evals": evals})
+                       recompute=[trace.segments[s].name for s in state.recompute], **{**start.meta, "search_evals": evals})
     return plan, state.score, evals
 
 

@@ -21,6 +21,7 @@ def _factories() -> dict[str, Callable[..., Policy]]:
     from swapsched.agents.learned import LearnedPolicy
     from swapsched.agents.local_search import LocalSearch
     from swapsched.agents.optimal import Optimal
+    from swapsched.agents.recompute import CheckpointAll
     from swapsched.agents.search import SwapAdvisor
 
     return {
@@ -30,10 +31,13 @@ def _factories() -> dict[str, Callable[..., Policy]]:
         "vdnn-conv": lambda **kw: VDNN(conv_only=True),
         "min": lambda **kw: Belady(),
         "capuchin": lambda **kw: Capuchin(),
+        "capuchin-swap": lambda **kw: Capuchin(recompute=False, name="capuchin-swap"),
+        "checkpoint-all": lambda **kw: CheckpointAll(),
         "local-search": lambda seed=0, **kw: LocalSearch(seed=seed),
         "swapadvisor": lambda seed=0, search_seconds=10.0, **kw: SwapAdvisor(seed=seed, search_seconds=search_seconds),
         "optimal": lambda seed=0, **kw: Optimal(seed=seed),
         "default": lambda seed=0, **kw: LearnedPolicy("default", mode="search", seed=seed),
+        "default-swap": lambda seed=0, **kw: LearnedPolicy("default", mode="search", seed=seed, recompute=False),
         "default-greedy": lambda **kw: LearnedPolicy("default", mode="greedy"),
         "default-ppo": lambda **kw: LearnedPolicy("default", mode="ppo"),
     }

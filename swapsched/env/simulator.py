@@ -1,4 +1,4 @@
-"""A pure discrete-event simulation of one training step under a SwapPlan (rules R1-R8 of DESIGN.md).
+"""A pure discrete-event simulation of one training step under a SwapPlan (rules R1-R9 of DESIGN.md).
 
 No gymnasium here: explicit inputs (trace, plan, hardware, budget) in, a :class:`SimResult` out.
 
@@ -14,13 +14,14 @@ so the result is deterministic bit for bit.
 
 Locations of a tensor (``loc``): NOT_YET produced, RESIDENT, OUT (being copied to the host),
 HOST, IN (swap-in allocated, copying or done), WAITING (prefetch issued, waiting for room, R6),
-FREED.
+FREED, and DROPPED (a member of a recomputed block, between its release and the recompute, R9).
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,10 +31,11 @@ from swapsched.hardware import Hardware
 from swapsched.plan import Eviction, SwapPlan
 from swapsched.trace import Trace
 
-__all__ = ["SimResult", "Simulation", "simulate", "analytic_floor", "Timeline", "EventTables", "event_tables"]
+__all__ = ["SimResult", "Simulation", "simulate", "analytic_floor", "joint_floor", "Timeline", "EventTables", "event_tables"]
 
 #: Where a tensor is; the runtime's records use the same values (one set of states for both executors).
 NOT_YET, RESIDENT, OUT, HOST, IN, WAITING, FREED = range(7)
+DROPPED = 7  # R9: the simulator's alone (the runtime does not execute recompute)
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class Timeline:
     d2h: tuple[tuple[float, float, int], ...]  # (start, end, tensor)
     h2d: tuple[tuple[float, float, int], ...]
     stalls: tuple[tuple[float, float, int], ...]  # (start, end, event)
+    recompute: tuple[tuple[float, float, int], ...] = ()  # (start, end, segment index), on the compute stream
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,8 @@ class SimResult:
     # the host's own cost of the copies (Hardware copy_issue_s, copy_host_s_per_byte, wait_resume_s);
     # already in iteration_s
     host_s: float = 0.0
+    # R9: compute spent recomputing blocks in backward; already in iteration_s
+    recompute_s: float = 0.0
 
     @property
     def overhead(self) -> float:
@@ -89,6 +94,7 @@ class SimResult:
             "d2h_bytes": self.d2h_bytes,
             "h2d_bytes": self.h2d_bytes,
             "host_s": num(self.host_s),
+            "recompute_s": self.recompute_s,
         }
 
 
@@ -123,6 +129,14 @@ class EventTables:
             if f > lu:
                 self.freed_late[f].append(k)
                 self.late[k] = True
+        # R9: the block each tensor is a member of (-1: none), and the blocks recomputed at each event
+        self.segments = trace.segments
+        self.member_of = [-1] * trace.n_tensors
+        self.recompute_at: list[list[int]] = [[] for _ in range(n)]
+        for sg in self.segments:
+            for k in sg.members:
+                self.member_of[k] = sg.index
+            self.recompute_at[sg.at].append(sg.index)
 
 
 def event_tables(trace: Trace) -> EventTables:
@@ -151,6 +165,9 @@ class Simulation:
         self.issue_time = [0.0] * nt
         self.out_at: list[list[int]] = [[] for _ in range(tb.n)]
         self.prefetch_at: list[list[int]] = [[] for _ in range(tb.n)]
+        self.recomputed = [False] * len(tb.segments)  # R9: the plan's blocks to recompute
+        self.any_recompute = False
+        self.recompute_s = 0.0
         self.d2h_q: deque[tuple[float, int]] = deque()  # swap-outs in flight: (done time, tensor), FIFO
         self.waiting: deque[int] = deque()  # prefetches waiting for room, in issue order (R6)
         self.d2h_free = 0.0
@@ -184,6 +201,7 @@ class Simulation:
             self._d2h: list[tuple[float, float, int]] = []
             self._h2d: list[tuple[float, float, int]] = []
             self._stalls: list[tuple[float, float, int]] = []
+            self._recomputes: list[tuple[float, float, int]] = []
 
     # ------------------------------------------------------------------ plan input
     def schedule(self, tensor: int, swap_out_at: int, prefetch_at: int) -> None:
@@ -191,6 +209,12 @@ class Simulation:
         assert swap_out_at >= self.next_event, "eviction scheduled in the simulated past"
         self.out_at[swap_out_at].append(tensor)
         self.prefetch_at[prefetch_at].append(tensor)
+
+    def schedule_recompute(self, segment: int) -> None:
+        """Recompute block ``segment`` (an index into ``trace.segments``) instead of keeping its
+        members (R9). Before the simulation reaches the first of their releases."""
+        self.recomputed[segment] = True
+        self.any_recompute = True
 
     @property
     def done(self) -> bool:
@@ -291,6 +315,48 @@ class Simulation:
         self._note_mem()
         return True
 
+    def _bring_back(self, k: int, event: int) -> bool:
+        """R5(a): compute needs ``k`` at ``event``: wait for its swap-in, or start one on demand
+        (ahead of the prefetches still waiting for room). False on OOM."""
+        s = self.loc[k]
+        if s == WAITING:  # on demand goes ahead of prefetches still waiting for room
+            self.waiting.remove(k)
+            s = HOST
+        if s in (HOST, OUT):
+            if not self._make_room(self.tb.bytes[k], event):
+                return False
+            self._start_swapin(k, self.t)
+        if self.in_done[k] > self.t:
+            self._stall(self.in_done[k] - self.t, event)
+        self.loc[k] = RESIDENT
+        self._drain(self.t)
+        return True
+
+    def _recompute(self, s: int, event: int) -> bool:
+        """R9 at ``event``: the block's input (its anchor) must be on the device (R5a), room is made
+        for the members it rebuilds (R4), then the compute stream runs the block's forward again.
+        False on OOM."""
+        sg = self.tb.segments[s]
+        loc, b = self.loc, self.tb.bytes
+        if loc[sg.anchor] != RESIDENT and not self._bring_back(sg.anchor, event):
+            return False
+        rebuilt = [k for k in sg.members if loc[k] == DROPPED]
+        need = sum(b[k] for k in rebuilt)
+        if not self._make_room(need, event):
+            return False
+        for k in rebuilt:
+            loc[k] = RESIDENT
+        self.used += need
+        self._note_mem()
+        if self.host_debt:
+            self._pay_host()
+        if self.record:
+            self._recomputes.append((self.t, self.t + sg.forward_s, s))
+        self.t += sg.forward_s
+        self.recompute_s += sg.forward_s
+        self._drain(self.t)
+        return True
+
     def _stall(self, dt: float, event: int) -> None:
         if self.record:
             self._stalls.append((self.t, self.t + dt, event))
@@ -333,22 +399,22 @@ class Simulation:
             for k in tb.release[i]:
                 self.released[k] = True
                 self._let_go(self.held_after_copy, k)
+                if self.any_recompute:
+                    s = tb.member_of[k]
+                    if s >= 0 and self.recomputed[s] and loc[k] == RESIDENT:
+                        # R9: a checkpointed block keeps no saved copy: it goes when the program lets go
+                        loc[k] = DROPPED
+                        self.used -= tb.bytes[k]
+                        if self.waiting:
+                            self._admit(self.t)
+            # -- R9: backward reaches a recomputed block: rebuild its members before the event
+            if self.any_recompute and tb.recompute_at[i]:
+                for s in tb.recompute_at[i]:
+                    if self.recomputed[s] and not self._recompute(s, i):
+                        return
             # -- (a) an unpack of a tensor that is not resident waits for its swap-in (R5a)
-            if tb.is_unpack[i]:
-                k = tb.tensor[i]
-                s = loc[k]
-                if s != RESIDENT:
-                    if s == WAITING:  # on demand goes ahead of prefetches still waiting for room
-                        self.waiting.remove(k)
-                        s = HOST
-                    if s in (HOST, OUT):
-                        if not self._make_room(tb.bytes[k], i):
-                            return
-                        self._start_swapin(k, self.t)
-                    if self.in_done[k] > self.t:
-                        self._stall(self.in_done[k] - self.t, i)
-                    loc[k] = RESIDENT
-                    self._drain(self.t)
+            if tb.is_unpack[i] and loc[tb.tensor[i]] != RESIDENT and not self._bring_back(tb.tensor[i], i):
+                return
             # -- (b) free tensors whose last use is i
             for k in tb.free[i]:
                 if loc[k] == RESIDENT:
@@ -400,7 +466,8 @@ class Simulation:
                 self._compute.append((self.t - self.trace.tail_compute_s, self.t))
         timeline = None
         if self.record:
-            timeline = Timeline(tuple(self._mem), tuple(self._compute), tuple(self._d2h), tuple(self._h2d), tuple(self._stalls))
+            timeline = Timeline(tuple(self._mem), tuple(self._compute), tuple(self._d2h), tuple(self._h2d), tuple(self._stalls),
+                                tuple(self._recomputes))
         return SimResult(
             iteration_s=math.inf if oom else self.t,
             ideal_s=ideal,
@@ -415,17 +482,25 @@ class Simulation:
             h2d_bytes=int(self.h2d_bytes),
             timeline=timeline,
             host_s=math.inf if oom else self.host_s,
+            recompute_s=self.recompute_s,
         )
 
 
-def simulate(trace: Trace, plan: SwapPlan | list[Eviction], hardware: Hardware, budget: int, *, record: bool = False,
-             validate: bool = True) -> SimResult:
-    """Simulate one step of ``trace`` executing ``plan`` under ``budget`` bytes on ``hardware``."""
-    whole = plan if isinstance(plan, SwapPlan) else SwapPlan(trace.name, "?", tuple(plan))
+def simulate(trace: Trace, plan: SwapPlan | list[Eviction] | tuple[Eviction, ...], hardware: Hardware, budget: int, *,
+             record: bool = False, validate: bool = True, recompute: Sequence[int] = ()) -> SimResult:
+    """Simulate one step of ``trace`` executing ``plan`` under ``budget`` bytes on ``hardware``.
+    ``recompute``: with a list of evictions, the blocks (indices into ``trace.segments``) to recompute."""
+    if isinstance(plan, SwapPlan):
+        whole, blocks = plan, plan.recomputed(trace)
+    else:
+        whole = SwapPlan(trace.name, "?", tuple(plan), recompute=tuple(trace.segments[s].name for s in recompute))
+        blocks = list(recompute)
     if validate:
         whole.validate(trace)
     sim = Simulation(trace, hardware, budget, record=record)
     sim.out_at, sim.prefetch_at = whole.by_event(trace.n_events)  # what schedule() builds one eviction at a time
+    for s in blocks:
+        sim.schedule_recompute(s)
     return sim.finish()
 
 
@@ -446,3 +521,69 @@ def analytic_floor(trace: Trace, budget: int, hardware: Hardware) -> float:
     must = np.maximum(demand - budget, 0).astype(np.float64)
     bound = np.maximum(before, must / hardware.d2h_bytes_per_s) + np.maximum(after, must / hardware.h2d_bytes_per_s)
     return float(bound.max())
+
+
+def joint_floor(trace: Trace, budget: int, hardware: Hardware) -> float:
+    """R8's floor over the joint space of keep / swap / recompute (R9): no plan of either kind is faster.
+
+    At gap *j*, ``must_j`` bytes are off the device: ``x`` of them swapped (copied out before the gap,
+    back after it, as in :func:`analytic_floor`) and the rest members of recomputed blocks, absent
+    from their release to their block's recompute, which costs the block's forward time after the
+    gap. The cheapest way to free ``y`` bytes by recompute is at least the fractional knapsack over
+    the blocks absent at *j* (seconds per byte, cheapest first), ``R_j(y)``, convex and piecewise
+    linear. So the step takes at least
+    ``min over x of max(before_j, x / B_d2h) + max(after_j + R_j(must_j - x), x / B_h2d)``, a convex
+    piecewise-linear function of ``x`` whose minimum lies at one of its breakpoints, all of which are
+    evaluated. The floor is the largest over the gaps, and equals :func:`analytic_floor` where no
+    block can be recomputed."""
+    segments = trace.segments
+    if not segments or trace.n_events == 0:
+        return analytic_floor(trace, budget, hardware)
+    gaps = trace.gaps + hardware.hook_cost_s
+    before = np.concatenate(([0.0], np.cumsum(gaps)[:-1]))
+    after = gaps.sum() + trace.tail_compute_s - before
+    demand = trace.static_bytes + trace.other_bytes + trace.resident_bytes_no_swap
+    must = np.maximum(demand - budget, 0).astype(np.float64)
+    rel, b = trace.release, trace.tensor_bytes
+    inv_d, inv_h = 1.0 / hardware.d2h_bytes_per_s, 1.0 / hardware.h2d_bytes_per_s
+    # bytes of each block absent during each gap if it is recomputed: members from release+1 to at
+    avail = np.zeros((len(segments), trace.n_events + 1), dtype=np.float64)
+    for sg in segments:
+        for k in sg.members:
+            lo = int(rel[k]) + 1
+            if lo <= sg.at:
+                avail[sg.index, lo] += b[k]
+                avail[sg.index, sg.at + 1] -= b[k]
+    avail = np.cumsum(avail, axis=1)[:, :-1]
+    cost = np.array([sg.forward_s for sg in segments])
+    floor = float(gaps.sum() + trace.tail_compute_s)  # every gap with nothing to free: the compute
+    for j in np.flatnonzero(must > 0):
+        m, bj, aj = float(must[j]), float(before[j]), float(after[j])
+        have = avail[:, j] > 0
+        if not have.any():  # only swapping frees bytes here: R8's term
+            floor = max(floor, max(bj, m * inv_d) + max(aj, m * inv_h))
+            continue
+        rates = cost[have] / avail[have, j]
+        order = np.argsort(rates, kind="stable")
+        rates = rates[order]
+        cum_y = np.concatenate(([0.0], np.cumsum(avail[have, j][order])))  # R_j's breakpoints, bytes freed
+        cum_r = np.concatenate(([0.0], np.cumsum(cost[have][order])))  # and seconds spent
+
+        def recompute_cost(y: float, cum_y: np.ndarray = cum_y, cum_r: np.ndarray = cum_r, rates: np.ndarray = rates) -> float:
+            if y <= 0:
+                return 0.0
+            if y > cum_y[-1] * (1 + 1e-12):
+                return math.inf  # recompute cannot free that much here
+            p = min(max(int(np.searchsorted(cum_y, y, side="left")) - 1, 0), len(rates) - 1)
+            return float(cum_r[p] + rates[p] * (y - cum_y[p]))
+
+        cands = {0.0, m, min(bj / inv_d, m)}  # the ends, and where the swap-out starts to bind
+        for p in range(len(rates)):  # each linear piece of R_j, in x = m - y
+            x_hi, x_lo = m - cum_y[p], m - cum_y[p + 1]
+            cands.update(x for x in (x_hi, x_lo) if 0.0 <= x <= m)
+            x = (aj + cum_r[p] + rates[p] * (m - cum_y[p])) / (inv_h + rates[p])  # after_j + R_j = x / B_h2d
+            if max(x_lo, 0.0) <= x <= min(x_hi, m):
+                cands.add(x)
+        lb = min(max(bj, x * inv_d) + max(aj + recompute_cost(m - x), x * inv_h) for x in cands)
+        floor = max(floor, lb)
+    return floor

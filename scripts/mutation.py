@@ -1,0 +1,302 @@
+#!/usr/bin/env python
+"""Mutation testing of the core modules: does each module's own test file fail on a realistic bug?
+
+Each mutant is one small change to one line (a comparison or arithmetic operator swapped, a
+constant moved by one, ``floor`` for ``ceil``, an argument dropped from ``max``/``min``, a statement
+or a loop removed, two adjacent loops run in the other order, ``and`` for ``or``). It is applied
+alone to a copy of the repository, and the module's own tests run on the copy (``-x``, hypothesis
+derandomized). A mutant is *killed* if they fail (or time out), *survives* if they pass. The score
+is killed / all. Survivors are listed with their line; each is either a missing test or an
+equivalent change, which ``docs/RESULTS.md`` says.
+
+    python scripts/mutation.py [--modules simulator,budget,plan,bound] [--jobs 2] [--out bench_results/mutation.json]
+    python scripts/mutation.py --list --modules budget     # the mutants, without running them
+
+Not a test: it takes tens of minutes (a few seconds of tests per mutant). Run it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: module -> (source file, its own tests)
+TARGETS = {
+    "simulator": ("swapsched/env/simulator.py", ["tests/env/test_simulator.py", "tests/env/test_swap_env.py"]),
+    "budget": ("swapsched/budget.py", ["tests/swapsched/test_budget.py"]),
+    "plan": ("swapsched/plan.py", ["tests/swapsched/test_plan.py"]),
+    # the hand-computed cases first (-x stops at the first failure), then the property over policies
+    "bound": ("swapsched/agents/bound.py", ["tests/agents/test_bound.py::test_two_swap_outs_share_the_device_to_host_engine_before_one_gap",
+                                            "tests/agents/test_bound.py::test_latency_makes_the_bound_tighter_than_the_floor",
+                                            "tests/agents/test_bound.py::test_bound_is_below_every_plan_and_above_the_floor"]),
+}
+
+_CMP = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq}
+_BIN = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Div}
+_NAMES = {"floor": "ceil", "ceil": "floor"}
+
+
+@dataclass(frozen=True)
+class Mutant:
+    module: str
+    line: int
+    kind: str
+    before: str
+    after: str
+
+
+@dataclass(frozen=True)
+class Outcome:
+    mutant: Mutant
+    killed: bool
+    seconds: float
+    detail: str
+
+
+def _skip_lines(tree: ast.Module) -> set[int]:
+    """Lines not worth mutating: docstrings, ``__all__``, assert messages, error messages
+    (f-strings), and ``if self.record:`` blocks (the timeline for plots, not the result)."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Module)) and node.body and isinstance(node.body[0], ast.Expr) \
+                and isinstance(node.body[0].value, ast.Constant) and isinstance(node.body[0].value.value, str):
+            d = node.body[0]
+            skip.update(range(d.lineno, (d.end_lineno or d.lineno) + 1))
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            skip.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+        if isinstance(node, ast.Raise):
+            skip.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "self.record":
+            skip.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    return skip
+
+
+class _Sites(ast.NodeVisitor):
+    """Every mutation site: (node id path, kind, a function that mutates the node in place)."""
+
+    def __init__(self, skip: set[int]):
+        self.skip = skip
+        self.sites: list[tuple[ast.AST, str]] = []
+
+    def generic_visit(self, node: ast.AST) -> None:
+        line = getattr(node, "lineno", None)
+        if line is None or line not in self.skip:
+            if isinstance(node, ast.Compare) and type(node.ops[0]) in _CMP:
+                self.sites.append((node, "compare"))
+            elif isinstance(node, (ast.BinOp, ast.AugAssign)) and type(node.op) in _BIN:
+                self.sites.append((node, "arith"))
+            elif isinstance(node, ast.BoolOp):
+                self.sites.append((node, "boolop"))
+            elif isinstance(node, ast.Constant) and type(node.value) is int and not isinstance(node.value, bool):
+                self.sites.append((node, "const"))
+            elif isinstance(node, ast.Call):
+                name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+                if name in ("max", "min") and len(node.args) >= 2:
+                    for i in range(len(node.args)):
+                        self.sites.append((node, f"drop-arg-{i}"))
+            elif isinstance(node, (ast.Name, ast.Attribute)) and (node.id if isinstance(node, ast.Name) else node.attr) \
+                    in ("floor", "ceil") and isinstance(getattr(node, "ctx", None), ast.Load):
+                self.sites.append((node, "name"))
+            elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+                self.sites.append((node, "not"))
+        for field in ("body", "orelse"):
+            block = getattr(node, field, None)
+            if isinstance(block, list) and block and all(isinstance(s, ast.stmt) for s in block):
+                for i, stmt in enumerate(block):
+                    if stmt.lineno in self.skip or isinstance(stmt, (ast.FunctionDef, ast.ClassDef, ast.Return, ast.Raise,
+                                                                      ast.Import, ast.ImportFrom)):
+                        continue
+                    if isinstance(stmt, (ast.Expr, ast.Assign, ast.AugAssign, ast.For, ast.If, ast.While)) \
+                            and not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)):
+                        self.sites.append((node, f"delete-{field}-{i}"))
+                    if i + 1 < len(block) and isinstance(stmt, (ast.For, ast.If)) and isinstance(block[i + 1], (ast.For, ast.If)):
+                        self.sites.append((node, f"swap-{field}-{i}"))
+        super().generic_visit(node)
+
+
+def _apply(node: ast.AST, kind: str) -> None:
+    if kind == "compare":
+        node.ops[0] = _CMP[type(node.ops[0])]()
+    elif kind == "arith":
+        node.op = _BIN[type(node.op)]()
+    elif kind == "boolop":
+        node.op = ast.Or() if isinstance(node.op, ast.And) else ast.And()
+    elif kind == "const":
+        node.value = node.value + 1 if node.value != 1 else 0
+    elif kind.startswith("drop-arg-"):
+        del node.args[int(kind.rsplit("-", 1)[1])]
+        if len(node.args) == 1:  # max(a) would be a TypeError, not a bug: max(a, a) is a
+            node.args.append(node.args[0])
+    elif kind == "name":
+        if isinstance(node, ast.Name):
+            node.id = _NAMES[node.id]
+        else:
+            node.attr = _NAMES[node.attr]
+    elif kind == "not":
+        raise AssertionError("handled by the transformer")
+    elif kind.startswith("delete-"):
+        _, field, i = kind.split("-")
+        block = getattr(node, field)
+        block[int(i)] = ast.Pass()
+    elif kind.startswith("swap-"):
+        _, field, i = kind.split("-")
+        block = getattr(node, field)
+        j = int(i)
+        block[j], block[j + 1] = block[j + 1], block[j]
+
+
+def mutants(module: str) -> list[tuple[Mutant, str]]:
+    """Every mutant of ``module``, with the mutated source."""
+    path = ROOT / TARGETS[module][0]
+    source = path.read_text()
+    n_sites = len(_site_list(ast.parse(source)))
+    out = []
+    for idx in range(n_sites):
+        tree = ast.parse(source)
+        node, kind = _site_list(tree)[idx]
+        shown = node
+        if kind.startswith(("delete-", "swap-")):
+            field, i = kind.split("-")[1:]
+            shown = getattr(node, field)[int(i)]
+        line = getattr(shown, "lineno", 0)
+        before = _short(shown)
+        if kind == "not":
+            tree = _Unnot(node).visit(tree)
+            after = _short(node.operand)
+        else:
+            _apply(node, kind)
+            after = {"delete": "pass", "swap": "(run after the next statement)"}.get(kind.split("-")[0]) or _short(node)
+        ast.fix_missing_locations(tree)
+        try:
+            mutated = ast.unparse(tree)
+            compile(mutated, str(path), "exec")
+        except (SyntaxError, ValueError):
+            continue
+        out.append((Mutant(module, line, kind.split("-")[0] if kind.startswith(("delete", "swap", "drop")) else kind,
+                           before, after), mutated))
+    return out
+
+
+def _short(node: ast.AST) -> str:
+    return ast.unparse(node).splitlines()[0][:100]
+
+
+def _site_list(tree: ast.Module) -> list[tuple[ast.AST, str]]:
+    v = _Sites(_skip_lines(tree))
+    v.visit(tree)
+    return v.sites
+
+
+class _Unnot(ast.NodeTransformer):
+    def __init__(self, target: ast.AST):
+        self.target = target
+
+    def visit_UnaryOp(self, node: ast.UnaryOp) -> ast.AST:
+        if node is self.target:
+            return node.operand
+        return self.generic_visit(node)
+
+
+def _run_tests(copy: Path, tests: list[str], timeout: float) -> tuple[bool, str]:
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "--hypothesis-seed=0",
+           "-m", "not slow and not gpu", *tests]
+    try:
+        r = subprocess.run(cmd, cwd=copy, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return True, "timeout"
+    tail = (r.stdout.strip().splitlines() or [""])[-1]
+    return r.returncode != 0, tail
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modules", default=",".join(TARGETS), help=f"comma list of {', '.join(TARGETS)}")
+    ap.add_argument("--jobs", type=int, default=2, help="mutants run at once, each in its own copy")
+    ap.add_argument("--list", action="store_true", help="print the mutants and stop")
+    ap.add_argument("--out", default="bench_results/mutation.json")
+    args = ap.parse_args()
+    modules = [m.strip() for m in args.modules.split(",") if m.strip()]
+    bad = [m for m in modules if m not in TARGETS]
+    if bad:
+        ap.error(f"unknown module(s) {bad}; choose from {', '.join(TARGETS)}")
+    from tqdm import tqdm
+
+    from swapsched.report import format_grid
+
+    work = [(m, mut, src) for m in modules for mut, src in mutants(m)]
+    if args.list:
+        for _, mut, _ in work:
+            print(f"{mut.module}:{mut.line} {mut.kind}: {mut.before}  ->  {mut.after}")
+        print(f"{len(work)} mutants")
+        return 0
+    tmp = Path(tempfile.mkdtemp(prefix="swapsched-mutation-"))
+    copies = []
+    for j in range(max(args.jobs, 1)):
+        dst = tmp / f"copy{j}"
+        shutil.copytree(ROOT, dst, ignore=shutil.ignore_patterns(".git", "bench_results", "__pycache__", "*.egg-info"))
+        copies.append(dst)
+    # the clean copy's own test time sets each module's timeout
+    timeouts = {}
+    for m in modules:
+        t0 = time.perf_counter()
+        failed, tail = _run_tests(copies[0], TARGETS[m][1], timeout=900)
+        if failed:
+            print(f"the unmutated tests of {m} fail ({tail}); fix them first", file=sys.stderr)
+            return 1
+        timeouts[m] = 3 * (time.perf_counter() - t0) + 20
+    free = list(copies)
+    outcomes: list[Outcome] = []
+
+    def one(item: tuple[str, Mutant, str]) -> Outcome:
+        m, mut, src = item
+        copy = free.pop()
+        target = copy / TARGETS[m][0]
+        original = target.read_text()
+        try:
+            target.write_text(src)
+            t0 = time.perf_counter()
+            killed, detail = _run_tests(copy, TARGETS[m][1], timeouts[m])
+            return Outcome(mut, killed, time.perf_counter() - t0, detail)
+        finally:
+            target.write_text(original)
+            free.append(copy)
+
+    with ThreadPoolExecutor(max_workers=len(copies)) as pool:
+        for o in tqdm(pool.map(one, work), total=len(work), desc="mutants"):
+            outcomes.append(o)
+    shutil.rmtree(tmp, ignore_errors=True)
+    rows, summary = [], {}
+    for m in modules:
+        mine = [o for o in outcomes if o.mutant.module == m]
+        killed = sum(o.killed for o in mine)
+        summary[m] = {"mutants": len(mine), "killed": killed, "score": killed / len(mine) if mine else None}
+        rows.append([m, TARGETS[m][0], str(len(mine)), str(killed), f"{100 * killed / max(len(mine), 1):.1f}%"])
+    total = len(outcomes)
+    killed = sum(o.killed for o in outcomes)
+    rows.append(["all", "", str(total), str(killed), f"{100 * killed / max(total, 1):.1f}%"])
+    print(format_grid(["module", "file", "mutants", "killed", "score"], rows))
+    survivors = [o for o in outcomes if not o.killed]
+    for o in survivors:
+        print(f"survived {o.mutant.module}:{o.mutant.line} {o.mutant.kind}: {o.mutant.before}  ->  {o.mutant.after}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"summary": summary, "survivors": [asdict(o.mutant) for o in survivors],
+                               "outcomes": [{**asdict(o.mutant), "killed": o.killed, "seconds": round(o.seconds, 2),
+                                             "detail": o.detail} for o in outcomes]}, indent=1))
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
