@@ -14,8 +14,11 @@ from swapsched.trace import Event, TensorInfo, Trace
 
 
 def make_trace(sizes: list[int], events: list[tuple[str, int, float]], tail: float = 0.0, static: int = 0,
-               name: str = "hand", ops: list[str] | None = None, other: list[int] | None = None) -> Trace:
-    tensors = tuple(TensorInfo(i, b, (b // 4,), "float32", (ops or [""] * len(sizes))[i], f"layer{i}") for i, b in enumerate(sizes))
+               name: str = "hand", ops: list[str] | None = None, other: list[int] | None = None,
+               modules: list[str] | None = None) -> Trace:
+    """A hand-made trace; ``modules`` (default ``layer{i}``, in no block) place tensors in blocks (R9)."""
+    mods = modules or [f"layer{i}" for i in range(len(sizes))]
+    tensors = tuple(TensorInfo(i, b, (b // 4,), "float32", (ops or [""] * len(sizes))[i], mods[i]) for i, b in enumerate(sizes))
     evs = tuple(Event(k, t, g, other_bytes=(other[i] if other else None)) for i, (k, t, g) in enumerate(events))
     return Trace(name=name, timing="measured", device="cpu", static_bytes=static, tail_compute_s=tail, tensors=tensors, events=evs)
 
@@ -29,6 +32,15 @@ def make_hw(d2h: float = 100.0, h2d: float = 100.0, latency: float = 0.0) -> Har
 def two_tensors() -> Trace:
     """T0, T1 of 100 B. e0 pack0 @1, e1 pack1 @2, e2 unpack1 @4, e3 unpack0 @5 (ideal 5 s)."""
     return make_trace([100, 100], [("pack", 0, 1.0), ("pack", 1, 1.0), ("unpack", 1, 2.0), ("unpack", 0, 1.0)])
+
+
+@pytest.fixture
+def one_block() -> Trace:
+    """Block ``blk.0``: anchor T0 and member T1; T2 outside any block; 100 B each, 1 s gaps.
+    e0 pack0, e1 pack1, e2 pack2, e3 unpack2, e4 unpack1, e5 unpack0 (ideal 6 s). Recomputing
+    the block rebuilds T1 at e4 and spends the gaps of its forward packs, e0 and e1: 2 s."""
+    return make_trace([100, 100, 100], [("pack", 0, 1.0), ("pack", 1, 1.0), ("pack", 2, 1.0), ("unpack", 2, 1.0),
+                                        ("unpack", 1, 1.0), ("unpack", 0, 1.0)], modules=["blk.0.ln", "blk.0.fc", "head"])
 
 
 @pytest.fixture

@@ -11,11 +11,12 @@ from swapsched.agents import get_policy
 from swapsched.agents.bound import lower_bound
 from swapsched.agents.optimal import Optimal
 from swapsched.env.corpus import load_corpus
-from swapsched.env.simulator import analytic_floor, simulate
+from swapsched.env.simulator import analytic_floor, joint_floor, simulate
 from swapsched.hardware import load_hardware
 from swapsched.plan import Eviction
 from tests.agents.test_policies import small_cases
 from tests.conftest import make_hw, make_trace
+from tests.env.test_simulator import joint_cases
 
 POLICIES = ["no-swap", "swap-all", "vdnn-all", "min", "capuchin", "local-search"]
 ULP = 1 + 1e-12  # the floor and the simulator sum the same gaps in different orders
@@ -90,3 +91,28 @@ def test_two_swap_outs_share_the_device_to_host_engine_before_one_gap():
     assert best.iteration_s == 6.0
     bound = lower_bound(tr, 200, hw)
     assert bound.bound_s == pytest.approx(6.0, rel=1e-6) and bound.status == "milp"
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(joint_cases())
+def test_the_joint_bound_is_below_every_keep_swap_recompute_plan(case):
+    """R9: the bound with recompute variables holds for plans that recompute, and for the joint
+    planners' plans; the swap-only bound need not."""
+    tr, plan, hw, budget = case
+    bound = lower_bound(tr, budget, hw)
+    assert bound.bound_s >= joint_floor(tr, budget, hw) * (1 - 1e-9)
+    plans = [plan, *(get_policy(n, search_seconds=0.05).plan(tr, budget, hw) for n in ("checkpoint-all", "capuchin", "default"))]
+    for p in plans:
+        r = simulate(tr, p, hw, budget)
+        if not r.oom:
+            assert bound.bound_s <= r.iteration_s * ULP, p.policy
+
+
+def test_recompute_tightens_nothing_it_cannot_prove(one_block):
+    # one_block at 200 B on a 10 B/s link: swapping T1 costs 10 s each way, recomputing its block
+    # 2 s. The swap-only bound is above the recompute plan's 8 s step; the joint bound is not.
+    hw = make_hw(d2h=10, h2d=10)
+    plan = simulate(one_block, get_policy("checkpoint-all").plan(one_block, 200, hw), hw, 200)
+    assert plan.iteration_s == 8.0
+    assert lower_bound(one_block, 200, hw, recompute=False).bound_s > 8.0
+    assert lower_bound(one_block, 200, hw).bound_s <= 8.0

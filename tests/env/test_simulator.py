@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from swapsched.env.simulator import Simulation, analytic_floor, simulate
+from swapsched.env.simulator import Simulation, analytic_floor, joint_floor, simulate
 from swapsched.plan import Eviction, PlanError, SwapPlan
 from tests.conftest import make_hw, make_trace
 
@@ -189,6 +189,60 @@ def test_a_tensor_unpacked_twice_is_freed_at_its_last_unpack(hw):
     assert r.stall_fwd_s == 1.0 and r.stall_bwd_s == 1.0 and r.iteration_s == 6.0 and r.peak_bytes == 100
 
 
+def test_the_block_is_found_with_its_anchor_members_event_and_forward_time(one_block):
+    (sg,) = one_block.segments
+    assert (sg.name, sg.anchor, sg.members, sg.at, sg.forward_s, sg.bytes) == ("blk.0", 0, (1,), 4, 2.0, 100)
+
+
+def test_a_recomputed_block_is_rebuilt_at_its_first_unpack(one_block, hw):
+    # R9, budget 200. Kept, gap 2 holds T0, T1, T2 = 300: OOM at e2. Recomputed, T1 goes when the
+    # program lets go of it (after gap 1): gap 2 holds T0 and T2 = 200. e3 at 4 frees T2; e4's gap
+    # ends at 5, then the block's forward runs again, 5 -> 7 (T1 back: 200), e4 reads T1, e5 at 8.
+    # Step 8 = ideal 6 + 2 s of recompute, no stall, nothing moved.
+    assert simulate(one_block, [], hw, 200).oom_event == 2
+    plan = SwapPlan.of(one_block, "hand", [], recompute=["blk.0"])
+    r = simulate(one_block, plan, hw, 200, record=True)
+    assert not r.oom and r.iteration_s == 8.0 and r.recompute_s == 2.0 and r.stall_s == 0.0
+    assert r.peak_bytes == 200 and r.d2h_bytes == r.h2d_bytes == 0
+    assert r.timeline.recompute == ((5.0, 7.0, 0),)
+
+
+def test_a_recompute_waits_for_its_swapped_anchor(one_block, hw):
+    # R9 + R5(a): T0, the block's input, is swapped out at e0 (1 -> 2) and planned back on demand at
+    # its own first unpack (e5). The recompute at e4 (t=5) needs it first: on demand 5 -> 6, a 1 s
+    # stall, then the forward 6 -> 8; e5 at 9 finds T0 resident. Step 9.
+    plan = SwapPlan.of(one_block, "hand", [Eviction(0, 0, 5)], recompute=["blk.0"])
+    r = simulate(one_block, plan, hw, 200, record=True)
+    assert r.timeline.h2d == ((5.0, 6.0, 0),) and r.timeline.recompute == ((6.0, 8.0, 0),)
+    assert r.iteration_s == 9.0 and r.stall_s == 1.0 and r.recompute_s == 2.0
+
+
+def test_a_recompute_waits_for_room():
+    # R9 + R4: T0 (anchor), T1 (member) of blk.0, T2 outside; 100 B each, 1 s gaps; backward reads
+    # T1, T0, then T2. Budget 200, d2h 50 B/s. T1 goes after gap 1; T2 is swapped out at e2, 3 -> 5.
+    # Backward reaches the block at e3 (t=4): rebuilding T1 needs 100 B, but T0 and T2 (still
+    # copying) hold 200: compute waits for the swap-out, 4 -> 5 (a 1 s stall), then the forward
+    # runs 5 -> 7; e4 at 8, where T2's prefetch is issued (8 -> 9), e5 at 9: step 9 = 6 + 1 + 2.
+    tr = make_trace([100, 100, 100], [("pack", 0, 1.0), ("pack", 1, 1.0), ("pack", 2, 1.0), ("unpack", 1, 1.0),
+                                      ("unpack", 0, 1.0), ("unpack", 2, 1.0)], modules=["blk.0.ln", "blk.0.fc", "head"])
+    r = simulate(tr, SwapPlan.of(tr, "hand", [Eviction(2, 2, 4)], recompute=["blk.0"]), make_hw(d2h=50), 200, record=True)
+    assert r.timeline.stalls == ((4.0, 5.0, 3),) and r.timeline.recompute == ((5.0, 7.0, 0),)
+    assert r.timeline.h2d == ((8.0, 9.0, 2),)
+    assert r.iteration_s == 9.0 and r.stall_bwd_s == 1.0 and r.peak_bytes == 200
+
+
+def test_joint_floor_hand_computed(one_block, hw):
+    # Budget 200: gap 2 must be 100 B lighter. Swap alone (100 B/s): max(2, 1) + max(4, 1) = 6, the
+    # ideal. Recompute frees T1 there for 2 s of compute after the gap: max(2, 0) + max(4 + 2, 0) = 8.
+    # The cheapest mix is all swap: the floor is 6 (it may not exceed what swapping alone allows).
+    assert joint_floor(one_block, 200, hw) == 6.0 == analytic_floor(one_block, 200, hw)
+    slow = make_hw(d2h=10, h2d=10)  # swapping 100 B takes 10 s each way: max(2, 10) + max(4, 10) = 20
+    assert analytic_floor(one_block, 200, slow) == 20.0
+    # mixing: x bytes swapped, 100 - x recomputed at 0.02 s/B: max(2, x/10) + max(4 + 0.02 (100 - x), x/10);
+    # x = 20 gives max(2, 2) + max(5.6, 2) = 7.6, x = 0 gives 2 + 6 = 8; the minimum is at x = 20
+    assert joint_floor(one_block, 200, slow) == pytest.approx(7.6)
+
+
 def test_plan_breaking_r7_is_rejected(two_tensors, hw):
     with pytest.raises(PlanError, match="R7"):
         simulate(two_tensors, [Eviction(0, 3, 3)], hw, 200)
@@ -270,6 +324,53 @@ def test_every_swap_in_starts_after_its_swap_out_ends(case):
         assert start >= out_end[k]
     for copies in (r.timeline.d2h, r.timeline.h2d):
         assert all(b[0] >= a[1] for a, b in zip(copies, copies[1:], strict=False))
+
+
+@st.composite
+def joint_cases(draw):
+    """A trace whose tensors sit in blocks (``blk.i``) or outside, and a random keep / swap /
+    recompute plan for it (R7, R9)."""
+    n = draw(st.integers(2, 6))
+    sizes = draw(st.lists(st.integers(1, 400), min_size=n, max_size=n))
+    gap = st.floats(0.0, 3.0, allow_nan=False)
+    fwd = [("pack", k, draw(gap)) for k in range(n)]
+    bwd = [("unpack", k, draw(gap)) for k in draw(st.permutations(list(range(n))))]
+    modules = [draw(st.sampled_from([f"blk.{k // 3}.op{k % 3}", "head"])) for k in range(n)]
+    tr = make_trace(sizes, fwd + bwd, tail=draw(gap), modules=modules)
+    blocks = [sg for sg in tr.segments if draw(st.booleans())]
+    rebuilt = {k for sg in blocks for k in sg.members}
+    fp, fu = tr.first_pack, tr.first_unpack
+    evs = []
+    for k in range(n):
+        if k not in rebuilt and draw(st.booleans()):
+            so = draw(st.integers(int(fp[k]), int(fu[k]) - 1))
+            evs.append(Eviction(k, so, draw(st.integers(so, int(fu[k])))))
+    # links from far too slow for the step (where recompute pays) to fast
+    hw = make_hw(d2h=draw(st.floats(1, 1000)), h2d=draw(st.floats(1, 1000)), latency=draw(st.floats(0, 0.5)))
+    budget = draw(st.integers(tr.min_feasible_bytes, tr.peak_bytes_no_swap + 100))
+    return tr, SwapPlan.of(tr, "random", evs, recompute=[sg.name for sg in blocks]), hw, budget
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(joint_cases())
+def test_properties_of_any_joint_plan(case):
+    """R9 on any keep / swap / recompute plan: within budget, never faster than the joint floor,
+    and its time is the ideal plus stalls plus the recomputed blocks' forward time."""
+    tr, plan, hw, budget = case
+    floor = joint_floor(tr, budget, hw)
+    # every block recomputed and nothing swapped, the plan that most often beats R8's swap floor
+    every = simulate(tr, SwapPlan.of(tr, "all", [], recompute=[sg.name for sg in tr.segments]), hw, budget)
+    assert every.oom or every.iteration_s >= floor * (1 - 1e-9)
+    r = simulate(tr, plan, hw, budget)
+    assert simulate(tr, plan, hw, budget) == r
+    if r.oom:
+        return
+    assert r.peak_bytes <= budget
+    assert r.iteration_s >= floor * (1 - 1e-9)
+    assert r.recompute_s == pytest.approx(sum(tr.segments[s].forward_s for s in plan.recomputed(tr)))
+    assert r.iteration_s == pytest.approx(r.ideal_s + r.stall_s + r.recompute_s, abs=1e-9)
+    moved = sum(tr.tensors[e.tensor].bytes for e in plan.evictions)
+    assert r.d2h_bytes == r.h2d_bytes == moved
 
 
 @settings(max_examples=100, deadline=None)
