@@ -30,7 +30,7 @@ def _csv(value: str) -> list[str]:
 
 
 #: What ``compare`` runs by default: the single-pass heuristics and the shipped planner (under 1 s a case).
-FAST_POLICIES = ("swap-all", "vdnn-all", "min", "capuchin", "default")
+FAST_POLICIES = ("swap-all", "vdnn-all", "min", "capuchin", "checkpoint-all", "default")
 
 
 def _budgets(value: str) -> list[str]:
@@ -332,7 +332,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         from swapsched.agents.registry import policy_names
         from swapsched.runtime.backends import resolve_backend
 
-        others = args.compare_policies or [p for p in policy_names() if p not in (args.policy, "optimal", "swapadvisor")]
+        from swapsched.deploy import RUNTIME_FORM, RUNTIME_POLICIES_LEFT_OUT
+
+        # each planner once, in the form the runtime executes (default is default-swap live)
+        skip = {args.policy, "optimal", "swapadvisor", *RUNTIME_FORM.values(), *RUNTIME_POLICIES_LEFT_OUT}
+        others = args.compare_policies or [p for p in policy_names() if p not in skip]
         from tqdm import tqdm
 
         others = [p for p in others if p != args.policy]

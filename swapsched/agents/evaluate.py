@@ -14,7 +14,7 @@ from typing import Any
 
 from swapsched.agents.registry import get_policy
 from swapsched.budget import BudgetError, parse_budget
-from swapsched.env.simulator import SimResult, analytic_floor, simulate
+from swapsched.env.simulator import SimResult, joint_floor, simulate
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.policy import Policy
@@ -92,10 +92,15 @@ class PolicySummary:
     skipped: int
     cases: int
     mean_plan_s: float
+    # over the solved cases: bytes copied to the host per step, and recompute (R9) per step as a
+    # fraction of the ideal step
+    mean_moved_bytes: float = math.nan
+    mean_recompute: float = math.nan
 
     def to_dict(self) -> dict[str, Any]:
         return {"policy": self.policy, "mean_overhead": self.mean_overhead, "won": self.won, "oom": self.oom,
-                "skipped": self.skipped, "cases": self.cases, "mean_plan_s": self.mean_plan_s}
+                "skipped": self.skipped, "cases": self.cases, "mean_plan_s": self.mean_plan_s,
+                "mean_moved_bytes": self.mean_moved_bytes, "mean_recompute": self.mean_recompute}
 
 
 def run_policy(policy: Policy, trace: Trace, budget_bytes: int, hw: Hardware, record: bool = False) -> tuple[SwapPlan, SimResult, float]:
@@ -136,7 +141,7 @@ def compare(
                 out.append(CaseResult(*key, name, skipped=str(exc)))
                 bar.update(1)
             continue
-        floor = analytic_floor(case.trace, budget_bytes, case.hardware)
+        floor = joint_floor(case.trace, budget_bytes, case.hardware)  # below every plan, recomputing ones too
         for name, pol in pols.items():
             bar.set_postfix_str(f"{case.trace.name} {case.budget} {name}", refresh=False)
             plan, res, plan_s = run_policy(pol, case.trace, budget_bytes, case.hardware)
@@ -163,6 +168,7 @@ def summarize(results: Iterable[CaseResult], policies: Sequence[str]) -> list[Po
     for p in policies:
         mine = [r for r in results if r.policy == p]
         ok = [r.overhead for r in mine if r.overhead is not None]
+        solved = [r.result for r in mine if r.overhead is not None and r.result is not None]
         timed = [r.plan_s for r in mine if r.plan_s is not None]
         out.append(PolicySummary(
             policy=p,
@@ -172,5 +178,7 @@ def summarize(results: Iterable[CaseResult], policies: Sequence[str]) -> list[Po
             skipped=sum(1 for r in mine if r.skipped),
             cases=len(mine),
             mean_plan_s=sum(timed) / max(1, len(timed)),
+            mean_moved_bytes=sum(x.d2h_bytes for x in solved) / len(solved) if solved else math.nan,
+            mean_recompute=sum(x.recompute_s / x.ideal_s for x in solved) / len(solved) if solved else math.nan,
         ))
     return out

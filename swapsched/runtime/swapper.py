@@ -516,6 +516,10 @@ class SwapRuntime:
     def _adopt(self, plan: SwapPlan) -> None:
         """Check ``plan`` (R7), predict its step time, and lay it out per event for the hooks."""
         assert self.trace is not None and self.budget_bytes is not None
+        if plan.recompute:
+            raise UserError(f"plan {plan.policy!r} recomputes {len(plan.recompute)} block(s) (R9), which the runtime does not "
+                            "execute yet: give it a swap-only plan (policy 'default-swap', or 'default' through "
+                            "swapsched.SwapRuntime), or wrap those blocks in torch.utils.checkpoint yourself")
         plan.validate(self.trace)
         res = simulate(self.trace, plan, self.hardware, self.budget_bytes, validate=False)
         self.plan, self.predicted_s = plan, (None if res.oom else res.iteration_s)
