@@ -1,13 +1,17 @@
 """The reference every planner is judged against: the best plan found, with a proven lower bound.
 
-- **Small traces** (at most ``max_plans`` plans in R7's space with the swap-out at each tensor's
-  last forward pack): every plan is simulated (R1-R8) and the fastest feasible one is returned. It
-  is exact over that space, the one every other policy here plans in, and ``status`` is ``optimal``.
+Over the joint space of keep / swap / recompute (R9):
+
+- **Small traces** (at most ``max_plans`` plans: each set of recomputed blocks, times R7's space
+  with the swap-out at each tensor's last forward pack for the tensors left): every plan is
+  simulated (R1-R9) and the fastest feasible one is returned. It is exact over that space, the one
+  every other policy here plans in, and ``status`` is ``optimal``.
 - **Larger traces**: a proven lower bound on the step time of *any* plan (``agents/bound.py``: a
-  mixed-integer relaxation of R1-R8 solved by HiGHS, documented there, never below the R8 floor),
-  and the best plan a simulator-scored search finds in the rest of the time limit (the heuristics'
-  exact plans, improved by ``local_search.improve``; the search stops early when it reaches the
-  bound). The plan is scored on the simulator like every other; ``status`` is ``optimal`` when it
+  mixed-integer relaxation of R1-R9 solved by HiGHS, documented there, never below the joint
+  floor), and the best plan a simulator-scored search finds in the rest of the time limit: the
+  candidates are the heuristics' exact plans, checkpoint-all, ``default``'s joint plan and a
+  SwapAdvisor run (a sixth of the time), so it is never worse than any of them; the best is
+  improved by ``local_search.improve`` over the joint space, which stops early at the bound. The plan is scored on the simulator like every other; ``status`` is ``optimal`` when it
   meets the bound, else ``time-limit`` with the relative ``gap`` between the plan and the bound.
 
 ``meta`` carries ``bound_s``, ``status``, ``gap`` and ``bound_status`` (which model proved the bound).
@@ -30,11 +34,26 @@ from swapsched.trace import Trace
 __all__ = ["Optimal"]
 
 
-def _options(trace: Trace) -> list[list[Eviction | None]]:
+def _options(trace: Trace, rebuilt: frozenset[int] = frozenset()) -> list[list[Eviction | None]]:
+    """Per tensor not ``rebuilt`` by a recompute: kept, or evicted at its last forward pack with
+    each prefetch event R7 allows."""
     out = []
     for k in range(trace.n_tensors):
+        if k in rebuilt:
+            continue
         so, fu = swap_out_event(trace, k), int(trace.first_unpack[k])
         out.append([None] + [Eviction(k, so, pf) for pf in range(so, fu + 1)])
+    return out
+
+
+def _spaces(trace: Trace) -> list[tuple[tuple[int, ...], list[list[Eviction | None]]]]:
+    """Every set of recomputed blocks, with the eviction options of the tensors it leaves."""
+    segs = trace.segments
+    out = []
+    for chosen in itertools.product((False, True), repeat=len(segs)):
+        blocks = tuple(s.index for s, c in zip(segs, chosen, strict=True) if c)
+        rebuilt = frozenset(k for s in blocks for k in segs[s].members)
+        out.append((blocks, _options(trace, rebuilt)))
     return out
 
 
@@ -49,38 +68,48 @@ class Optimal:
 
     def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
         t0 = time.perf_counter()
-        options = _options(trace)
-        size = math.prod(len(o) for o in options)
-        if size <= self.max_plans:
-            return self._enumerate(trace, budget, hardware, options, size)
+        size = math.prod(len(o) for o in _options(trace))
+        if len(trace.segments) <= 12:
+            size = sum(math.prod(len(o) for o in opts) for _, opts in _spaces(trace))
+            if size <= self.max_plans:
+                return self._enumerate(trace, budget, hardware, _spaces(trace), size)
         bound = lower_bound(trace, budget, hardware, time_limit_s=self.time_limit_s / 3)
-        start, _ = best_plan(trace, budget, hardware, heuristic_plans(trace, budget, hardware))
+        from swapsched.agents.learned import LearnedPolicy
+        from swapsched.agents.recompute import CheckpointAll
+        from swapsched.agents.search import SwapAdvisor
+
+        cands = [*heuristic_plans(trace, budget, hardware), CheckpointAll().plan(trace, budget, hardware),
+                 LearnedPolicy("default", mode="search", seed=self.seed).plan(trace, budget, hardware),
+                 SwapAdvisor(seed=self.seed, search_seconds=self.time_limit_s / 6).plan(trace, budget, hardware)]
+        start, _ = best_plan(trace, budget, hardware, cands)
         left = self.time_limit_s - (time.perf_counter() - t0)
         plan, score, evals = improve(trace, budget, hardware, start, seconds=max(left, 0.0), seed=self.seed,
-                                     target=bound.bound_s)
+                                     target=bound.bound_s, recompute=True)
         res = simulate(trace, plan, hardware, budget, validate=False)
         if res.oom:
             status, gap = "infeasible", None
         else:
             gap = max(res.iteration_s - bound.bound_s, 0.0) / res.iteration_s
             status = "optimal" if gap <= 1e-6 else "time-limit"
-        return SwapPlan.of(trace, self.name, plan.evictions, bound_s=bound.bound_s, status=status, gap=gap,
-                           bound_status=bound.status, search_evals=evals, start=start.policy)
+        return SwapPlan.of(trace, self.name, plan.evictions, recompute=plan.recompute, bound_s=bound.bound_s,
+                           status=status, gap=gap, bound_status=bound.status, search_evals=evals, start=start.policy)
 
-    def _enumerate(self, trace: Trace, budget: int, hardware: Hardware, options: list[list[Eviction | None]],
-                   size: int) -> SwapPlan:
-        best_key: tuple[float, int] | None = None
-        best: tuple[Eviction, ...] = ()
-        for combo in itertools.product(*options):
-            evs = tuple(e for e in combo if e is not None)
-            r = simulate(trace, evs, hardware, budget, validate=False)
-            if r.oom:
-                continue
-            # ties: fewer bytes moved, then the first in enumeration order
-            key = (r.iteration_s, r.d2h_bytes)
-            if best_key is None or key < best_key:
-                best_key, best = key, evs
+    def _enumerate(self, trace: Trace, budget: int, hardware: Hardware,
+                   spaces: list[tuple[tuple[int, ...], list[list[Eviction | None]]]], size: int) -> SwapPlan:
+        best_key: tuple[float, float, int] | None = None
+        best: tuple[tuple[Eviction, ...], tuple[int, ...]] = ((), ())
+        for blocks, options in spaces:
+            for combo in itertools.product(*options):
+                evs = tuple(e for e in combo if e is not None)
+                r = simulate(trace, evs, hardware, budget, validate=False, recompute=blocks)
+                if r.oom:
+                    continue
+                # ties: less recompute, then fewer bytes moved, then the first in enumeration order
+                key = (r.iteration_s, r.recompute_s, r.d2h_bytes)
+                if best_key is None or key < best_key:
+                    best_key, best = key, (evs, blocks)
         if best_key is None:  # no plan fits: say so the way every policy does, with an OOM in simulation
             return SwapPlan.of(trace, self.name, [], plans_searched=size, feasible=False, status="infeasible")
-        return SwapPlan.of(trace, self.name, best, plans_searched=size, feasible=True, status="optimal",
-                           bound_s=best_key[0], gap=0.0, bound_status="enumeration")
+        return SwapPlan.of(trace, self.name, best[0], recompute=[trace.segments[s].name for s in best[1]],
+                           plans_searched=size, feasible=True, status="optimal", bound_s=best_key[0], gap=0.0,
+                           bound_status="enumeration")

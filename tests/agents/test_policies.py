@@ -13,6 +13,7 @@ from swapsched.env.corpus import load_corpus
 from swapsched.env.simulator import simulate
 from swapsched.hardware import load_hardware
 from tests.conftest import make_hw, make_trace
+from tests.env.test_simulator import joint_cases
 
 BUDGET_AWARE = ["swap-all", "min", "capuchin", "swapadvisor", "local-search"]
 ALL_HEURISTICS = ["no-swap", "swap-all", "vdnn-all", "vdnn-conv", "min", "capuchin", "swapadvisor"]
@@ -120,3 +121,23 @@ def test_local_search_improves_min_where_min_leaves_room():
     assert a == b and sa == sb
     assert sa < 0.98 * s0
     assert simulate(tr, a, hw, budget).iteration_s == sa
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(joint_cases())
+def test_the_joint_planners_on_blocks(case):
+    """R9: optimal enumerates keep / swap / recompute and is never beaten; default is never worse
+    than any of the techniques it competes with (the best swap heuristic, checkpoint-all, capuchin's
+    hybrid); checkpoint-all recomputes every block and swaps nothing."""
+    tr, _, hw, budget = case
+    if len(tr.first_pack) > 4:
+        return
+    runs = {n: simulate(tr, get_policy(n, search_seconds=0.05).plan(tr, budget, hw), hw, budget)
+            for n in ("min", "capuchin-swap", "capuchin", "checkpoint-all", "default")}
+    ck = get_policy("checkpoint-all").plan(tr, budget, hw)
+    assert not ck.evictions and len(ck.recompute) == len(tr.segments)
+    opt = simulate(tr, Optimal().plan(tr, budget, hw), hw, budget)
+    best_other = min((r.iteration_s for n, r in runs.items() if n != "default" and not r.oom), default=None)
+    if best_other is not None:
+        assert not runs["default"].oom and runs["default"].iteration_s <= best_other * (1 + 1e-9)
+        assert not opt.oom and opt.iteration_s <= runs["default"].iteration_s * (1 + 1e-9)
