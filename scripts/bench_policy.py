@@ -1,17 +1,22 @@
 #!/usr/bin/env python
-"""The learned planner against the heuristics, the local search, the genetic search and the bound.
+"""The joint keep / swap / recompute planner against swap-only planning, checkpointing, Capuchin and the bound.
 
     python scripts/bench_policy.py [--budgets 30%,50%,70%,80%,90%,95%] [--hardware a100-pcie4,h100-pcie5,gh200-c2c]
-                                   [--long-search 30] [--long-cases 12] [--deep-layers 128] [--out bench_results/policy.json]
+                                   [--deep-layers 128] [--bound-seconds 5] [--out bench_results/policy.json]
 
 Cases: the corpus's held-out split (families the shipped policy never trained on, and sizes it never
 saw) x budgets x hardware, plus one deep GPT profiled on meta (``--deep-layers`` blocks, over 2,000
-saved tensors). Per case: ``default`` (network + search), ``default-greedy`` (the plan editor alone), ``default-ppo`` (the PPO policy alone),
-``local-search`` (same planning time as ``default``), min, capuchin, vdnn-all, swapadvisor at 1 s,
-swapadvisor at ``--long-search`` s on the first ``--long-cases`` cases, the R8 floor and the proven
-bound (``agents/bound.py``). Reported: the geometric mean of each planner's step time over the best
-single-pass heuristic's (min, capuchin, vdnn-all), overall, per budget band and worst case; OOMs;
-planning times. Run it alone on the machine: the searches are time-boxed.
+saved tensors). Per case: ``default`` (joint), ``default-swap`` (the same planner, swap only),
+``default-greedy`` (the plan editor alone, swap only), ``local-search`` (swap only, the planning time
+``default-swap`` took), ``checkpoint-all``, ``capuchin`` (its hybrid) and ``capuchin-swap``, min,
+vdnn-all, swapadvisor at 1 s, the joint floor and the proven joint bound (``agents/bound.py``).
+
+The reference is the best *technique* on each case: the best of the swap-only plans (min,
+capuchin-swap, vdnn-all, default-swap, local-search, swapadvisor), checkpoint-all and capuchin's
+hybrid. Reported: each planner's step time over that reference (geometric mean, per budget band and
+per link kind, worst case), its OOMs and planning times; ``default`` against the bound; and the
+swap-only comparison ``default-swap`` / ``local-search`` and / swapadvisor. Run it alone on the
+machine: the searches are time-boxed.
 """
 
 from __future__ import annotations
@@ -27,15 +32,18 @@ import torch  # noqa: E402
 from _bench import table, write  # noqa: E402
 
 from swapsched.agents.bound import lower_bound  # noqa: E402
+from swapsched.agents.local_search import LocalSearch  # noqa: E402
 from swapsched.agents.registry import get_policy  # noqa: E402
 from swapsched.budget import BudgetError, parse_budget  # noqa: E402
 from swapsched.env.corpus import load_corpus  # noqa: E402
-from swapsched.env.simulator import analytic_floor, simulate  # noqa: E402
+from swapsched.env.simulator import joint_floor, simulate  # noqa: E402
 from swapsched.hardware import load_hardware  # noqa: E402
 from swapsched.trace import Trace  # noqa: E402
 
-SINGLE_PASS = ["min", "capuchin", "vdnn-all"]
-PLANNERS = ["default", "default-greedy", "default-ppo", "local-search", "min", "capuchin", "vdnn-all", "swapadvisor-1s"]
+SWAP_ONLY = ["min", "capuchin-swap", "vdnn-all", "default-swap", "local-search", "swapadvisor-1s"]
+TECHNIQUES = [*SWAP_ONLY, "checkpoint-all", "capuchin"]
+PLANNERS = ["default", "default-swap", "default-greedy", "local-search", "checkpoint-all", "capuchin", "capuchin-swap",
+            "min", "vdnn-all", "swapadvisor-1s"]
 
 
 def deep_gpt_trace(layers: int) -> Trace:
@@ -59,10 +67,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budgets", default="30%,50%,70%,80%,90%,95%")
     ap.add_argument("--hardware", default="a100-pcie4,h100-pcie5,gh200-c2c")
-    ap.add_argument("--long-search", type=float, default=30.0, help="seconds of the long swapadvisor run")
-    ap.add_argument("--long-cases", type=int, default=12, help="cases that get the long swapadvisor run")
     ap.add_argument("--deep-layers", type=int, default=128, help="blocks of the deep GPT (0: leave it out)")
-    ap.add_argument("--bound-seconds", type=float, default=10.0)
+    ap.add_argument("--bound-seconds", type=float, default=5.0)
     ap.add_argument("--traces", help="comma list of corpus names instead of the held-out split")
     ap.add_argument("--out", default="bench_results/policy.json")
     args = ap.parse_args()
@@ -74,11 +80,9 @@ def main() -> int:
               f"in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     hws = [load_hardware(h) for h in args.hardware.split(",")]
     budgets = args.budgets.split(",")
-    pols = {"default": get_policy("default"), "default-greedy": get_policy("default-greedy"), "default-ppo": get_policy("default-ppo"),
-            "local-search": None, "min": get_policy("min"), "capuchin": get_policy("capuchin"),
-            "vdnn-all": get_policy("vdnn-all"), "swapadvisor-1s": get_policy("swapadvisor", search_seconds=1.0)}
+    pols = {n: get_policy(n) for n in PLANNERS if n not in ("local-search", "swapadvisor-1s")}
+    pols["swapadvisor-1s"] = get_policy("swapadvisor", search_seconds=1.0)
     rows = []
-    n_case = 0
     for tr in traces:
         for b in budgets:
             try:
@@ -86,80 +90,89 @@ def main() -> int:
             except BudgetError:
                 continue
             for hw in hws:
-                row: dict = {"trace": tr.name, "tensors": tr.n_tensors, "budget": b, "hardware": hw.name,
-                             "ideal_s": tr.ideal_s, "step_s": {}, "plan_s": {}, "oom": {}}
+                row: dict = {"trace": tr.name, "tensors": tr.n_tensors, "blocks": len(tr.segments), "budget": b,
+                             "hardware": hw.name, "ideal_s": tr.ideal_s, "step_s": {}, "plan_s": {}, "oom": {},
+                             "recompute_s": {}, "moved_bytes": {}}
                 for name in PLANNERS:
-                    pol = pols[name]
-                    if name == "local-search":  # the same planning time default took on this case
-                        from swapsched.agents.local_search import LocalSearch
-
-                        pol = LocalSearch(search_seconds=row["plan_s"]["default"])
+                    # local-search gets the planning time default-swap took on this case
+                    pol = LocalSearch(search_seconds=row["plan_s"]["default-swap"]) if name == "local-search" else pols[name]
                     t0 = time.perf_counter()
                     plan = pol.plan(tr, budget, hw)
                     row["plan_s"][name] = time.perf_counter() - t0
                     r = simulate(tr, plan, hw, budget)
-                    row["step_s"][name] = r.iteration_s
-                    row["oom"][name] = r.oom
-                if n_case < args.long_cases:
-                    t0 = time.perf_counter()
-                    plan = get_policy("swapadvisor", search_seconds=args.long_search).plan(tr, budget, hw)
-                    row["plan_s"]["swapadvisor-long"] = time.perf_counter() - t0
-                    r = simulate(tr, plan, hw, budget)
-                    row["step_s"]["swapadvisor-long"], row["oom"]["swapadvisor-long"] = r.iteration_s, r.oom
-                row["floor_s"] = analytic_floor(tr, budget, hw)
+                    row["step_s"][name], row["oom"][name] = r.iteration_s, r.oom
+                    row["recompute_s"][name], row["moved_bytes"][name] = r.recompute_s, r.d2h_bytes
+                row["floor_s"] = joint_floor(tr, budget, hw)
                 bd = lower_bound(tr, budget, hw, time_limit_s=args.bound_seconds)
                 row["bound_s"], row["bound_status"], row["bound_solve_s"] = bd.bound_s, bd.status, bd.solve_s
-                feasible = [row["step_s"][p] for p in SINGLE_PASS if not row["oom"][p]]
-                row["best_single_pass_s"] = min(feasible) if feasible else None
+                feasible = [row["step_s"][p] for p in TECHNIQUES if not row["oom"][p]]
+                row["best_technique_s"] = min(feasible) if feasible else None
                 rows.append(row)
-                n_case += 1
-                best = row["best_single_pass_s"]
-                print(f"{tr.name:28s} {b:>4} {hw.name:11s} " + " ".join(
-                    f"{p}={row['step_s'][p] / best:.3f}" if best and not row["oom"][p] else f"{p}=OOM"
-                    for p in PLANNERS) + f" bound={row['bound_s'] / best:.3f}" if best else "", flush=True)
-    # ratios to the best single-pass heuristic
-    cols = [*PLANNERS, "swapadvisor-long", "floor", "bound"]
+                best = row["best_technique_s"]
+                print(f"{tr.name:28s} {b:>4} {hw.name:11s} " + (" ".join(
+                    f"{p}={row['step_s'][p] / best:.3f}" if not row["oom"][p] else f"{p}=OOM"
+                    for p in PLANNERS) + f" bound={row['bound_s'] / best:.3f}" if best else "no technique fits"), flush=True)
+    cols = [*PLANNERS, "floor", "bound"]
 
     def ratio(row: dict, p: str) -> float | None:
-        best = row["best_single_pass_s"]
+        best = row["best_technique_s"]
         if best is None:
             return None
         if p in ("floor", "bound"):
             return row[f"{p}_s"] / best
-        if p not in row["step_s"] or row["oom"][p]:
+        if row["oom"][p]:
             return None
         return row["step_s"][p] / best
 
-    bands = {"all": lambda b: True, "< 70%": lambda b: float(b[:-1]) < 70, ">= 70%": lambda b: float(b[:-1]) >= 70}
+    def pcie(row: dict) -> bool:
+        return "pcie" in row["hardware"]
+
+    bands = {"all": lambda r: True, "30-70% PCIe": lambda r: float(r["budget"][:-1]) <= 70 and pcie(r),
+             ">= 80%": lambda r: float(r["budget"][:-1]) >= 80, "PCIe": pcie, "C2C": lambda r: not pcie(r)}
     summary = []
     for p in cols:
         entry: dict = {"planner": p}
         for band, keep in bands.items():
-            rs = [ratio(r, p) for r in rows if keep(r["budget"])]
-            ok = [x for x in rs if x is not None]
+            ok = [x for x in (ratio(r, p) for r in rows if keep(r)) if x is not None]
             entry[band] = geomean(ok)
             if band == "all":
                 entry["worst"] = max(ok) if ok else math.nan
                 entry["cases"] = len(ok)
                 entry["oom"] = sum(1 for r in rows if p in r["oom"] and r["oom"][p])
-        times = [r["plan_s"][p] for r in rows if p in r.get("plan_s", {})]
-        small = [r["plan_s"][p] for r in rows if p in r.get("plan_s", {}) and r["tensors"] <= 500]
-        large = [r["plan_s"][p] for r in rows if p in r.get("plan_s", {}) and r["tensors"] > 2000]
+        times = [r["plan_s"][p] for r in rows if p in r["plan_s"]]
+        small = [r["plan_s"][p] for r in rows if p in r["plan_s"] and r["tensors"] <= 500]
+        large = [r["plan_s"][p] for r in rows if p in r["plan_s"] and r["tensors"] > 2000]
         entry["plan_s_mean"] = sum(times) / len(times) if times else math.nan
         entry["plan_s_max_le500"] = max(small) if small else math.nan
         entry["plan_s_max_gt2000"] = max(large) if large else math.nan
         summary.append(entry)
     print()
-    print(f"{len(rows)} cases; step time / best single-pass heuristic (min, capuchin, vdnn-all), geometric mean")
-    print(table(["planner", "all", "< 70%", ">= 70%", "worst", "cases", "OOM", "plan s (mean)", "max <=500 t", "max >2000 t"],
-                [[s["planner"], f"{s['all']:.3f}", f"{s['< 70%']:.3f}", f"{s['>= 70%']:.3f}", f"{s['worst']:.3f}",
-                  s["cases"], s["oom"], f"{s['plan_s_mean']:.2f}", f"{s['plan_s_max_le500']:.2f}",
-                  f"{s['plan_s_max_gt2000']:.2f}"] for s in summary]))
-    ls = [r["step_s"]["default"] / r["step_s"]["local-search"] for r in rows
-          if not r["oom"]["default"] and not r["oom"]["local-search"]]
-    print(f"default / local-search at the same planning time: geomean {geomean(ls):.4f} over {len(ls)} cases")
+    print(f"{len(rows)} cases; step time / the best technique on the case (best swap-only plan, checkpoint-all, "
+          "capuchin's hybrid), geometric mean")
+    print(table(["planner", *bands, "worst", "cases", "OOM", "plan s (mean)", "max <=500 t", "max >2000 t"],
+                [[s["planner"], *(f"{s[b]:.3f}" for b in bands), f"{s['worst']:.3f}", s["cases"], s["oom"],
+                  f"{s['plan_s_mean']:.2f}", f"{s['plan_s_max_le500']:.2f}", f"{s['plan_s_max_gt2000']:.2f}"]
+                 for s in summary]))
+
+    def over(a: str, b: str) -> tuple[float, float, int]:
+        xs = [r["step_s"][a] / r["step_s"][b] for r in rows if not r["oom"][a] and not r["oom"][b]]
+        return geomean(xs), max(xs, default=math.nan), len(xs)
+
+    worse = [r for r in rows if r["best_technique_s"] and (r["oom"]["default"] or r["step_s"]["default"] > r["best_technique_s"] * (1 + 1e-9))]
+    to_bound = [r["step_s"]["default"] / r["bound_s"] for r in rows if not r["oom"]["default"]]
+    pairs = {"default / bound": (geomean(to_bound), max(to_bound, default=math.nan), len(to_bound)),
+             "default-swap / local-search": over("default-swap", "local-search"),
+             "default-swap / swapadvisor-1s": over("default-swap", "swapadvisor-1s"),
+             "default-greedy / best swap-only": (geomean([r["step_s"]["default-greedy"] / min(r["step_s"][p] for p in SWAP_ONLY if not r["oom"][p])
+                                                          for r in rows if not r["oom"]["default-greedy"] and any(not r["oom"][p] for p in SWAP_ONLY)]), math.nan, 0)}
+    print()
+    print(table(["ratio", "geomean", "worst", "cases"], [[k, f"{g:.4f}", f"{w:.4f}", n] for k, (g, w, n) in pairs.items()]))
+    print(f"cases where default is worse than the best technique: {len(worse)}"
+          + "".join(f"\n  {r['trace']} {r['budget']} {r['hardware']}: {r['step_s']['default'] / r['best_technique_s']:.4f}" for r in worse))
     write(args.out, {"budgets": budgets, "hardware": [h.name for h in hws], "traces": [t.name for t in traces],
-                     "summary": summary, "default_over_local_search": geomean(ls), "rows": rows})
+                     "summary": summary, "ratios": {k: {"geomean": g, "worst": w, "cases": n} for k, (g, w, n) in pairs.items()},
+                     "default_worse_than_best_technique": [(r["trace"], r["budget"], r["hardware"]) for r in worse],
+                     "rows": rows})
     return 0
 
 

@@ -330,9 +330,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     results = [main_run]
     if args.compare:
         from swapsched.agents.registry import policy_names
-        from swapsched.runtime.backends import resolve_backend
-
         from swapsched.deploy import RUNTIME_FORM, RUNTIME_POLICIES_LEFT_OUT
+        from swapsched.runtime.backends import resolve_backend
 
         # each planner once, in the form the runtime executes (default is default-swap live)
         skip = {args.policy, "optimal", "swapadvisor", *RUNTIME_FORM.values(), *RUNTIME_POLICIES_LEFT_OUT}

@@ -252,10 +252,10 @@ class Trace:
                 continue
             mine = set(ids)
             fwd = [i for i, e in enumerate(self.events[:bstart]) if e.kind == "pack" and e.tensor in mine]
-            flops = [self.events[i].flops for i in fwd]
+            flops = [f for f in (self.events[i].flops for i in fwd) if f is not None]
             out.append(Segment(len(out), name, anchor, members, at, float(sum(self.events[i].compute_s for i in fwd)),
                                int(sum(self.tensors[k].bytes for k in members)),
-                               float(sum(flops)) if flops and all(f is not None for f in flops) else None))  # type: ignore[misc]
+                               float(sum(flops)) if fwd and len(flops) == len(fwd) else None))
         return tuple(out)
 
     @cached_property
