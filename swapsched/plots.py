@@ -36,7 +36,7 @@ def _save(plt: Any, fig: Any, path: str | Path, title: str = "") -> Path:
 
 def plot_timelines(results: Sequence[tuple[str, Any]], budget: int, path: str | Path, title: str = "") -> Path:
     """One panel per (label, SimResult with a timeline): device memory against the budget above,
-    the compute, device->host and host->device streams (and stalls) below."""
+    the compute (recompute in purple), device->host and host->device streams (and stalls) below."""
     plt = _pyplot()
     n = len(results)
     fig, axes = plt.subplots(2 * n, 1, figsize=(10, 3.2 * n), squeeze=False,
@@ -52,7 +52,8 @@ def plot_timelines(results: Sequence[tuple[str, Any]], budget: int, path: str | 
         ms = [m / div for _, m in tl.memory]
         ax_m.step(ts, ms, where="post", label="device memory")
         ax_m.axhline(budget / div, color="red", linestyle="--", label="budget")
-        status = "OOM" if res.oom else f"overhead {res.overhead:+.1%}"
+        status = "OOM" if res.oom else f"overhead {res.overhead:+.1%}" + (f", recompute {res.recompute_s / res.ideal_s:.1%}"
+                                                                            if res.recompute_s else "")
         ax_m.set_title(f"{label}: {status}")
         ax_m.set_ylabel(unit)
         ax_m.legend(loc="upper right", fontsize=8)
@@ -62,6 +63,11 @@ def plot_timelines(results: Sequence[tuple[str, Any]], budget: int, path: str | 
                 ("stall", [(a, b) for a, b, _ in tl.stalls], "tab:red")]
         for y, (_, spans, color) in enumerate(rows):
             ax_s.broken_barh([(a, b - a) for a, b in spans], (y - 0.4, 0.8), color=color)
+        # R9: recompute runs on the compute stream, drawn there in its own colour
+        ax_s.broken_barh([(a, b - a) for a, b, _ in tl.recompute], (-0.4, 0.8), color="tab:purple",
+                         label="recompute" if tl.recompute else None)
+        if tl.recompute:
+            ax_s.legend(loc="upper right", fontsize=7)
         ax_s.set_yticks(range(len(rows)), [r[0] for r in rows])
         ax_s.set_xlabel("time (s)")
         end = max([ts[-1]] + [b for _, spans, _ in rows for _, b in spans] or [1.0])

@@ -16,6 +16,8 @@ import contextlib
 import importlib
 import inspect
 import math
+import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -366,6 +368,11 @@ def _build_hf(model_type: str, size: str | None, batch_size: int | None, seq_len
 def _build_factory(spec: str, size: str | None, batch_size: int | None, seq_len: int | None, device: str,
                    seed: int) -> ModelCase:
     mod_name, _, fn_name = spec.partition(":")
+    # a factory in the folder the command runs in, as uvicorn and pytest find the user's module: a
+    # console script's import path starts at its own install, not at the working directory
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
     try:
         fn = getattr(importlib.import_module(mod_name), fn_name)
     except (ImportError, AttributeError) as exc:

@@ -308,3 +308,19 @@ def test_sigterm_mid_compare_exits_130_and_leaves_the_old_file(tmp_path, capsys)
     assert json.loads(out.read_text()) == {"old": True}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.json"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(signal.getsignal(signal.SIGTERM))
+
+
+def test_profile_finds_a_factory_in_the_working_directory(tmp_path):
+    # the console script, run where mymodel.py is, as a user would (uvicorn and pytest find it too)
+    import shutil
+
+    (tmp_path / "mymodel.py").write_text(
+        "import torch\n"
+        "def build():\n"
+        "    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))\n"
+        "    return m, (torch.randn(8, 16),), lambda out: out.pow(2).mean()\n")
+    exe = shutil.which("swapsched") or pytest.skip("the swapsched console script is not installed")
+    r = subprocess.run([exe, "profile", "mymodel:build", "--out", "t.json"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "t.json").is_file()
