@@ -175,6 +175,8 @@ class RunSummary:
     peak_device_bytes: int | None  # the largest executed step's peak, against...
     budget_bytes: int | None
     guard_evictions: int
+    # the budget as given; a relative one ("60%") was resolved once, against the first profiled step
+    budget_spec: str | int | float | None = None
 
     @property
     def overhead(self) -> float | None:
@@ -190,10 +192,19 @@ class RunSummary:
             parts.append(f"median {1e3 * self.median_step_s:.2f} ms{over}")
         parts.append(f"moved {format_bytes(self.moved_bytes)}")
         if self.peak_device_bytes is not None and self.budget_bytes is not None:
-            parts.append(f"peak {format_bytes(self.peak_device_bytes)} of {format_bytes(self.budget_bytes)}")
+            basis = (f" ({self.budget_spec} of the first profiled step's activation peak)"
+                     if isinstance(self.budget_spec, str) and self.budget_spec.strip().endswith("%") else "")
+            parts.append(f"peak {format_bytes(self.peak_device_bytes)} of {format_bytes(self.budget_bytes)}{basis}")
         if self.guard_evictions:
             parts.append(f"{self.guard_evictions} guard evictions")
-        return ", ".join(parts)
+        line = ", ".join(parts)
+        planned = self.steps - self.profiled
+        if planned >= 4 and self.diverged * 2 > planned:
+            # never save_on_cpu behaviour in silence
+            line += (f"\nmost steps ran without a plan: {self.diverged} of {planned} after profiling left the profiled "
+                     "trace (other tensor sizes or control flow; each finished on demand and the next step profiled "
+                     "again). Keep shapes static (pad to fixed lengths or buckets) for planned steps")
+        return line
 
 
 class _RunTally:
@@ -220,7 +231,8 @@ class _RunTally:
             steps=self.steps, profiled=self.profiled, executed=self.executed, diverged=self.diverged,
             median_step_s=float(np.median(self.recent)) if self.recent else None,
             plain_step_s=rt.trace.ideal_s if rt.trace is not None else None, moved_bytes=self.moved,
-            peak_device_bytes=self.peak, budget_bytes=rt.budget_bytes, guard_evictions=self.guard)
+            peak_device_bytes=self.peak, budget_bytes=rt.budget_bytes, guard_evictions=self.guard,
+            budget_spec=rt.budget_spec)
 
 
 @dataclass(frozen=True)
@@ -369,6 +381,9 @@ class SwapRuntime:
         self.first_sight: dict[int, int] = {}
         self.plan: SwapPlan | None = None
         self.budget_bytes: int | None = None
+        # a relative budget is resolved once, against the first profiled step, into bytes for the
+        # whole run: a later step of another shape gets the same bytes, or a clear refusal
+        self.budget_basis: str | None = None
         self.predicted_s: float | None = None
         self.steps = 0
         self._report: StepReport | None = None
@@ -455,6 +470,7 @@ class SwapRuntime:
         if budget is not None:
             self.budget_bytes = self._budget_for(check_budget(budget), self.trace)
             self.budget_spec = budget  # a malformed budget fails here, not after profiling
+            self.budget_basis = self.trace.name
         self._adopt(plan)
         self._policy_planned = False
 
@@ -496,12 +512,20 @@ class SwapRuntime:
         else:
             why = ""
         raise BudgetError(f"the runtime's budget {spec!r} is below this training step's smallest "
-                          f"feasible budget, {format_bytes(need)} ({need} bytes, {pct:.1f}% of its saved "
-                          f"activations){why}; give at least that")
+                          f"feasible budget, {format_bytes(need)} ({need} bytes, {pct:.1f}% of its activation "
+                          f"peak above static memory, transients included){why}; give at least that")
 
     def _plan_from(self, trace: Trace) -> None:
         self.trace = trace
-        self.budget_bytes = self._budget_for(self.budget_spec, trace)
+        if self.budget_bytes is None:
+            self.budget_bytes = self._budget_for(self.budget_spec, trace)
+            self.budget_basis = trace.name
+        elif self.budget_bytes < trace.min_feasible_bytes:
+            need, _ = smallest_feasible(trace)
+            raise BudgetError(f"this step's shape needs at least {format_bytes(need)} ({need} bytes) of device memory, more "
+                              f"than the run's budget {self.budget_spec!r} = {format_bytes(self.budget_bytes)}, resolved "
+                              "against the first profiled step; give a larger budget, or keep batches no larger than "
+                              "the first")
         if self.policy is None:  # nothing plans: every tensor stays until use_plan()
             plan = SwapPlan.of(trace, "keep-all", [])
         else:
@@ -775,7 +799,7 @@ class _ExecuteStep(_StepExecution):
 
     __slots__ = ("trace", "budget", "room", "out_at", "prefetch_at", "tensor_bytes", "frees", "expected", "work",
                  "keys", "by_tid", "i", "outs", "waiting", "ins", "n_seen", "first_sight", "gaps", "hook_s",
-                 "last_exit", "tail_s", "deaths", "alloc", "marks_in", "marks_out", "mark_start", "mark_end")
+                 "last_exit", "tail_s", "deaths", "alloc", "marks_in", "marks_out", "mark_start", "mark_end", "scale")
 
     def __init__(self, rt: SwapRuntime):
         super().__init__(rt)
@@ -790,6 +814,9 @@ class _ExecuteStep(_StepExecution):
         self.tensor_bytes = tb.bytes
         self.frees = tb.free  # tensors whose last unpack is each event
         self.alloc = tb.alloc_bytes  # bytes of the tensors first packed at each event (made in its gap)
+        # after a divergence: the largest ratio seen of a tensor's bytes to the trace's, by which
+        # R4 scales the trace's next allocation (a batch of another size is one family, scaled)
+        self.scale = 1.0
         # the hooks' hot path reads two flat lists: the expected event (tensor id for a pack, its
         # complement ~id for an unpack) and whether anything happens after it (a free, a planned
         # swap-out or prefetch). Diverging empties both, which turns every later check off.
@@ -878,8 +905,8 @@ class _ExecuteStep(_StepExecution):
             self._make_room(need, None)
 
     def _make_room(self, need: int, now_tid: int | None) -> None:
-        if self.diverged:
-            return  # finishing safely on demand: the plan no longer describes this step
+        # a diverged step makes room too: the plan no longer describes it, but the budget still
+        # holds, by the swap-outs in flight and then the guard
         room = self.budget - self.static
         while self.used + need > room:
             if self.deaths:
@@ -963,7 +990,9 @@ class _ExecuteStep(_StepExecution):
             if self.rt.strict:
                 raise DivergenceError(f"step {self.rt.steps} {self.divergence} (SwapRuntime(strict=True))")
         self.diverged = True
-        self.expected = self.work = self.alloc = ()
+        # no more planned work; R4 keeps making room before each gap, from the trace's next
+        # allocation scaled by what this step's tensors weigh against the trace's (self.scale)
+        self.expected = self.work = ()
         self.waiting.clear()
 
     def pack(self, t: torch.Tensor) -> Any:
@@ -998,6 +1027,7 @@ class _ExecuteStep(_StepExecution):
             ex = self.expected
             if i >= len(ex) or ex[i] != tid or self.tensor_bytes[tid] != nbytes:
                 self._diverge(f"pack of tensor {tid} ({format_bytes(nbytes)})")
+                self.scale = max(self.scale, nbytes / max(int(self.tensor_bytes[tid]), 1))
             # it is already made: counted before anything else moves, so an overshoot shows in the
             # peak, and so the drain below cannot admit a waiting prefetch (R6) into the room that
             # R4 made for this tensor before its gap (_room_for_next); _make_room only catches what
@@ -1051,8 +1081,8 @@ class _ExecuteStep(_StepExecution):
         if i < len(work) and work[i]:
             self._after_event(i)
         alloc = self.alloc
-        if i + 1 < len(alloc) and self.used + alloc[i + 1] > self.room:
-            self._room_for_next(alloc[i + 1])
+        if i + 1 < len(alloc) and self.used + alloc[i + 1] * self.scale > self.room:
+            self._room_for_next(int(alloc[i + 1] * self.scale))
         if self.marks_in is not None:
             self.marks_out.append(self.backend.mark())
         now = time.perf_counter()
@@ -1078,6 +1108,12 @@ class _ExecuteStep(_StepExecution):
             self.waits += not self.backend.done(rec.inn)
             self._wait(rec, rec.inn, use=True)
             self.stall_s += time.perf_counter() - t0
+            if self.diverged:
+                # no plan says when it is last used: the swap-in buffer lives only as long as
+                # autograd holds what unpack returns (its finalizer takes the bytes out); an unpack
+                # after that brings it back again from the host copy, which stays to the step's end
+                buf, rec.inn, rec.state = rec.inn.dst, None, HOST
+                return self._rebuild(p, buf)
             rec.flat = rec.inn.dst
             rec.state = RESIDENT
             # a backward that records a graph (double backward) may save what it unpacked: the

@@ -619,3 +619,51 @@ def test_a_real_device_times_its_gaps_with_marks_until_the_trace_is_retimed():
         assert sum(r.gaps_s) + r.tail_s <= r.step_s  # gaps leave the hooks' own time out
     expected = np.median([timed[0].gaps_s, timed[1].gaps_s], axis=0)
     assert [e.compute_s for e in trace.events] == pytest.approx(expected.tolist(), rel=1e-12)
+
+
+def test_a_diverged_step_still_holds_the_budget():
+    """A larger batch than the profiled one leaves the trace at its first pack; the step finishes
+    on demand, but R4 keeps making room (the trace's next allocation scaled by the step's own
+    sizes) and the guard evicts, and a swap-in buffer lives only as long as autograd holds it, so
+    the budget holds, with the gradients of training without the runtime."""
+    case = build_model("mlp", "tiny", seed=4)
+    ref = build_model("mlp", "tiny", seed=4)
+    rt = SwapRuntime(budget="50%", policy="min", backend="cpu", min_bytes=0, model=case.model, audit=True)
+    try:
+        for _ in range(5):
+            with rt.step():
+                case.loss().backward()
+            ref.loss().backward()
+        x = torch.randn(case.inputs[0].shape[0] * 3 // 2, *case.inputs[0].shape[1:])
+        for m in (case.model, ref.model):
+            m.zero_grad(set_to_none=True)
+        with rt.step():
+            la = case.model(x).sum()
+            la.backward()
+        lb = ref.model(x).sum()
+        lb.backward()
+        rep = rt.report()
+        assert rep.mode == "diverged" and torch.equal(la, lb)
+        assert rep.guard_evictions > 0
+        assert rep.peak_device_bytes <= rep.budget_bytes
+        # the meter also sees the new batch, which the caller holds (no plan can evict it; the
+        # profiled batch it replaces is still alive too, counted in static_bytes)
+        assert rep.measured_peak_bytes <= rep.budget_bytes + x.untyped_storage().nbytes()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(case.model.parameters(), ref.model.parameters(), strict=True))
+    finally:
+        rt.close()
+
+
+def test_a_run_that_mostly_diverges_says_so():
+    case = build_model("mlp", "tiny", seed=9)
+    with SwapRuntime(budget="90%", policy="min", backend="cpu", min_bytes=0, model=case.model) as rt:
+        for _ in range(3):
+            with rt.step():
+                case.loss().backward()
+        n = case.inputs[0].shape[0]
+        for i in range(8):  # the batch size changes every step: each diverges or profiles again
+            with rt.step():
+                case.model(torch.randn(n + 1 + i % 2, *case.inputs[0].shape[1:])).sum().backward()
+        run = rt.report().run
+    assert run.diverged * 2 > run.steps - run.profiled
+    assert "most steps ran without a plan" in str(run)
