@@ -535,7 +535,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("train-policy", cmd_train_policy, "Train a swap policy (MaskablePPO on SwapEnv) and evaluate it on held-out traces.")
     sp.add_argument("--config", default=str(_default_train_config()), help="PPO settings YAML (default: configs/train/default.yaml)")
     sp.add_argument("--out", default="checkpoints/mine.zip", type=_out_file, help="checkpoint path; NAME.json is written beside it")
-    sp.add_argument("--timesteps", type=_positive_int, help="override the config's total_timesteps (with --resume: steps to add)")
+    sp.add_argument("--timesteps", type=_positive_int, help="override the config's total_timesteps (with --resume: steps to add); PPO runs whole rollouts "
+                    "(n_steps x n_envs), so it rounds up to the next multiple and says so")
     sp.add_argument("--seed", type=int, help="override the config's seed (training is deterministic for a seed with --n-envs 1)")
     sp.add_argument("--n-envs", type=_positive_int, help="override the config's n_envs (more than 1: subprocess environments)")
     sp.add_argument("--resume", metavar="CKPT", type=_in_file, help="continue this checkpoint: its step count, optimizer state and schedule")

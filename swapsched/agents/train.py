@@ -8,6 +8,7 @@ held-out results against the baselines, measured on the simulator at the end of 
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -244,6 +245,11 @@ def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True,
         model = MaskablePPO("MlpPolicy", venv, seed=config.seed, device="cpu", verbose=0, tensorboard_log=tb,
                             policy_kwargs={"net_arch": list(net_arch)}, **ppo)
     total = timesteps or config.total_timesteps
+    rollout = int(model.n_steps * model.n_envs)
+    if total % rollout:
+        # PPO updates after whole rollouts: learn() runs on to the next multiple
+        print(f"note: PPO learns in whole rollouts of n_steps x n_envs = {rollout} steps; {total} requested, "
+              f"{-(-total // rollout) * rollout} will run", file=sys.stderr)
     start_steps = model.num_timesteps
     t0 = time.perf_counter()
     interrupted = False
@@ -269,6 +275,7 @@ def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True,
         "algorithm": "MaskablePPO (sb3-contrib)",
         "timesteps": int(model.num_timesteps),
         "timesteps_this_run": int(model.num_timesteps - start_steps),
+        "timesteps_requested": int(total),
         "resumed_from": str(resume) if resume is not None else None,
         "interrupted": interrupted,
         "seed": config.seed,
