@@ -55,3 +55,35 @@ def test_prefetch_event_by_lead(two_tensors):
     assert prefetch_event(two_tensors, 0, float("inf")) == 0  # right after the swap-out
     # lead class 2 = 2 transfers of 100 B at 100 B/s = 2 s -> latest event with time <= 3 is e1
     assert lead_eviction(two_tensors, 0, 2, make_hw()) == Eviction(0, 0, 1)
+
+
+def test_a_recompute_plan_round_trips_as_version_2_and_a_version_1_file_still_loads(tmp_path, one_block):
+    plan = SwapPlan.of(one_block, "hand", [Eviction(0, 0, 4)], recompute=["blk.0"])
+    p = plan.save(tmp_path / "p.json")
+    data = json.loads(p.read_text())
+    assert data["version"] == 2 and data["recompute"] == ["blk.0"]
+    back = load_plan(p, one_block)
+    assert back == plan and back.recomputed(one_block) == [0]
+    v1 = tmp_path / "v1.json"  # as swapsched wrote plans before recompute
+    v1.write_text(json.dumps({"format": "swapsched.plan", "version": 1, "trace": one_block.name, "policy": "old",
+                              "evictions": [{"tensor": 2, "swap_out_at": 2, "prefetch_at": 3}]}))
+    old = load_plan(v1, one_block)
+    assert old.recompute == () and old.evictions == (Eviction(2, 2, 3),)
+    v3 = tmp_path / "v3.json"
+    v3.write_text(json.dumps({**data, "version": 3}))
+    with pytest.raises(PlanError, match="reads versions 1, 2, got 3"):
+        load_plan(v3)
+
+
+def test_recompute_is_validated_against_the_trace(tmp_path, one_block):
+    with pytest.raises(PlanError, match=r"recompute\[0\]: trace 'hand' has no recomputable block 'blk.9' \(its blocks: blk.0\)"):
+        SwapPlan.of(one_block, "bad", [], recompute=["blk.9"]).validate(one_block)
+    # R9: a member is rebuilt, so it cannot also be swapped; the anchor (T0) may be
+    with pytest.raises(PlanError, match="its tensor 1 cannot also be evicted"):
+        SwapPlan.of(one_block, "bad", [Eviction(1, 1, 4)], recompute=["blk.0"]).validate(one_block)
+    SwapPlan.of(one_block, "ok", [Eviction(0, 0, 4)], recompute=["blk.0"]).validate(one_block)
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps({"format": "swapsched.plan", "version": 2, "trace": "hand", "policy": "x", "evictions": [],
+                             "recompute": [3]}))
+    with pytest.raises(PlanError, match=r"recompute\[0\]: expected a block name \(a string\), got 3"):
+        load_plan(p)

@@ -133,3 +133,22 @@ def test_with_timing_replaces_gaps_and_tail_and_keeps_the_events(two_tensors):
     assert t.ideal_s == 4.5 and t.meta["timed_by_execution"] == 3 and two_tensors.ideal_s == 5.0
     with pytest.raises(TraceError, match="3 gaps for 4 events"):
         two_tensors.with_timing([1.0, 1.0, 1.0], 0.0)
+
+
+def test_blocks_are_container_elements_or_runs_of_single_layers():
+    from swapsched.trace import segment_of
+
+    assert segment_of("blocks.3.attn.qkv") == ("blocks", 3) and segment_of("net.2") == ("net", 2)
+    assert segment_of("tok") is None
+    # a Sequential of single layers (one saved tensor each): runs of round(sqrt(4)) = 2 layers,
+    # each run's first tensor its anchor, the rest its members; "head" is in no block
+    sizes = [100] * 5
+    fwd = [("pack", k, 1.0) for k in range(5)]
+    bwd = [("unpack", k, 1.0) for k in reversed(range(5))]
+    tr = make_trace(sizes, fwd + bwd, modules=["net.0", "net.1", "net.2", "net.3", "head"])
+    assert [(s.name, s.anchor, s.members, s.at, s.forward_s) for s in tr.segments] == [
+        ("net.0-1", 0, (1,), 8, 2.0), ("net.2-3", 2, (3,), 6, 2.0)]
+    # a block whose member is packed again in backward does not qualify (a recompute cannot stand in)
+    again = make_trace([100, 100], [("pack", 0, 1.0), ("pack", 1, 1.0), ("unpack", 1, 1.0), ("pack", 1, 1.0),
+                                    ("unpack", 1, 1.0), ("unpack", 0, 1.0)], modules=["b.0.x", "b.0.y"])
+    assert again.segments == ()
