@@ -11,6 +11,7 @@ equivalent change, which ``docs/RESULTS.md`` says.
 
     python scripts/mutation.py [--modules simulator,budget,plan,bound] [--jobs 2] [--out bench_results/mutation.json]
     python scripts/mutation.py --list --modules budget     # the mutants, without running them
+    python scripts/mutation.py --named                      # the six bugs issue 23 found surviving, each alone
 
 Not a test: it takes tens of minutes (a few seconds of tests per mutant). Run it alone.
 """
@@ -41,6 +42,35 @@ TARGETS = {
                                             "tests/agents/test_bound.py::test_latency_makes_the_bound_tighter_than_the_floor",
                                             "tests/agents/test_bound.py::test_bound_is_below_every_plan_and_above_the_floor"]),
 }
+
+#: Bugs found by hand that the suite once let through (issue 23): (what, file, text, replacement, tests).
+#: ``None`` text: R5 (d) run before (c), made by moving the block.
+NAMED = [
+    ("R6: a swap-in starts before its own swap-out ends", "swapsched/env/simulator.py",
+     "start = max(at, self.h2d_free, self.out_done[k])", "start = max(at, self.h2d_free)", ["tests/env"]),
+    ("R5: prefetches at an event issued before its swap-outs", "swapsched/env/simulator.py", None, None, ["tests/env"]),
+    ("a percentage budget rounds up", "swapsched/budget.py", "math.floor(above * number / 100.0)",
+     "math.ceil(above * number / 100.0)", ["tests/swapsched/test_budget.py"]),
+    ("the bound loses its d2h capacity rows", "swapsched/agents/bound.py",
+     "            row([*sel, (j, -1.0), (int(q), 1.0)], float(G[j] - G[q + 1]))\n", "", ["tests/agents/test_bound.py"]),
+    ("copy latency paid once per busy engine", "swapsched/env/simulator.py", "end = start + self.lat + b * self.inv_d2h",
+     "end = start + (self.lat if self.t > self.d2h_free else 0.0) + b * self.inv_d2h", ["tests/env"]),
+    ("freed at the first unpack", "swapsched/env/simulator.py",
+     "zip(trace.first_pack.tolist(), trace.last_unpack.tolist(), strict=False)):",
+     "zip(trace.first_pack.tolist(), trace.first_unpack.tolist(), strict=False)):", ["tests/env"]),
+]
+
+
+def _named_source(path: Path, old: str | None, new: str | None) -> str:
+    src = path.read_text()
+    if old is None:  # R5: move (d) before (c)
+        i0, i1 = src.index("            # -- (c) swap-outs planned at i"), src.index("            # -- (d) prefetches planned at i")
+        i2 = src.index("            self.next_event = i + 1")
+        return src[:i0] + src[i1:i2] + src[i0:i1] + src[i2:]
+    if old not in src:
+        raise SystemExit(f"{path}: the code a named mutant changes is gone ({old[:60]!r}); update NAMED")
+    return src.replace(old, new or "", 1)
+
 
 _CMP = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq}
 _BIN = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Div}
@@ -224,6 +254,7 @@ def main() -> int:
     ap.add_argument("--modules", default=",".join(TARGETS), help=f"comma list of {', '.join(TARGETS)}")
     ap.add_argument("--jobs", type=int, default=2, help="mutants run at once, each in its own copy")
     ap.add_argument("--list", action="store_true", help="print the mutants and stop")
+    ap.add_argument("--named", action="store_true", help="run only the bugs in NAMED, each against its module's tests")
     ap.add_argument("--out", default="bench_results/mutation.json")
     args = ap.parse_args()
     modules = [m.strip() for m in args.modules.split(",") if m.strip()]
@@ -234,6 +265,8 @@ def main() -> int:
 
     from swapsched.report import format_grid
 
+    if args.named:
+        return _run_named()
     work = [(m, mut, src) for m in modules for mut, src in mutants(m)]
     if args.list:
         for _, mut, _ in work:
@@ -296,6 +329,23 @@ def main() -> int:
                                              "detail": o.detail} for o in outcomes]}, indent=1))
     print(f"wrote {out}", file=sys.stderr)
     return 0
+
+
+def _run_named() -> int:
+    tmp = Path(tempfile.mkdtemp(prefix="swapsched-named-"))
+    copy = tmp / "copy"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "bench_results", "__pycache__", "*.egg-info"))
+    survived = 0
+    for what, rel, old, new, tests in NAMED:
+        target = copy / rel
+        original = target.read_text()
+        target.write_text(_named_source(ROOT / rel, old, new))
+        killed, detail = _run_tests(copy, tests, timeout=900)
+        target.write_text(original)
+        survived += not killed
+        print(f"{'killed  ' if killed else 'SURVIVED'} {what} ({rel}; {detail})", flush=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 1 if survived else 0
 
 
 if __name__ == "__main__":
