@@ -61,3 +61,26 @@ def test_check_budget_rejects_malformed_and_absurd_budgets_without_a_trace():
         with pytest.raises(BudgetError, match=msg):
             check_budget(bad)
     assert format_bytes(3 * 2**50) == "3.00 PiB"
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("1", 1), ("1B", 1), ("1kb", 10**3), ("1MB", 10**6), ("1gb", 10**9), ("1TB", 10**12),
+    ("1KiB", 2**10), ("1mib", 2**20), ("1GiB", 2**30), ("1TiB", 2**40), (float(2**63), 2**63),
+])
+def test_every_unit_is_its_own_size(spec, expected):
+    assert parse_budget(spec) == expected
+
+
+def test_the_edges_of_what_a_budget_may_be():
+    for bad, msg in ((True, "bytes or a percentage"), ("100.5%", "over 100%"), (1.5 * 2**63, "more bytes"),
+                     ("1e10GiB", "more bytes"), ("0.9B", "less than one byte")):
+        with pytest.raises(BudgetError, match=msg):
+            parse_budget(bad)
+
+
+@pytest.mark.parametrize("n, text", [
+    (1023, "1023 B"), (2**10, "1.00 KiB"), (2**20, "1.00 MiB"), (2**30, "1.00 GiB"), (2**40, "1.00 TiB"),
+    (2**50, "1.00 PiB"), (3 * 2**29, "1.50 GiB"),
+])
+def test_format_bytes_at_each_unit(n, text):
+    assert format_bytes(n) == text

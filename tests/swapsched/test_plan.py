@@ -87,3 +87,44 @@ def test_recompute_is_validated_against_the_trace(tmp_path, one_block):
                              "recompute": [3]}))
     with pytest.raises(PlanError, match=r"recompute\[0\]: expected a block name \(a string\), got 3"):
         load_plan(p)
+
+
+def test_by_event_lays_the_plan_out_per_event(two_tensors):
+    plan = SwapPlan.of(two_tensors, "hand", [Eviction(0, 0, 2), Eviction(1, 1, 1)])
+    out_at, prefetch_at = plan.by_event(4)
+    assert out_at == [[0], [1], [], []] and prefetch_at == [[], [1], [0], []]
+
+
+def test_a_prefetch_at_its_own_swap_out_is_valid(two_tensors):
+    SwapPlan.of(two_tensors, "hand", [Eviction(0, 0, 0)]).validate(two_tensors)  # R7: equal is allowed
+
+
+@pytest.mark.parametrize("data, message", [
+    ([], "expected a JSON object at the top level"),
+    ({"format": "swapsched.trace", "version": 1}, "is this a swapsched plan"),
+    ({"format": "swapsched.plan", "version": 0}, "reads versions 1, 2, got 0"),
+])
+def test_a_file_that_is_not_a_plan_says_what_it_is(tmp_path, data, message):
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps(data))
+    with pytest.raises(PlanError, match=message):
+        load_plan(p)
+
+
+def test_loading_against_a_trace_checks_r7_and_fills_in_meta(tmp_path, two_tensors):
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps({"format": "swapsched.plan", "version": 1, "trace": "hand", "policy": "x",
+                             "evictions": [{"tensor": 0, "swap_out_at": 3, "prefetch_at": 3}]}))
+    assert load_plan(p).meta == {}
+    with pytest.raises(PlanError, match="R7"):
+        load_plan(p, two_tensors)
+
+
+def test_lead_eviction_places_the_prefetch_lead_transfers_ahead(two_tensors):
+    # 100 B at 100 B/s: one transfer is 1 s. Events at t = 1, 2, 4, 5; T0 out at e0, first unpack
+    # e3 (t=5). The latest event at least lead transfers before it: 1 -> e2 (t=4 <= 4), 2 -> e1
+    # (2 <= 3), 4 -> e0 (1 <= 1), 8 -> none, clamped to the swap-out (e0); 0 is on demand (e3),
+    # inf as early as possible (e0).
+    hw = make_hw()
+    assert [lead_eviction(two_tensors, 0, i, hw).prefetch_at for i in range(6)] == [3, 2, 1, 0, 0, 0]
+    assert prefetch_event(two_tensors, 0, 100.0) == 0  # clamped to the swap-out
