@@ -127,7 +127,7 @@ class LearnedPolicy:
             # the best swap plan and capuchin's swap half, each made hybrid by Capuchin's step
             swaps = [start, *(p for p in heur if p.policy == "capuchin" and p is not start)]
             cands = [start, CheckpointAll().plan(trace, budget, hardware), with_all_recomputed(trace, start, "swap+checkpoint"),
-                     *(hybridize(trace, budget, hardware, p, deadline=t0 + (0.4 + 0.2 * i) * total) for i, p in enumerate(swaps))]
+                     *(hybridize(trace, budget, hardware, p, deadline=t0 + (0.55 + 0.2 * i) * total) for i, p in enumerate(swaps))]
             start, _ = best_plan(trace, budget, hardware, cands)
         left = total - (time.perf_counter() - t0)
         # stop early where the plan meets the floor (R8, or R8 over the joint space): nothing can be faster

@@ -44,22 +44,59 @@ def with_all_recomputed(trace: Trace, plan: SwapPlan, name: str) -> SwapPlan:
 
 def hybridize(trace: Trace, budget: int, hardware: Hardware, plan: SwapPlan, *, name: str | None = None,
               deadline: float | None = None) -> SwapPlan:
-    """Capuchin's hybrid step over ``plan`` (see the module): one simulation per block, in
-    decreasing MSPS, each kept where it lowers the plan's score; stops at ``deadline``."""
-    blocks = sorted(trace.segments, key=lambda s: -s.bytes / max(s.forward_s, 1e-12))
+    """Capuchin's hybrid step over ``plan`` (see the module): blocks in decreasing MSPS, each kept
+    recomputed where it lowers the plan's score; stops at ``deadline``.
+
+    First the best prefix of that order (how many of the top blocks to recompute: the quarters,
+    then a ternary search around the best, so a 128-block model gets a good hybrid inside a
+    planning time that one simulation per block would overrun), then one block at a time over
+    the rest."""
     evictions = {e.tensor: e for e in plan.evictions}
     chosen = set(plan.recomputed(trace))
-    best = plan_score(simulate(trace, plan, hardware, budget, validate=False), trace)
-    for sg in blocks:
-        if sg.index in chosen:
-            continue
-        if deadline is not None and time.perf_counter() > deadline:
+    order = [s for s in sorted(trace.segments, key=lambda s: -s.bytes / max(s.forward_s, 1e-12)) if s.index not in chosen]
+    scores: dict[int, float] = {}
+
+    def with_prefix(k: int) -> tuple[dict, set[int]]:
+        rebuilt = {m for sg in order[:k] for m in sg.members}
+        return {t: e for t, e in evictions.items() if t not in rebuilt}, chosen | {sg.index for sg in order[:k]}
+
+    def score(k: int) -> float:
+        if k not in scores:
+            evs, blocks = with_prefix(k)
+            scores[k] = plan_score(simulate(trace, list(evs.values()), hardware, budget, validate=False,
+                                            recompute=sorted(blocks)), trace)
+        return scores[k]
+
+    def late() -> bool:
+        return deadline is not None and time.perf_counter() > deadline
+
+    n = len(order)
+    # coarse first (quarters of the order, four simulations), then a ternary search between the
+    # neighbours of the best quarter while time is left
+    grid = sorted({0, *(round(n * f) for f in (0.25, 0.5, 0.75, 1.0))})
+    for k in grid:
+        if late() and scores:
+            break
+        score(k)
+    at = min(scores, key=lambda k: scores[k])
+    lo, hi = max(g for g in grid if g <= max(at - 1, 0)), min(g for g in grid if g >= min(at + 1, n))
+    while hi - lo > 2 and not late():
+        m1, m2 = lo + (hi - lo) // 3, hi - (hi - lo) // 3
+        if score(m1) <= score(m2):
+            hi = m2
+        else:
+            lo = m1
+    best_k = min((k for k in range(lo, hi + 1) if k in scores or not late()), key=score, default=0)
+    evictions, chosen = with_prefix(best_k)
+    best = score(best_k)
+    for sg in order[best_k:]:
+        if late():
             break
         cand = {k: e for k, e in evictions.items() if k not in sg.members}
-        score = plan_score(simulate(trace, list(cand.values()), hardware, budget, validate=False,
-                                    recompute=sorted(chosen | {sg.index})), trace)
-        if score < best - 1e-12 * max(best, 1.0):
-            best, evictions = score, cand
-            chosen.add(sg.index)
+        s = plan_score(simulate(trace, list(cand.values()), hardware, budget, validate=False,
+                                recompute=sorted(chosen | {sg.index})), trace)
+        if s < best - 1e-12 * max(best, 1.0):
+            best, evictions = s, cand
+            chosen = chosen | {sg.index}
     return SwapPlan.of(trace, name or plan.policy, evictions.values(), recompute=[trace.segments[s].name for s in chosen],
                        **plan.meta)
