@@ -121,10 +121,10 @@ def test_loading_against_a_trace_checks_r7_and_fills_in_meta(tmp_path, two_tenso
 
 
 def test_lead_eviction_places_the_prefetch_lead_transfers_ahead(two_tensors):
-    # 100 B at 100 B/s: one transfer is 1 s. Events at t = 1, 2, 4, 5; T0 out at e0, first unpack
-    # e3 (t=5). The latest event at least lead transfers before it: 1 -> e2 (t=4 <= 4), 2 -> e1
-    # (2 <= 3), 4 -> e0 (1 <= 1), 8 -> none, clamped to the swap-out (e0); 0 is on demand (e3),
+    # 100 B at 50 B/s: one transfer is 2 s. Events at t = 1, 2, 4, 5; T0 out at e0, first unpack
+    # e3 (t=5). The latest event at least lead transfers before it: 1 (2 s) -> e1 (t=2 <= 3),
+    # 2 (4 s) -> e0 (1 <= 1), 4 and 8 -> none, clamped to the swap-out (e0); 0 is on demand (e3),
     # inf as early as possible (e0).
-    hw = make_hw()
-    assert [lead_eviction(two_tensors, 0, i, hw).prefetch_at for i in range(6)] == [3, 2, 1, 0, 0, 0]
+    hw = make_hw(h2d=50)
+    assert [lead_eviction(two_tensors, 0, i, hw).prefetch_at for i in range(6)] == [3, 1, 0, 0, 0, 0]
     assert prefetch_event(two_tensors, 0, 100.0) == 0  # clamped to the swap-out
