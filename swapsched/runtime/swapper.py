@@ -380,10 +380,9 @@ class SwapRuntime:
         self.trace: Trace | None = None
         self.first_sight: dict[int, int] = {}
         self.plan: SwapPlan | None = None
-        self.budget_bytes: int | None = None
         # a relative budget is resolved once, against the first profiled step, into bytes for the
         # whole run: a later step of another shape gets the same bytes, or a clear refusal
-        self.budget_basis: str | None = None
+        self.budget_bytes: int | None = None
         self.predicted_s: float | None = None
         self.steps = 0
         self._report: StepReport | None = None
@@ -470,7 +469,6 @@ class SwapRuntime:
         if budget is not None:
             self.budget_bytes = self._budget_for(check_budget(budget), self.trace)
             self.budget_spec = budget  # a malformed budget fails here, not after profiling
-            self.budget_basis = self.trace.name
         self._adopt(plan)
         self._policy_planned = False
 
@@ -493,10 +491,11 @@ class SwapRuntime:
         self.close()
 
     # ------------------------------------------------------------------ planning
-    def _budget_for(self, spec: str | int | float, trace: Trace) -> int:
-        """``spec`` in bytes for this step's trace; below what the step can meet, one error that
-        names the runtime's budget and says why the step cannot go lower."""
-        out = parse_budget(spec, trace, check_feasible=False)
+    def _budget_for(self, spec: str | int | float, trace: Trace, resolved: int | None = None) -> int:
+        """``spec`` in bytes for this step's trace (``resolved``: the bytes it already stands for
+        in this run); below what the step can meet, one error that names the runtime's budget and
+        says why the step cannot go lower."""
+        out = parse_budget(spec, trace, check_feasible=False) if resolved is None else resolved
         if out >= trace.min_feasible_bytes:
             return out
         need, pct = smallest_feasible(trace)
@@ -511,21 +510,16 @@ class SwapRuntime:
                    "can move between them")
         else:
             why = ""
+        if resolved is not None:
+            why += (f"; the budget stands for {format_bytes(resolved)}, resolved against the first profiled step, "
+                    "and this step's shape needs more")
         raise BudgetError(f"the runtime's budget {spec!r} is below this training step's smallest "
                           f"feasible budget, {format_bytes(need)} ({need} bytes, {pct:.1f}% of its activation "
                           f"peak above static memory, transients included){why}; give at least that")
 
     def _plan_from(self, trace: Trace) -> None:
         self.trace = trace
-        if self.budget_bytes is None:
-            self.budget_bytes = self._budget_for(self.budget_spec, trace)
-            self.budget_basis = trace.name
-        elif self.budget_bytes < trace.min_feasible_bytes:
-            need, _ = smallest_feasible(trace)
-            raise BudgetError(f"this step's shape needs at least {format_bytes(need)} ({need} bytes) of device memory, more "
-                              f"than the run's budget {self.budget_spec!r} = {format_bytes(self.budget_bytes)}, resolved "
-                              "against the first profiled step; give a larger budget, or keep batches no larger than "
-                              "the first")
+        self.budget_bytes = self._budget_for(self.budget_spec, trace, resolved=self.budget_bytes)
         if self.policy is None:  # nothing plans: every tensor stays until use_plan()
             plan = SwapPlan.of(trace, "keep-all", [])
         else:

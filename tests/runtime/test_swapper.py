@@ -667,3 +667,20 @@ def test_a_run_that_mostly_diverges_says_so():
         run = rt.report().run
     assert run.diverged * 2 > run.steps - run.profiled
     assert "most steps ran without a plan" in str(run)
+
+
+def test_a_shape_that_cannot_fit_the_resolved_budget_is_refused_with_what_it_needs():
+    from swapsched.budget import BudgetError
+
+    case = build_model("mlp", "tiny", seed=9)
+    with SwapRuntime(budget="60%", policy="min", backend="cpu", min_bytes=0, model=case.model) as rt:
+        for _ in range(4):
+            with rt.step():
+                case.loss().backward()
+        resolved = rt.budget_bytes
+        big = torch.randn(case.inputs[0].shape[0] * 4, *case.inputs[0].shape[1:])
+        with pytest.raises(BudgetError, match=r"resolved against the first profiled step, and this step's shape needs more"):
+            for _ in range(rt.profile_steps + 1):  # it diverges, then profiles again: refused then
+                with rt.step():
+                    case.model(big).sum().backward()
+        assert rt.budget_bytes == resolved  # the run's bytes stand
