@@ -514,13 +514,19 @@ def analytic_floor(trace: Trace, budget: int, hardware: Hardware) -> float:
     """
     if trace.n_events == 0:
         return trace.ideal_s
+    _, before, after, must = _floor_terms(trace, budget, hardware)
+    bound = np.maximum(before, must / hardware.d2h_bytes_per_s) + np.maximum(after, must / hardware.h2d_bytes_per_s)
+    return float(bound.max())
+
+
+def _floor_terms(trace: Trace, budget: int, hardware: Hardware) -> tuple[np.ndarray, ...]:
+    """Per gap *j*, what both floors start from: the gaps with the hooks' cost, the compute before
+    *j* and from *j* on, and ``must_j``, the bytes that must be off the device."""
     gaps = trace.gaps + hardware.hook_cost_s
     before = np.concatenate(([0.0], np.cumsum(gaps)[:-1]))
     after = gaps.sum() + trace.tail_compute_s - before
     demand = trace.static_bytes + trace.other_bytes + trace.resident_bytes_no_swap
-    must = np.maximum(demand - budget, 0).astype(np.float64)
-    bound = np.maximum(before, must / hardware.d2h_bytes_per_s) + np.maximum(after, must / hardware.h2d_bytes_per_s)
-    return float(bound.max())
+    return gaps, before, after, np.maximum(demand - budget, 0).astype(np.float64)
 
 
 def joint_floor(trace: Trace, budget: int, hardware: Hardware) -> float:
@@ -539,11 +545,7 @@ def joint_floor(trace: Trace, budget: int, hardware: Hardware) -> float:
     segments = trace.segments
     if not segments or trace.n_events == 0:
         return analytic_floor(trace, budget, hardware)
-    gaps = trace.gaps + hardware.hook_cost_s
-    before = np.concatenate(([0.0], np.cumsum(gaps)[:-1]))
-    after = gaps.sum() + trace.tail_compute_s - before
-    demand = trace.static_bytes + trace.other_bytes + trace.resident_bytes_no_swap
-    must = np.maximum(demand - budget, 0).astype(np.float64)
+    gaps, before, after, must = _floor_terms(trace, budget, hardware)
     rel, b = trace.release, trace.tensor_bytes
     inv_d, inv_h = 1.0 / hardware.d2h_bytes_per_s, 1.0 / hardware.h2d_bytes_per_s
     # bytes of each block absent during each gap if it is recomputed: members from release+1 to at
