@@ -122,7 +122,7 @@ def lower_bound(trace: Trace, budget: int, hardware: Hardware, *, time_limit_s: 
 
     # variables: S_0..S_n, then e[k, j] for the eligible pairs, then r_s per block (R9)
     pairs = [(int(k), int(j)) for j in checked for k in np.flatnonzero((rel < j) & (fu >= j) & (fp < j))]
-    if not pairs and not segments:
+    if not pairs:  # nothing can be away at a checked gap (nor recomputed: members absent there are pairs too)
         return Bound(floor, floor, "floor", time.perf_counter() - t0, int(checked.size), 0)
     nS = n + 1
     nR = nS + len(pairs)
@@ -161,12 +161,11 @@ def lower_bound(trace: Trace, budget: int, hardware: Hardware, *, time_limit_s: 
             row([(col, c_in), (int(fu[k]) + 1, -1.0), (j, 1.0)], 0.0)
     for sg in segments:  # the recompute's own compute at its event: S_at - S_{at+1} + forward r <= 0
         row([(int(sg.at), 1.0), (int(sg.at) + 1, -1.0), (nR + sg.index, sg.forward_s)], 0.0)
-    for j in absent.keys() - by_gap.keys():  # a gap only recompute can relieve
-        row([(c, -gone) for c, gone in absent[j]], -float(must[j]))
     for j, members in by_gap.items():
         ks = np.array([k for k, _ in members])
         cs = [c for _, c in members]
-        # memory: sum b e + sum absent r >= must_j
+        # memory: sum b e + sum absent r >= must_j. Every gap with absent members has pairs: a member
+        # absent at j (release < j <= at <= its first unpack) is eligible to be away there too
         row([(c, -b[k]) for k, c in members] + [(c, -gone) for c, gone in absent.get(j, [])], -float(must[j]))
         for q in _spread(np.unique(fp[ks]), windows):  # d2h capacity in [end of gap q, start of gap j]
             sel = [(c, d[k]) for k, c in zip(ks, cs, strict=True) if fp[k] >= q]

@@ -64,15 +64,52 @@ def test_bound_is_below_the_plans_on_corpus_traces(name):
 
 
 def test_latency_makes_the_bound_tighter_than_the_floor():
-    # T0, T1 of 100 B; 100 B/s links with 0.5 s latency per copy. Budget 100 B: during the gap of
-    # T1's unpack (gap 2) T0 must be away. The floor charges 1 s each way without latency; the
-    # relaxation charges 1.5 s each way and must fit them around 1 s gaps.
+    # T0, T1 of 100 B; 100 B/s links with 0.5 s latency per copy. Budget 100 B: when T1 is made
+    # (gap 1) T0 must be away. The floor charges 1 s each way without latency: 5 s. The relaxation:
+    # T0's copy out (1.5 s) starts after event 0 and ends before gap 1 starts, so S_1 >= 1.5, and
+    # stalls are never undone: 5 + 1.5 = 6.5, the same from its swap-out row alone (no copy-engine
+    # windows), and from the LP relaxation (T0 away is forced either way).
     tr = make_trace([100, 100], [("pack", 0, 1.0), ("pack", 1, 1.0), ("unpack", 1, 2.0), ("unpack", 0, 1.0)])
     hw = make_hw(latency=0.5)
-    bound = lower_bound(tr, 100, hw)
+    assert analytic_floor(tr, 100, hw) == 5.0
     best = simulate(tr, Optimal().plan(tr, 100, hw), hw, 100)
-    assert bound.bound_s > analytic_floor(tr, 100, hw) + 1e-9
-    assert bound.bound_s <= best.iteration_s
+    assert best.iteration_s == 7.0
+    bound = lower_bound(tr, 100, hw)
+    assert bound.bound_s == pytest.approx(6.5, rel=1e-6) and bound.status == "milp" and bound.bound_s <= best.iteration_s
+    assert lower_bound(tr, 100, hw, windows=0).bound_s == pytest.approx(6.5, rel=1e-6)
+    lp = lower_bound(tr, 100, hw, integer=False)
+    assert lp.bound_s == pytest.approx(6.5, rel=1e-6) and lp.status == "lp"
+
+
+def test_a_swap_in_must_fit_between_its_gap_and_its_first_unpack():
+    # T0 100 B, T1 50 B; 0.5 s latency, so each copy of T0 takes 1.5 s. Gaps 1, 0.2, 0.2, 1 (ideal
+    # 2.4). Budget 100: T0 is away when T1 is made (gap 1). Out: S_1 >= 1.5 as above. In: the copy
+    # back starts after gap 1 starts and ends with event 2, T0's first unpack, 0.4 s of compute
+    # later: S_3 - S_1 >= 1.5 - 0.4 = 1.1. Bound 2.4 + 1.5 + 1.1 = 5.0 (the floor: 2.4).
+    tr = make_trace([100, 50], [("pack", 0, 1.0), ("pack", 1, 0.2), ("unpack", 0, 0.2), ("unpack", 1, 1.0)])
+    hw = make_hw(latency=0.5)
+    assert analytic_floor(tr, 100, hw) == pytest.approx(2.4)
+    best = simulate(tr, Optimal().plan(tr, 100, hw), hw, 100)
+    for windows in (0, 12):  # the per-tensor rows alone, and with the engines' windows
+        bound = lower_bound(tr, 100, hw, windows=windows)
+        assert bound.bound_s == pytest.approx(5.0, rel=1e-6) and bound.bound_s <= best.iteration_s
+
+
+def test_two_swap_ins_share_the_host_to_device_engine_after_one_gap():
+    # T0, T1 of 100 B, T2 of 200 B; 100 B/s, budget 200; gaps 1, 1, 0, 0, 0, 0.5 (ideal 2.5). T2's
+    # gap (2, ideal start t=2) needs T0 and T1 away: T1's copy out after event 1 gives S_2 >= 1.
+    # Backward reads T2, T1 (event 4), T0 (event 5) with 0 and 0.5 s of compute after gap 2 starts:
+    # one h2d engine copies both (2 s) by event 5: S_6 - S_2 >= 2 - 0.5 = 1.5. Bound 2.5 + 1 + 1.5 =
+    # 5, the optimum (T0 out 1 -> 2, T1 2 -> 3, back 3 -> 4 -> 5). Per tensor alone, T1 back by
+    # event 4 gives only S_6 - S_2 >= 1: 4.5 without the windows.
+    tr = make_trace([100, 100, 200], [("pack", 0, 1.0), ("pack", 1, 1.0), ("pack", 2, 0.0), ("unpack", 2, 0.0),
+                                      ("unpack", 1, 0.0), ("unpack", 0, 0.5)])
+    hw = make_hw()
+    best = simulate(tr, Optimal().plan(tr, 200, hw), hw, 200)
+    assert best.iteration_s == 5.0 and analytic_floor(tr, 200, hw) == 4.0
+    bound = lower_bound(tr, 200, hw)
+    assert bound.bound_s == pytest.approx(5.0, rel=1e-6) and bound.bound_s <= best.iteration_s
+    assert lower_bound(tr, 200, hw, windows=0).bound_s == pytest.approx(4.5, rel=1e-6)
 
 
 def test_two_swap_outs_share_the_device_to_host_engine_before_one_gap():
@@ -90,7 +127,7 @@ def test_two_swap_outs_share_the_device_to_host_engine_before_one_gap():
     best = simulate(tr, Optimal().plan(tr, 200, hw), hw, 200)
     assert best.iteration_s == 6.0
     bound = lower_bound(tr, 200, hw)
-    assert bound.bound_s == pytest.approx(6.0, rel=1e-6) and bound.status == "milp"
+    assert bound.bound_s == pytest.approx(6.0, rel=1e-6) and bound.status == "milp" and bound.bound_s <= best.iteration_s
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -115,4 +152,9 @@ def test_recompute_tightens_nothing_it_cannot_prove(one_block):
     plan = simulate(one_block, get_policy("checkpoint-all").plan(one_block, 200, hw), hw, 200)
     assert plan.iteration_s == 8.0
     assert lower_bound(one_block, 200, hw, recompute=False).bound_s > 8.0
-    assert lower_bound(one_block, 200, hw).bound_s <= 8.0
+    # Joint: T1 away at gap 2 costs 10 s out (S_2 - S_1 >= 10), T0 away 9 s out and 6 s back; the
+    # block recomputed frees T1 for its 2 s forward at event 4 (S_5 - S_4 >= 2): 6 + 2 = 8, above
+    # the joint floor's fractional mix (7.6), in the MILP and in its LP relaxation alike.
+    joint = lower_bound(one_block, 200, hw)
+    assert joint.bound_s == pytest.approx(8.0, rel=1e-6) and joint.status == "milp" and joint.floor_s == pytest.approx(7.6)
+    assert lower_bound(one_block, 200, hw, integer=False).bound_s == pytest.approx(8.0, rel=1e-6)

@@ -189,6 +189,66 @@ def test_a_tensor_unpacked_twice_is_freed_at_its_last_unpack(hw):
     assert r.stall_fwd_s == 1.0 and r.stall_bwd_s == 1.0 and r.iteration_s == 6.0 and r.peak_bytes == 100
 
 
+def test_static_bytes_count_against_the_budget_when_making_room(two_tensors, hw):
+    # 50 B static, budget 200: 150 B for saved tensors. T0 out at e0 (1 -> 2); T1's 100 B (gap e1,
+    # from t=1) need T0's bytes gone (100 + 100 > 150): wait 1 s (R4). e1 at 3, e2 at 5 frees T1,
+    # T0's prefetch 5 -> 6, e3 at 6. Peak 50 + 100. Without the static bytes T1 would fit at once.
+    tr = make_trace([100, 100], [("pack", 0, 1.0), ("pack", 1, 1.0), ("unpack", 1, 2.0), ("unpack", 0, 1.0)], static=50)
+    r = simulate(tr, [Eviction(0, 0, 2)], hw, 200)
+    assert r.stall_fwd_s == 1.0 and r.iteration_s == 6.0 and r.peak_bytes == 150
+
+
+def _three_in_a_row(**kw):
+    """T0, T1, T2 of 100 B, 1 s gaps; backward reads T2, T1, T0."""
+    return make_trace([100, 100, 100], [("pack", 0, 1), ("pack", 1, 1), ("pack", 2, 1),
+                                        ("unpack", 2, 1), ("unpack", 1, 1), ("unpack", 0, 1)], **kw)
+
+
+def test_a_waiting_prefetch_counts_static_and_workspace_bytes(hw):
+    # As test_prefetch_waits_for_room (the prefetch of T0 issued at e2, t=3, while T1 and T2 hold
+    # 200 B), with 100 B more budget taken by static bytes, or by workspace in the gap of e2:
+    # - static: no room until e3 frees T2 (t=4): h2d 4 -> 5, peak 300;
+    # - workspace: it goes with e2's gap; after e3's gap (t=4) the prefetch fits: h2d 4 -> 5.
+    # Either way, ignoring those bytes would start the copy at 3 and peak at 400.
+    for tr in (_three_in_a_row(static=100), _three_in_a_row(other=[0, 0, 100, 0, 0, 0])):
+        r = simulate(tr, [Eviction(0, 0, 2)], hw, 300, record=True)
+        assert r.timeline.h2d == ((4.0, 5.0, 0),) and r.peak_bytes == 300 and r.iteration_s == 6.0
+
+
+def test_a_swap_out_finishing_inside_a_gap_admits_a_waiting_prefetch_then(hw):
+    # Budget 200. T0 out at e0: 1 -> 2 (gone before T2 arrives at e2). T1 out at e2 (t=3): 3 -> 4.
+    # T0's prefetch, issued at e2 (t=3), finds T1 (copying) and T2 holding 200 B: it waits. T1's
+    # copy ends at 4, inside e3's 4 s gap (3 -> 7): the prefetch starts then, 4 -> 5, not at the
+    # gap's end. e3 frees T2; T1's prefetch at e3 (t=7): 7 -> 8; e4 at 8, e5 at 9: no stall.
+    # Admitted only at the gap's end, T0 would copy 7 -> 8 and T1 8 -> 9: a 1 s stall at e4.
+    tr = make_trace([100, 100, 100], [("pack", 0, 1), ("pack", 1, 1), ("pack", 2, 1),
+                                      ("unpack", 2, 4), ("unpack", 1, 1), ("unpack", 0, 1)])
+    r = simulate(tr, [Eviction(0, 0, 2), Eviction(1, 2, 3)], hw, 200, record=True)
+    assert r.timeline.h2d == ((4.0, 5.0, 0), (7.0, 8.0, 1))
+    assert r.iteration_s == 9.0 and r.stall_s == 0.0 and r.peak_bytes == 200
+
+
+def test_an_unpack_of_a_tensor_still_waiting_for_room_goes_ahead_on_demand(hw):
+    # R5(a) before R6's order. T0 200 B, T1 100 B, T2 200 B; budget 300; 1 s gaps.
+    # e0: T0 out 1 -> 3. e1: T1 (300 B in use) out 3 -> 4. e2 (t=2): T2 needs 200 B: wait for T0's
+    # copy (3): 1 s forward stall; gap to 4, T1's copy done: T2 alone holds 200 B. Prefetches of
+    # T0 then T1 issued at e2 (t=4): T0 (200 B) finds 100 B of room and waits; T1 waits behind it.
+    # e3 (t=5) reads T1: it leaves the queue and comes back on demand, 5 -> 6 (1 s stall), and is
+    # freed. e4 (t=7) frees T2: T0 copies 7 -> 9; e5 at 8 waits 1 s. Step 9.
+    tr = make_trace([200, 100, 200], [("pack", 0, 1), ("pack", 1, 1), ("pack", 2, 1),
+                                      ("unpack", 1, 1), ("unpack", 2, 1), ("unpack", 0, 1)])
+    r = simulate(tr, [Eviction(0, 0, 2), Eviction(1, 1, 2)], hw, 300, record=True)
+    assert r.timeline.h2d == ((5.0, 6.0, 1), (7.0, 9.0, 0))
+    assert r.stall_fwd_s == 1.0 and r.stall_bwd_s == 2.0 and r.iteration_s == 9.0
+    assert r.h2d_bytes == 300 and r.peak_bytes == 300
+
+
+def test_host_cost_per_byte_is_paid_by_compute(two_tensors, hw):
+    # 0.002 s per byte: each 100 B copy owes 0.2 s, as the 0.2 s per copy in the test above.
+    r = simulate(two_tensors, [Eviction(0, 0, 2)], _with(hw, copy_host_s_per_byte=0.002), 200)
+    assert r.iteration_s == pytest.approx(5.4) and r.host_s == pytest.approx(0.4)
+
+
 def test_the_block_is_found_with_its_anchor_members_event_and_forward_time(one_block):
     (sg,) = one_block.segments
     assert (sg.name, sg.anchor, sg.members, sg.at, sg.forward_s, sg.bytes) == ("blk.0", 0, (1,), 4, 2.0, 100)
@@ -241,6 +301,18 @@ def test_joint_floor_hand_computed(one_block, hw):
     # mixing: x bytes swapped, 100 - x recomputed at 0.02 s/B: max(2, x/10) + max(4 + 0.02 (100 - x), x/10);
     # x = 20 gives max(2, 2) + max(5.6, 2) = 7.6, x = 0 gives 2 + 6 = 8; the minimum is at x = 20
     assert joint_floor(one_block, 200, slow) == pytest.approx(7.6)
+
+
+def test_floor_counts_hooks_tail_static_and_workspace(hw):
+    # two_tensors' events with 50 B static, 20 B workspace in gap 1, a 0.5 s tail, 0.25 s per hook,
+    # budget 150, 25 B/s each way. Gaps with hooks 1.25 1.25 2.25 1.25, step 6.5 with the tail.
+    # Demand 150 270 250 150 -> must 0 120 100 0. j=1: before 1.25, after 5.25, 120 B take 4.8 s:
+    # max(1.25, 4.8) + max(5.25, 4.8) = 10.05; j=2: max(2.5, 4) + max(4, 4) = 8. Floor 10.05.
+    tr = make_trace([100, 100], [("pack", 0, 1.0), ("pack", 1, 1.0), ("unpack", 1, 2.0), ("unpack", 0, 1.0)],
+                    static=50, tail=0.5, other=[0, 20, 0, 0])
+    slow = _with(make_hw(d2h=25, h2d=25), hook_cost_s=0.25)
+    assert analytic_floor(tr, 150, slow) == pytest.approx(10.05)
+    assert joint_floor(tr, 150, slow) == pytest.approx(10.05)  # no blocks: the same bound
 
 
 def test_plan_breaking_r7_is_rejected(two_tensors, hw):
