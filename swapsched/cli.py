@@ -330,11 +330,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     results = [main_run]
     if args.compare:
         from swapsched.agents.registry import policy_names
-        from swapsched.deploy import RUNTIME_FORM, RUNTIME_POLICIES_LEFT_OUT
         from swapsched.runtime.backends import resolve_backend
 
-        # each planner once, in the form the runtime executes (default is default-swap live)
-        skip = {args.policy, "optimal", "swapadvisor", *RUNTIME_FORM.values(), *RUNTIME_POLICIES_LEFT_OUT}
+        # each planner once: the swap-only forms of joint planners are left to compare, and the
+        # checkpoint peer (plain torch.utils.checkpoint) stands for checkpoint-all
+        skip = {args.policy, "optimal", "swapadvisor", "default-swap", "capuchin-swap", "checkpoint-all"}
         others = args.compare_policies or [p for p in policy_names() if p not in skip]
         from tqdm import tqdm
 
@@ -380,9 +380,9 @@ def _run_table(results: list[Any], base: float | None) -> str:
         budget = format_bytes(r.budget_bytes) if r.budget_bytes is not None else "-"
         pred = f"{1e3 * r.predicted_step_s:.2f}" if r.predicted_step_s is not None else "-"
         rows.append([r.method, f"{1e3 * r.step_s_median:.2f}", pred, rel, peak, budget,
-                     "yes" if r.loss_matches else "NO", {None: "-", True: "yes", False: "no"}[r.plan_followed]])
+                     "yes" if r.loss_matches else "NO", {None: "-", True: "yes", False: "no"}[r.plan_followed], r.link])
     table = format_grid(["method", "step ms (median)", "predicted ms", "vs plain", "peak device", "budget",
-                         "loss matches", "plan followed"], rows)
+                         "loss matches", "plan followed", "link"], rows)
     notes = [f"{r.method}: plan not followed: {r.why_not_followed}" for r in results
              if getattr(r, "why_not_followed", None)]
     return "\n".join([table, *notes])

@@ -40,6 +40,9 @@ class RunResult:
     predicted_step_s: float | None = None
     plan_followed: bool | None = None
     why_not_followed: str | None = None  # when plan_followed is False: what happened instead
+    # the link the copies took: rows on different links are not comparable (save_on_cpu on the
+    # CPU is a plain memcpy, the runtime's emulated device a throttled one)
+    link: str = "-"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -122,7 +125,7 @@ def run_runtime(model: str, policy: Any, budget: str, steps: int, *, size: str |
         resident = sum(t.untyped_storage().nbytes() for t in [*case.model.parameters(), *case.model.buffers()])
         peak = resident + max(p for p, r in zip(peaks, reports, strict=False) if r.mode == "execute")
     return RunResult(
-        method=name, steps=len(run), step_s_median=statistics.median(r.step_s for r in run),
+        method=name, steps=len(run), link=rt.backend.link(), step_s_median=statistics.median(r.step_s for r in run),
         step_s=tuple(r.step_s for r in run), peak_device_bytes=peak,
         budget_bytes=run[-1].budget_bytes, stall_s=statistics.median(r.stall_s for r in run), loss_matches=matches,
         predicted_step_s=run[-1].predicted_step_s, plan_followed=all(r.plan_followed for r in run),
@@ -186,6 +189,8 @@ def run_peer(kind: str, model: str, steps: int, *, size: str | None = None, batc
     if peaks:  # parameters and buffers, plus the most a step allocated above its start (grads included)
         resident = sum(t.untyped_storage().nbytes() for t in [*case.model.parameters(), *case.model.buffers()])
         peak = resident + max(peaks)
-    return RunResult(method=kind, steps=len(warm), step_s_median=statistics.median(warm), step_s=tuple(warm),
+    link = "none (no copies)" if kind != "save_on_cpu" else (
+        "the device's" if device.startswith("cuda") else "host memcpy, unthrottled: not comparable with an emulated link")
+    return RunResult(method=kind, steps=len(warm), link=link, step_s_median=statistics.median(warm), step_s=tuple(warm),
                      peak_device_bytes=peak, budget_bytes=None, stall_s=None, loss_matches=matches, extra=extra)
 

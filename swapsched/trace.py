@@ -14,7 +14,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -257,6 +257,14 @@ class Trace:
                                int(sum(self.tensors[k].bytes for k in members)),
                                float(sum(flops)) if fwd and len(flops) == len(fwd) else None))
         return tuple(out)
+
+    def with_segments(self, keep: Callable[[Segment], bool]) -> Trace:
+        """A copy of this trace whose recomputable blocks are only those ``keep`` accepts
+        (re-indexed in order): what a planner may recompute where an executor cannot run them all."""
+        out = replace(self)
+        # ``segments`` is a cached property: the copy's cache is set before anything reads it
+        out.__dict__["segments"] = tuple(replace(sg, index=i) for i, sg in enumerate(s for s in self.segments if keep(s)))
+        return out
 
     @cached_property
     def backward_start(self) -> int:

@@ -129,6 +129,10 @@ class Backend:
         """Seconds of device time from mark ``a`` to mark ``b`` (valid once the device ran both)."""
         return float(b - a)
 
+    def link(self) -> str:
+        """The link the copies take, in words (what tells rows of a comparison apart)."""
+        return "the device's"
+
     def copy_out(self, src: torch.Tensor) -> Ticket:
         raise NotImplementedError
 
@@ -291,6 +295,13 @@ class CpuBackend(Backend):
         host = self.pool.take(src.numel())
         host.copy_(src)
         return host
+
+    def link(self) -> str:
+        d2h, h2d, _ = self.rates
+        if d2h is None and h2d is None:
+            return "emulated, unthrottled"
+        rate = f"{d2h / 1e9:.3g} GB/s" if d2h == h2d else f"{(d2h or 0) / 1e9:.3g}/{(h2d or 0) / 1e9:.3g} GB/s"
+        return f"emulated, {rate}"
 
     def copy_in_now(self, host: torch.Tensor, device: Any = None) -> torch.Tensor:
         return host.clone()

@@ -58,6 +58,10 @@ class StorageIds:
     def get(self, t: torch.Tensor) -> Any:
         return self._map.get(storage_key(t))
 
+    def __contains__(self, key: int) -> bool:
+        """Whether the storage with this key (``storage_key``) has an entry."""
+        return key in self._map
+
     def add(self, t: torch.Tensor, value: Any) -> None:
         st = t.untyped_storage()
         key = st._cdata
@@ -287,6 +291,7 @@ class TraceRecorder:
                                 None if f is None else f + carry_f))
             carry_s, carry_f = 0.0, 0.0
         new_index[n] = len(events)
+        self.event_index = new_index  # recorded hook call -> its trace event (the runtime places rebuilt bytes by it)
         def event_of(calls: dict[int, int] | None, old: int) -> int | None:
             # died in the gap before hook call r: held through the gap of the event r became
             if not calls or old not in calls:

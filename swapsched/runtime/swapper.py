@@ -51,7 +51,16 @@ from swapsched.hardware import HOST_COSTS, Hardware, default_hardware, load_hard
 from swapsched.plan import SwapPlan
 from swapsched.policy import Policy
 from swapsched.runtime.backends import Backend, CopyError, CpuBackend, Ticket, make_backend, resolve_backend
-from swapsched.runtime.profiler import StorageIds, TraceRecorder, is_cached_cast, is_parameter, static_bytes_of, storage_key
+from swapsched.runtime.profiler import (
+    StorageIds,
+    TraceRecorder,
+    _ModulePath,
+    is_cached_cast,
+    is_parameter,
+    static_bytes_of,
+    storage_key,
+)
+from swapsched.runtime.recompute import BlockCheckpoints
 from swapsched.runtime.retime import fitted_host_costs, median_trace, timed_by_execution
 from swapsched.trace import Trace
 
@@ -269,6 +278,7 @@ class StepReport:
     unowned_bytes: int = 0
     divergence: Divergence | None = None  # mode "diverged": where and how
     nothing_saved: bool = False  # the step saved no tensor for backward: there is nothing to swap
+    recomputed_blocks: tuple[str, ...] = ()  # blocks run under torch.utils.checkpoint this step (R9)
     run: RunSummary | None = None  # the whole run so far
 
     def __str__(self) -> str:
@@ -286,6 +296,9 @@ class StepReport:
             f"small tensors kept {self.kept_small}"
             + (f"; runtime's own hook time {1e3 * self.hook_s:.2f} ms" if self.hook_s is not None else ""),
         ]
+        if self.recomputed_blocks:
+            lines.append(f"  recomputed {len(self.recomputed_blocks)} block(s) under torch.utils.checkpoint: "
+                         + ", ".join(self.recomputed_blocks[:4]) + (", ..." if len(self.recomputed_blocks) > 4 else ""))
         if self.divergence is not None:
             lines.append(f"  diverged {self.divergence}: finished on demand; the next step profiles again")
         if self.nothing_saved:
@@ -310,7 +323,10 @@ class SwapRuntime:
     dropped before it runs, which can leave the guard work to do; by default nothing is dropped,
     since policies already weigh each copy's latency). ``model``/``optimizer``: counted in ``static_bytes`` (parameters,
     gradients, optimizer state), so that budgets cover the whole device; without them the budget
-    covers the saved activations alone. ``profile_steps``: steps run under ``save_on_cpu``
+    covers the saved activations alone. With ``model`` the profiling steps also record each saved
+    tensor's module, so the policy may recompute blocks (R9): a plan that does runs those blocks
+    under ``torch.utils.checkpoint`` (see ``runtime/recompute.py``), profiles the steps again as
+    they now run, and has the policy plan the swaps of what the blocks leave saved. ``profile_steps``: steps run under ``save_on_cpu``
     semantics before planning; the trace takes each gap's median over them (the first step of a
     process pays one-off costs, allocator growth and kernel selection, that later steps do not).
     ``retime_steps``: on the CPU backend, after this many executed steps the trace's gaps are
@@ -374,10 +390,16 @@ class SwapRuntime:
         self._policy_planned = False  # the plan is the policy's (re-planned after re-timing), not use_plan's
         # parameters, gradients and optimizer state: counted in absolute budgets when the model is given
         self.static_bytes = static_bytes_of(model, optimizer) if model is not None else 0
+        self.model = model
+        # R9: the blocks the plan recomputes run under torch.utils.checkpoint (the model's own
+        # modules are wrapped, so only with a model); block -> the bytes its recompute rebuilds
+        self.blocks = BlockCheckpoints(model) if model is not None else None
+        self._rebuilt: dict[str, int] = {}
         # storages already in static_bytes that a step may pack (BatchNorm saves its running stats)
         self._static_keys = frozenset(storage_key(b) for b in model.buffers()) if model is not None else frozenset()
         self.audit = bool(audit)
         self.trace: Trace | None = None
+        self._unwrapped_trace: Trace | None = None  # the last trace profiled with no block checkpointed
         self.first_sight: dict[int, int] = {}
         self.plan: SwapPlan | None = None
         # a relative budget is resolved once, against the first profiled step, into bytes for the
@@ -469,12 +491,23 @@ class SwapRuntime:
         if budget is not None:
             self.budget_bytes = self._budget_for(check_budget(budget), self.trace)
             self.budget_spec = budget  # a malformed budget fails here, not after profiling
-        self._adopt(plan)
+        if plan.recompute:
+            if plan.evictions:
+                raise UserError(f"plan {plan.policy!r} both recomputes and swaps: once its blocks run under checkpoint the "
+                                "steps save other tensors, and the runtime's policy plans their swaps on them; give the "
+                                "plan's recompute alone (SwapPlan(..., evictions=(), recompute=...))")
+            if self.blocks is not None:
+                self.blocks.remove()  # the plan is made on the steps as they run with no block checkpointed
+            self._recompute(plan, self._planned_on(self._unwrapped_trace or self.trace))
+        else:
+            self._adopt(plan)
         self._policy_planned = False
 
     def close(self) -> None:
         """Stop the copy engines. ``with SwapRuntime(...) as runtime:`` closes itself."""
         self._closed = True
+        if self.blocks is not None:
+            self.blocks.remove()
         self.backend.shutdown()
 
     def _device_timed_step(self) -> bool:
@@ -517,27 +550,56 @@ class SwapRuntime:
                           f"feasible budget, {format_bytes(need)} ({need} bytes, {pct:.1f}% of its activation "
                           f"peak above static memory, transients included){why}; give at least that")
 
+    def _planned_on(self, trace: Trace) -> Trace:
+        """What the policy may plan on: with the blocks already checkpointed, ``trace`` is the steps
+        as they run so (R9 done), and only swaps are planned; else the blocks the runtime can
+        checkpoint (none without a model: no module was recorded)."""
+        if self.blocks is None or self.blocks.names:
+            return trace.with_segments(lambda sg: False)
+        return self.blocks.executable(trace)
+
     def _plan_from(self, trace: Trace) -> None:
         self.trace = trace
+        if self.blocks is None or not self.blocks.names:
+            self._unwrapped_trace = trace
         self.budget_bytes = self._budget_for(self.budget_spec, trace, resolved=self.budget_bytes)
+        planned_on = self._planned_on(trace)
         if self.policy is None:  # nothing plans: every tensor stays until use_plan()
             plan = SwapPlan.of(trace, "keep-all", [])
         else:
-            plan = self.policy.plan(trace, self.budget_bytes, self.hardware)
+            plan = self.policy.plan(planned_on, self.budget_bytes, self.hardware)
+        self._policy_planned = True
+        if plan.recompute:
+            self._recompute(plan, planned_on)
+            return
         small = [e for e in plan.evictions if trace.tensors[e.tensor].bytes < self.min_bytes]
         if small:  # tiny tensors stay: copying them costs more than it saves
             plan = SwapPlan(plan.trace, plan.policy, tuple(e for e in plan.evictions if e not in small),
                             {**plan.meta, "kept_small": len(small)})
         self._adopt(plan)
-        self._policy_planned = True
+
+    def _recompute(self, plan: SwapPlan, trace: Trace) -> None:
+        """R9, in two stages. Here: checkpoint ``plan``'s blocks from the next step on, and profile
+        again, since the steps then save other tensors (each block only its inputs). On that trace
+        (``_plan_from``) the policy plans the swaps of what stays saved, and the runtime executes them."""
+        if self.blocks is None:
+            raise UserError(f"plan {plan.policy!r} recomputes {len(plan.recompute)} block(s) (R9): give the runtime "
+                            "the model (SwapRuntime(model=...)) so that it can run them under torch.utils.checkpoint")
+        plan.validate(trace)
+        size = {sg.name: sg.bytes for sg in trace.segments}
+        self._rebuilt = {name: size[name] for name in plan.recompute}
+        self.blocks.install(plan.recompute)
+        self.trace = self.plan = None
+        self.predicted_s = None
+        self._profiled = 0
+        self._profiles = []
+        self._executed = []
+        self._host_steps.clear()
 
     def _adopt(self, plan: SwapPlan) -> None:
         """Check ``plan`` (R7), predict its step time, and lay it out per event for the hooks."""
         assert self.trace is not None and self.budget_bytes is not None
-        if plan.recompute:
-            raise UserError(f"plan {plan.policy!r} recomputes {len(plan.recompute)} block(s) (R9), which the runtime does not "
-                            "execute yet: give it a swap-only plan (policy 'default-swap', or 'default' through "
-                            "swapsched.SwapRuntime), or wrap those blocks in torch.utils.checkpoint yourself")
+        assert not plan.recompute, "recompute goes through _recompute (R9's two stages)"
         plan.validate(self.trace)
         res = simulate(self.trace, plan, self.hardware, self.budget_bytes, validate=False)
         self.plan, self.predicted_s = plan, (None if res.oom else res.iteration_s)
@@ -643,13 +705,25 @@ class _ProfileStep(_StepExecution):
     its storages are not judged."""
 
     __slots__ = ("ids", "recorder", "trace", "moved", "device", "owners", "cast_keys", "cast_bytes", "released",
-                 "freed", "unpacked", "devices", "param_keys", "passes")
+                 "freed", "unpacked", "devices", "param_keys", "passes", "modules", "checkpoint_packs", "recomputes")
 
     def __init__(self, rt: SwapRuntime):
         super().__init__(rt)
         clock = self.backend.device_type  # the host clock, or events on the device's stream
         self.ids = StorageIds()  # live storage -> its record (R2)
-        self.recorder = TraceRecorder(clock)
+        # with the model: each saved tensor's module, from which the trace finds its blocks (R9)
+        self.modules = _ModulePath(rt.model).__enter__() if rt.model is not None else None
+        self.recorder = TraceRecorder(clock, modules=self.modules)
+        # R9: id of each pack handle a block's checkpoint made (of its inputs) -> the block, and
+        # (hook call, block) for each unpack of one: where backward recomputes the block
+        self.checkpoint_packs: dict[int, str] = {}
+        self.recomputes: list[tuple[int, str]] = []
+        if rt.blocks is not None and rt.blocks.names:
+            # what each recompute really holds, measured from inside it (storages of ours and of
+            # the model's parameters and buffers are not new memory)
+            static = {storage_key(x) for x in (*rt.model.parameters(), *rt.model.buffers())}
+            rt.blocks.metered, rt.blocks.rebuilt_peak = True, {}
+            rt.blocks.known = lambda key: key in static or key in self.ids
         self.recorder.start()
         self.trace: Trace | None = None
         self.moved = 0
@@ -700,6 +774,9 @@ class _ProfileStep(_StepExecution):
         p = _Packed(rec, t)
         p.let_go()  # the device copy may go: unpack rebuilds from the host
         self._own(tid, st, p)
+        blocks = self.rt.blocks
+        if blocks is not None and blocks.entering is not None:
+            self.checkpoint_packs[id(p)] = blocks.entering  # p lives in autograd's graph until its unpack
         return ("host", tid, p)
 
     def _own(self, tid: int, st: Any, p: _Packed) -> None:
@@ -728,6 +805,9 @@ class _ProfileStep(_StepExecution):
         self.recorder.unpack(tid)
         if tid is not None:
             self.unpacked.add(tid)
+            block = self.checkpoint_packs.get(id(p))
+            if block is not None:
+                self.recomputes.append((len(self.recorder.kinds) - 1, block))
         if kind == "keep":
             return p.tensor
         out = self._rebuild(p, self.backend.copy_in_now(p.rec.host, self.devices[p.rec.tid]))
@@ -756,12 +836,35 @@ class _ProfileStep(_StepExecution):
         self.trace = self.recorder.finish(f"runtime-step-{self.rt.steps}", self.device, static, "measured",
                                           exclude=frozenset(unowned), released=dict(self.released),
                                           freed=dict(self.freed))
-        self.trace = replace(self.trace, meta={**self.trace.meta, "unowned_bytes": static - self.rt.static_bytes,
-                                               "unowned_tensors": len(unowned), "backward_passes": len(self.passes)})
+        self.trace = replace(self.trace, events=self._with_rebuilt(self.trace),
+                             meta={**self.trace.meta, "unowned_bytes": static - self.rt.static_bytes,
+                                   "unowned_tensors": len(unowned), "backward_passes": len(self.passes)})
         self.rt.first_sight = self.recorder.remap
         self.abort()
 
+    def _with_rebuilt(self, trace: Trace) -> tuple[Any, ...]:
+        """R9: the trace's events, with what each recompute rebuilds counted in the gap after the
+        unpack of the block's inputs (the recompute and the block's backward run in it; the
+        checkpoint holds the members there, outside the runtime's hooks)."""
+        events = list(trace.events)
+        index = self.recorder.event_index
+        measured = self.rt.blocks.rebuilt_peak if self.rt.blocks is not None else {}
+        for call, block in self.recomputes:
+            j = index[call + 1]  # the event whose gap follows that hook call
+            if j < len(events):
+                # what the recompute was measured to hold (its members and transients), else the
+                # members' bytes by the trace it was planned on
+                rebuilt = measured.get(block, self.rt._rebuilt.get(block, 0))
+                e = events[j]
+                events[j] = replace(e, other_bytes=(e.other_bytes or 0) + rebuilt)
+        return tuple(events)
+
     def abort(self) -> None:
+        if self.modules is not None:
+            self.modules.__exit__()
+            self.modules = None
+        if self.rt.blocks is not None:
+            self.rt.blocks.metered, self.rt.blocks.known = False, None
         for rec in self.records:  # every copy here was synchronous: the buffers are free to reuse
             if rec.host is not None:
                 self.backend.pool.give(rec.host)
@@ -779,6 +882,7 @@ class _ProfileStep(_StepExecution):
             evicted_bytes=self.moved, prefetched_bytes=0, on_demand_bytes=self.moved,
             peak_device_bytes=None, budget_bytes=None, plan_followed=True, guard_evictions=0, kept_small=0,
             unowned_bytes=unowned, nothing_saved=not self.recorder.kinds,
+            recomputed_blocks=self.rt.blocks.names if self.rt.blocks is not None else (),
         )
 
 
@@ -793,7 +897,7 @@ class _ExecuteStep(_StepExecution):
 
     __slots__ = ("trace", "budget", "room", "out_at", "prefetch_at", "tensor_bytes", "frees", "expected", "work",
                  "keys", "by_tid", "i", "outs", "waiting", "ins", "n_seen", "first_sight", "gaps", "hook_s",
-                 "last_exit", "tail_s", "deaths", "alloc", "marks_in", "marks_out", "mark_start", "mark_end", "scale")
+                 "last_exit", "tail_s", "deaths", "alloc", "other", "marks_in", "marks_out", "mark_start", "mark_end", "scale")
 
     def __init__(self, rt: SwapRuntime):
         super().__init__(rt)
@@ -808,6 +912,9 @@ class _ExecuteStep(_StepExecution):
         self.tensor_bytes = tb.bytes
         self.frees = tb.free  # tensors whose last unpack is each event
         self.alloc = tb.alloc_bytes  # bytes of the tensors first packed at each event (made in its gap)
+        # non-saved bytes live in each gap (R3): here what a recompute rebuilds, held by the
+        # checkpoint where backward runs the block (R9; see _ProfileStep._with_rebuilt)
+        self.other = tb.other
         # after a divergence: the largest ratio seen of a tensor's bytes to the trace's, by which
         # R4 scales the trace's next allocation (a batch of another size is one family, scaled)
         self.scale = 1.0
@@ -849,6 +956,12 @@ class _ExecuteStep(_StepExecution):
         if rt._device_timed_step():
             self.marks_in = [None] * tr.n_events
             self.mark_start = self.backend.mark()
+        if self.audit and rt.blocks is not None and rt.blocks.names:
+            # the audit meter also sees what recomputes make (R9): storages of ours, and the model's
+            # parameters and buffers, are counted already or are static
+            static = {storage_key(x) for x in (*rt.model.parameters(), *rt.model.buffers())}
+            rt.blocks.metered, rt.blocks.watch = True, self._watch
+            rt.blocks.known = lambda key: key in self.keys or key in static
 
     # ------------------------------------------------------------------ memory (R4, R6)
     def _count_deaths(self) -> None:
@@ -1075,8 +1188,12 @@ class _ExecuteStep(_StepExecution):
         if i < len(work) and work[i]:
             self._after_event(i)
         alloc = self.alloc
-        if i + 1 < len(alloc) and self.used + alloc[i + 1] * self.scale > self.room:
-            self._room_for_next(int(alloc[i + 1] * self.scale))
+        if i + 1 < len(alloc):
+            need = int(alloc[i + 1] * self.scale) + self.other[i + 1]
+            if self.used + need > self.room:
+                self._room_for_next(need)
+            if self.other[i + 1] and self.static + self.used + self.other[i + 1] > self.peak:
+                self.peak = self.static + self.used + self.other[i + 1]  # the rebuilt members, through the gap
         if self.marks_in is not None:
             self.marks_out.append(self.backend.mark())
         now = time.perf_counter()
@@ -1200,6 +1317,8 @@ class _ExecuteStep(_StepExecution):
         self.by_tid.clear()
         self._count_deaths()  # what died since the last hook (a storage still alive stays counted)
         self._drop_finalizers()
+        if self.rt.blocks is not None:
+            self.rt.blocks.metered, self.rt.blocks.watch, self.rt.blocks.known = False, None, None
 
     def _device_gaps(self) -> tuple[tuple[float, ...] | None, float | None]:
         """Each gap and the tail from the device's marks (the step has synchronized), or None."""
@@ -1228,4 +1347,5 @@ class _ExecuteStep(_StepExecution):
             hook_s=self.hook_s, copies=self.copies, waits=self.waits,
             gaps_s=gaps, tail_s=tail,
             measured_peak_bytes=self.measured_peak(), unowned_bytes=int(self.trace.meta.get("unowned_bytes", 0)),
+            recomputed_blocks=self.rt.blocks.names if self.rt.blocks is not None else (),
         )

@@ -117,8 +117,9 @@ def test_run_checks_losses_and_writes_json(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "loss matches" in out and "save_on_cpu" in out and "checkpoint" in out
     runs = json.loads(js.read_text())["runs"]
-    # capuchin runs live in its swap-only form (the runtime does not execute recompute, R9)
-    assert [r["method"] for r in runs] == ["capuchin-swap", "swap-all", "plain", "save_on_cpu", "checkpoint"]
+    assert [r["method"] for r in runs] == ["capuchin", "swap-all", "plain", "save_on_cpu", "checkpoint"]
+    # every row says its link: the runtime's is the throttled one, save_on_cpu's a plain memcpy here
+    assert [r["link"] for r in runs][:2] == ["emulated, 2 GB/s"] * 2 and "not comparable" in runs[3]["link"]
     for r in runs:
         assert {"steps", "step_s_median", "peak_device_bytes", "budget_bytes", "stall_s", "loss_matches"} <= set(r)
         assert r["loss_matches"] is True

@@ -1,0 +1,167 @@
+"""runtime/recompute.py and R9 in the runtime: blocks recomputed live under torch.utils.checkpoint,
+with bit-identical gradients (dropout included), the budget held by the audit meter, and the
+swaps of what stays planned on the steps as they then run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from swapsched.agents.recompute import CheckpointAll
+from swapsched.deploy import SwapRuntime
+from swapsched.errors import UserError
+from swapsched.plan import Eviction, SwapPlan
+from tests.conftest import train_together
+
+
+class Blocks(nn.Module):
+    """An input layer, three residual blocks of several layers each (with dropout), a head."""
+
+    def __init__(self, d: int = 64, n: int = 3, p: float = 0.2, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(d, d)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Dropout(p),
+                                                  nn.Linear(4 * d, d)) for _ in range(n))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for b in self.blocks:
+            h = h + b(h)
+        return self.head(h).pow(2).mean()
+
+
+X = torch.randn(32, 64, generator=torch.Generator().manual_seed(7))
+
+
+def _step(model: nn.Module, i: int) -> torch.Tensor:
+    torch.manual_seed(1000 + i)  # the same dropout masks for both copies
+    loss = model(X)
+    loss.backward()
+    return loss
+
+
+def _calls(module: nn.Module) -> list[int]:
+    """Forward calls of ``module`` in each step so far (a recompute calls it again)."""
+    calls = [0]
+    module.register_forward_hook(lambda *_: calls.__setitem__(-1, calls[-1] + 1))
+    return calls
+
+
+def test_checkpointed_blocks_train_bit_identically_with_dropout_and_hold_the_budget():
+    a, b = Blocks(), Blocks()
+    calls = _calls(a.blocks[0][1])
+    rt = SwapRuntime(budget="70%", policy=CheckpointAll(), backend="cpu", model=a, audit=True, profile_steps=2)
+    try:
+        reports = []
+        for i in range(7):
+            calls.append(0)
+            reports += train_together(a, b, rt, 1, lambda m, _i=i: _step(m, _i))
+        # 2 profiling steps as written, 2 more once the blocks are checkpointed, then the plan
+        assert [r.mode for r in reports] == ["profile"] * 4 + ["execute"] * 3
+        assert [len(r.recomputed_blocks) for r in reports] == [0, 0, 3, 3, 3, 3, 3]
+        assert calls[1:][-3:] == [2, 2, 2]  # forward, then the recompute in backward
+        assert calls[1:3] == [1, 1]
+        last = reports[-1]
+        assert last.recomputed_blocks == ("blocks.0", "blocks.1", "blocks.2")
+        assert last.plan_followed and last.guard_evictions == 0
+        assert last.measured_peak_bytes <= last.peak_device_bytes <= last.budget_bytes
+    finally:
+        rt.close()
+    assert all("forward" not in blk.__dict__ for blk in a.blocks)  # close() takes the wrappers off
+
+
+def test_the_steps_are_profiled_again_with_what_each_recompute_holds_after_its_inputs_unpack():
+    a = Blocks()
+    rt = SwapRuntime(budget="70%", policy=CheckpointAll(), backend="cpu", model=a, profile_steps=1, retime_steps=0)
+    try:
+        for i in range(3):
+            with rt.step():
+                _step(a, i)
+        plain, wrapped = rt._unwrapped_trace, rt.trace
+        assert [sg.name for sg in plain.segments] == ["blocks.0", "blocks.1", "blocks.2"]
+        assert wrapped.n_events < plain.n_events and wrapped.n_tensors < plain.n_tensors
+        # one gap per block holds its recompute: at least the members' bytes, in backward
+        held = [(i, e.other_bytes) for i, e in enumerate(wrapped.events) if e.other_bytes]
+        members = {sg.bytes for sg in plain.segments}
+        assert len(held) == 3 and all(i >= wrapped.backward_start for i, _ in held)
+        assert all(n >= min(members) for _, n in held)
+        assert wrapped.min_feasible_bytes <= rt.budget_bytes
+    finally:
+        rt.close()
+
+
+def test_the_joint_planner_recomputes_where_the_link_is_slow_and_swaps_where_it_is_fast():
+    for bandwidth, recomputes in ((1e6, True), (1e10, False)):
+        a, b = Blocks(seed=1), Blocks(seed=1)
+        rt = SwapRuntime(budget="50%", policy="default", backend="cpu", bandwidth=bandwidth, model=a, profile_steps=2)
+        try:
+            reports = train_together(a, b, rt, 7, _step)
+            assert reports[-1].mode == "execute" and reports[-1].plan_followed
+            assert bool(reports[-1].recomputed_blocks) == recomputes, bandwidth
+        finally:
+            rt.close()
+
+
+def test_use_plan_recomputes_the_given_blocks_and_refuses_swaps_beside_them():
+    a, b = Blocks(seed=2), Blocks(seed=2)
+    rt = SwapRuntime(budget="100%", policy="min", backend="cpu", model=a, profile_steps=1, retime_steps=0)
+    try:
+        train_together(a, b, rt, 1, _step)
+        with pytest.raises(UserError, match="both recomputes and swaps"):
+            rt.use_plan(SwapPlan.of(rt.trace, "hand", [Eviction(0, 0, rt.trace.backward_start)], recompute=["blocks.1"]))
+        rt.use_plan(SwapPlan.of(rt.trace, "hand", [], recompute=["blocks.1"]))
+        reports = train_together(a, b, rt, 3, lambda m, i: _step(m, i + 1))
+        assert [r.mode for r in reports] == ["profile", "execute", "execute"]
+        assert reports[-1].recomputed_blocks == ("blocks.1",) and reports[-1].plan_followed
+    finally:
+        rt.close()
+
+
+def test_runs_of_single_layers_are_planned_offline_but_not_recomputed_live():
+    # a Sequential of single layers: its blocks are runs (checkpoint_sequential's cut), not one module each
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(32, 32), nn.Tanh())])
+    x = torch.randn(8, 32)
+    rt = SwapRuntime(budget="60%", policy=CheckpointAll(), backend="cpu", model=model, profile_steps=1)
+    try:
+        with rt.step():
+            model(x).sum().backward()
+        assert rt._unwrapped_trace.segments and all("-" in sg.name for sg in rt._unwrapped_trace.segments)
+        assert rt._planned_on(rt.trace).segments == () and rt.report().recomputed_blocks == ()
+    finally:
+        rt.close()
+
+
+def test_a_policy_that_only_recomputes_needs_the_model():
+    with pytest.raises(UserError, match="give it the model"):
+        SwapRuntime(budget="60%", policy="checkpoint-all", backend="cpu")
+
+
+def test_blocks_the_user_checkpoints_stay_theirs_and_autocast_composes():
+    """A block the user already wraps in torch.utils.checkpoint saves only its input: it is no
+    block of the trace, and the runtime checkpoints the others; under CPU autocast (bfloat16)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class UserCheckpointed(Blocks):
+        def forward(self, x):
+            h = torch.tanh(self.inp(x))
+            for i, blk in enumerate(self.blocks):
+                h = h + (checkpoint(blk, h, use_reentrant=False) if i == 1 else blk(h))
+            return self.head(h).float().pow(2).mean()
+
+    def run(model, i):
+        torch.manual_seed(i)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(X)
+        loss.backward()
+        return loss
+
+    a, b = UserCheckpointed(seed=3), UserCheckpointed(seed=3)
+    rt = SwapRuntime(budget="80%", policy=CheckpointAll(), backend="cpu", model=a, profile_steps=1)
+    try:
+        reports = train_together(a, b, rt, 5, run)
+        assert reports[-1].mode == "execute" and reports[-1].recomputed_blocks == ("blocks.0", "blocks.2")
+    finally:
+        rt.close()
