@@ -185,12 +185,14 @@ class TraceRecorder:
         self.hook_s = 0.0
         self._last = 0.0
 
-    def start(self) -> None:
+    def start(self, since: float | None = None) -> None:
+        """Start the clock; ``since``: the host time the step began, where the recording starts
+        later than that (on the host clock only)."""
         if self.clock == "cuda":
             self._start_event = torch.cuda.Event(enable_timing=True)
             self._start_event.record()
             self.cuda_exit.append(self._start_event)
-        self._last = time.perf_counter()
+        self._last = time.perf_counter() if since is None else since
 
     def _mark(self, t0: float) -> None:
         if self.clock == "cpu":

@@ -165,6 +165,28 @@ class Divergence:
         return f"at event {self.event} the trace expected {self.expected}, the step did {self.seen}"
 
 
+@dataclass(frozen=True)
+class PlanLayout:
+    """One adopted plan as the executing hooks read it: the trace it follows, the plan per event
+    (as the simulator lays it out, R5), the expected event codes (a pack's tensor id, an unpack's
+    complement ``~id``), whether anything happens after each event (a free, a swap-out, a
+    prefetch), and the profiling's order of first sight -> trace id."""
+
+    trace: Trace
+    plan: SwapPlan
+    predicted_s: float | None
+    out_at: list[list[int]]
+    prefetch_at: list[list[int]]
+    expected_codes: list[int]
+    work_at: list[bool]
+    first_sight: dict[int, int]
+
+    @property
+    def shape_key(self) -> int:
+        """The bytes of the step's first saved tensor: what a step shows of its shape first."""
+        return int(self.trace.tensor_bytes[self.trace.events[0].tensor])
+
+
 class DivergenceError(RuntimeError):
     """``SwapRuntime(strict=True)``: an executed step left its trace (as ``torch.utils.checkpoint``
     raises ``CheckpointError`` when a recomputation differs)."""
@@ -186,6 +208,8 @@ class RunSummary:
     guard_evictions: int
     # the budget as given; a relative one ("60%") was resolved once, against the first profiled step
     budget_spec: str | int | float | None = None
+    shapes: int = 0  # shapes with a plan (steps of any of them execute it)
+    new_shapes: int = 0  # of the profiled steps, those that profiled a shape no plan was made for, as it ran
 
     @property
     def overhead(self) -> float | None:
@@ -206,13 +230,22 @@ class RunSummary:
             parts.append(f"peak {format_bytes(self.peak_device_bytes)} of {format_bytes(self.budget_bytes)}{basis}")
         if self.guard_evictions:
             parts.append(f"{self.guard_evictions} guard evictions")
+        if self.shapes > 1:
+            parts.append(f"plans for {self.shapes} shapes")
         line = ", ".join(parts)
-        planned = self.steps - self.profiled
-        if planned >= 4 and self.diverged * 2 > planned:
-            # never save_on_cpu behaviour in silence
-            line += (f"\nmost steps ran without a plan: {self.diverged} of {planned} after profiling left the profiled "
-                     "trace (other tensor sizes or control flow; each finished on demand and the next step profiled "
-                     "again). Keep shapes static (pad to fixed lengths or buckets) for planned steps")
+        # never save_on_cpu behaviour in silence: after the first plan, a step either executes a
+        # plan, profiles a shape seen for the first time, or leaves its trace
+        after = self.executed + self.new_shapes + self.diverged
+        if after >= 4 and (self.new_shapes + self.diverged) * 2 > after:
+            why = []
+            if self.new_shapes:
+                why.append(f"{self.new_shapes} profiled a shape seen for the first time (saved tensors of other sizes: "
+                           "a batch padded to its own length)")
+            if self.diverged:
+                why.append(f"{self.diverged} left the profiled trace (other control flow or sizes after the first "
+                           "saved tensor; each finished on demand and the next step profiled again)")
+            line += (f"\nmost steps ran without a plan: of {after} after the first plan, " + "; ".join(why)
+                     + ". Pad to a few fixed lengths (buckets) so that shapes repeat: each then runs its own plan")
         return line
 
 
@@ -221,13 +254,14 @@ class _RunTally:
     over the last ``window`` executed steps)."""
 
     def __init__(self, window: int = 1000):
-        self.steps = self.profiled = self.executed = self.diverged = self.moved = self.guard = 0
+        self.steps = self.profiled = self.executed = self.diverged = self.moved = self.guard = self.new_shapes = 0
         self.peak: int | None = None
         self.recent: deque[float] = deque(maxlen=window)
 
     def add(self, rep: StepReport, rt: SwapRuntime) -> RunSummary:
         self.steps += 1
         self.profiled += rep.mode == "profile"
+        self.new_shapes += rep.new_shape
         self.diverged += rep.mode == "diverged"
         self.moved += rep.evicted_bytes + rep.prefetched_bytes + rep.on_demand_bytes
         self.guard += rep.guard_evictions
@@ -241,7 +275,7 @@ class _RunTally:
             median_step_s=float(np.median(self.recent)) if self.recent else None,
             plain_step_s=rt.trace.ideal_s if rt.trace is not None else None, moved_bytes=self.moved,
             peak_device_bytes=self.peak, budget_bytes=rt.budget_bytes, guard_evictions=self.guard,
-            budget_spec=rt.budget_spec)
+            budget_spec=rt.budget_spec, shapes=len(rt.layouts), new_shapes=self.new_shapes)
 
 
 @dataclass(frozen=True)
@@ -279,6 +313,7 @@ class StepReport:
     divergence: Divergence | None = None  # mode "diverged": where and how
     nothing_saved: bool = False  # the step saved no tensor for backward: there is nothing to swap
     recomputed_blocks: tuple[str, ...] = ()  # blocks run under torch.utils.checkpoint this step (R9)
+    new_shape: bool = False  # mode "profile": a step whose shape no plan was made for, profiled as it ran
     run: RunSummary | None = None  # the whole run so far
 
     def __str__(self) -> str:
@@ -289,7 +324,8 @@ class StepReport:
             f"  evicted {format_bytes(self.evicted_bytes)}, prefetched {format_bytes(self.prefetched_bytes)}, "
             f"on demand {format_bytes(self.on_demand_bytes)}",
             (f"  peak device {format_bytes(self.peak_device_bytes)} of budget {format_bytes(self.budget_bytes)}"
-             if self.peak_device_bytes is not None else "  profiling step: every saved tensor on the host, back on demand")
+             if self.peak_device_bytes is not None else "  profiling step: every saved tensor on the host, back on demand"
+             + (" (a shape no plan was made for; it is planned now)" if self.new_shape else ""))
             + (f" (torch peak {format_bytes(self.cuda_peak_bytes)})" if self.cuda_peak_bytes is not None else "")
             + (f"; measured {format_bytes(self.measured_peak_bytes)}" if self.measured_peak_bytes is not None else ""),
             f"  plan followed: {'yes' if self.plan_followed else 'no'}; guard evictions {self.guard_evictions}; "
@@ -402,6 +438,10 @@ class SwapRuntime:
         self._unwrapped_trace: Trace | None = None  # the last trace profiled with no block checkpointed
         self.first_sight: dict[int, int] = {}
         self.plan: SwapPlan | None = None
+        # the adopted plan laid out for the hooks, and one per shape seen (keyed by the bytes of the
+        # step's first saved tensor): a step of a shape profiled before executes that shape's plan
+        self.layout: PlanLayout | None = None
+        self.layouts: dict[int, PlanLayout] = {}
         # a relative budget is resolved once, against the first profiled step, into bytes for the
         # whole run: a later step of another shape gets the same bytes, or a clear refusal
         self.budget_bytes: int | None = None
@@ -425,7 +465,7 @@ class SwapRuntime:
         self.backend.synchronize()
         self.backend.take_device_stall_s()  # waits of an earlier, aborted step do not count
         self.steps += 1
-        if self.plan is None or self.trace is None:
+        if self.layout is None:
             ex: _StepExecution = _ProfileStep(self)
         else:
             ex = _ExecuteStep(self)
@@ -444,20 +484,31 @@ class SwapRuntime:
         step_s = time.perf_counter() - t0
         rep = ex.report(step_s)
         self._report = replace(rep, run=self._tally.add(rep, self))
-        if isinstance(ex, _ProfileStep):
-            if ex.trace is None:  # nothing was unpacked (no backward): nothing learned, profile again
+        profiled = ex if isinstance(ex, _ProfileStep) else ex.profile
+        if profiled is not None:
+            if profiled.trace is None:  # nothing was unpacked (no backward): nothing learned, profile again
+                return
+            if profiled is not ex:
+                # a shape no plan was made for, profiled in the step that showed it: planned now,
+                # from this one profile (the first steps' one-off costs are paid), and kept with
+                # the other shapes' plans
+                self._executed = []
+                self._host_steps.clear()  # steps of another trace: their event counts differ
+                self._plan_from(profiled.trace)
                 return
             self._profiled += 1
-            self._profiles.append(ex.trace)
+            self._profiles.append(profiled.trace)
             if self._profiled >= self.profile_steps:
                 self._plan_from(median_trace(self._profiles))
                 self._profiles = []
         elif ex.diverged:
-            self.trace = self.plan = None  # re-profile and re-plan on the next step
+            self.trace = self.plan = self.layout = None  # re-profile and re-plan on the next step
             self._profiled = self.profile_steps - 1
             self._profiles = []
             self._executed = []
             self._host_steps.clear()  # steps of another trace: their event counts differ
+        elif ex.layout is not self.layout:
+            pass  # a step of another shape, under its own plan: it re-times nothing of the current one
         elif self.retime_steps and (self.backend.emulated or not self.trace.meta.get("timed_by_execution")):
             if self._report.gaps_s is not None:
                 self._executed.append(self._report)
@@ -589,7 +640,8 @@ class SwapRuntime:
         size = {sg.name: sg.bytes for sg in trace.segments}
         self._rebuilt = {name: size[name] for name in plan.recompute}
         self.blocks.install(plan.recompute)
-        self.trace = self.plan = None
+        self.layouts.clear()  # laid out for steps that did not checkpoint the blocks
+        self.trace = self.plan = self.layout = None
         self.predicted_s = None
         self._profiled = 0
         self._profiles = []
@@ -603,10 +655,14 @@ class SwapRuntime:
         plan.validate(self.trace)
         res = simulate(self.trace, plan, self.hardware, self.budget_bytes, validate=False)
         self.plan, self.predicted_s = plan, (None if res.oom else res.iteration_s)
-        self.out_at, self.prefetch_at = plan.by_event(self.trace.n_events)  # as the simulator lays it out
+        out_at, prefetch_at = plan.by_event(self.trace.n_events)  # as the simulator lays it out
         tb = event_tables(self.trace)
-        self.expected_codes = [~t if u else t for t, u in zip(tb.tensor, tb.is_unpack, strict=False)]
-        self.work_at = [bool(f or o or p) for f, o, p in zip(tb.free, self.out_at, self.prefetch_at, strict=False)]
+        self.layout = PlanLayout(
+            self.trace, plan, self.predicted_s, out_at, prefetch_at,
+            expected_codes=[~t if u else t for t, u in zip(tb.tensor, tb.is_unpack, strict=False)],
+            work_at=[bool(f or o or p) for f, o, p in zip(tb.free, out_at, prefetch_at, strict=False)],
+            first_sight=dict(self.first_sight))
+        self.layouts[self.layout.shape_key] = self.layout
 
 
 class _StepExecution:
@@ -705,9 +761,10 @@ class _ProfileStep(_StepExecution):
     its storages are not judged."""
 
     __slots__ = ("ids", "recorder", "trace", "moved", "device", "owners", "cast_keys", "cast_bytes", "released",
-                 "freed", "unpacked", "devices", "param_keys", "passes", "modules", "checkpoint_packs", "recomputes")
+                 "freed", "unpacked", "devices", "param_keys", "passes", "modules", "checkpoint_packs", "recomputes",
+                 "new_shape", "seen_before")
 
-    def __init__(self, rt: SwapRuntime):
+    def __init__(self, rt: SwapRuntime, since: tuple[float, int] | None = None):
         super().__init__(rt)
         clock = self.backend.device_type  # the host clock, or events on the device's stream
         self.ids = StorageIds()  # live storage -> its record (R2)
@@ -724,7 +781,11 @@ class _ProfileStep(_StepExecution):
             static = {storage_key(x) for x in (*rt.model.parameters(), *rt.model.buffers())}
             rt.blocks.metered, rt.blocks.rebuilt_peak = True, {}
             rt.blocks.known = lambda key: key in static or key in self.ids
-        self.recorder.start()
+        # since: an executing step handed its hooks over (a shape not planned for) at this host
+        # time, having seen this many storages first: the recording starts there
+        self.recorder.start(since[0] if since else None)
+        self.new_shape = since is not None
+        self.seen_before = since[1] if since else 0
         self.trace: Trace | None = None
         self.moved = 0
         self.device = self.backend.device_type
@@ -839,7 +900,7 @@ class _ProfileStep(_StepExecution):
         self.trace = replace(self.trace, events=self._with_rebuilt(self.trace),
                              meta={**self.trace.meta, "unowned_bytes": static - self.rt.static_bytes,
                                    "unowned_tensors": len(unowned), "backward_passes": len(self.passes)})
-        self.rt.first_sight = self.recorder.remap
+        self.rt.first_sight = {k + self.seen_before: v for k, v in self.recorder.remap.items()}
         self.abort()
 
     def _with_rebuilt(self, trace: Trace) -> tuple[Any, ...]:
@@ -882,7 +943,7 @@ class _ProfileStep(_StepExecution):
             evicted_bytes=self.moved, prefetched_bytes=0, on_demand_bytes=self.moved,
             peak_device_bytes=None, budget_bytes=None, plan_followed=True, guard_evictions=0, kept_small=0,
             unowned_bytes=unowned, nothing_saved=not self.recorder.kinds,
-            recomputed_blocks=self.rt.blocks.names if self.rt.blocks is not None else (),
+            recomputed_blocks=self.rt.blocks.names if self.rt.blocks is not None else (), new_shape=self.new_shape,
         )
 
 
@@ -895,34 +956,23 @@ class _ExecuteStep(_StepExecution):
     program let go of it (R2's release), and a tensor last used at an unpack only once autograd's
     node that read it is done with it; until then, R4's waits and the guard see it."""
 
-    __slots__ = ("trace", "budget", "room", "out_at", "prefetch_at", "tensor_bytes", "frees", "expected", "work",
-                 "keys", "by_tid", "i", "outs", "waiting", "ins", "n_seen", "first_sight", "gaps", "hook_s",
-                 "last_exit", "tail_s", "deaths", "alloc", "other", "marks_in", "marks_out", "mark_start", "mark_end", "scale")
+    __slots__ = ("layout", "trace", "budget", "room", "out_at", "prefetch_at", "tensor_bytes", "frees", "expected",
+                 "work", "keys", "by_tid", "i", "outs", "waiting", "ins", "n_seen", "first_sight", "gaps", "hook_s",
+                 "last_exit", "tail_s", "deaths", "alloc", "other", "marks_in", "marks_out", "mark_start", "mark_end",
+                 "scale", "profile", "started")
 
     def __init__(self, rt: SwapRuntime):
         super().__init__(rt)
-        tr, plan = rt.trace, rt.plan
-        assert tr is not None and plan is not None and rt.budget_bytes is not None
-        self.trace = tr
-        self.static = tr.static_bytes  # the model's, plus what the profiling found held by others
+        assert rt.layout is not None and rt.budget_bytes is not None
         self.budget = rt.budget_bytes
-        self.room = self.budget - self.static  # for saved tensors
-        self.out_at, self.prefetch_at = rt.out_at, rt.prefetch_at  # the plan per event (_adopt)
-        tb = event_tables(tr)  # the simulator's per-trace lists, shared
-        self.tensor_bytes = tb.bytes
-        self.frees = tb.free  # tensors whose last unpack is each event
-        self.alloc = tb.alloc_bytes  # bytes of the tensors first packed at each event (made in its gap)
-        # non-saved bytes live in each gap (R3): here what a recompute rebuilds, held by the
-        # checkpoint where backward runs the block (R9; see _ProfileStep._with_rebuilt)
-        self.other = tb.other
+        self._load(rt.layout)
         # after a divergence: the largest ratio seen of a tensor's bytes to the trace's, by which
         # R4 scales the trace's next allocation (a batch of another size is one family, scaled)
         self.scale = 1.0
-        # the hooks' hot path reads two flat lists: the expected event (tensor id for a pack, its
-        # complement ~id for an unpack) and whether anything happens after it (a free, a planned
-        # swap-out or prefetch). Diverging empties both, which turns every later check off.
-        self.expected: list[int] | tuple[()] = rt.expected_codes
-        self.work: list[bool] | tuple[()] = rt.work_at
+        # a step whose first saved tensor shows a shape no plan was made for is profiled instead
+        # (it hands every hook call to this profiling step), and that shape is planned after it
+        self.profile: _ProfileStep | None = None
+        self.started = time.perf_counter()
         # live storage key -> record. A resident record's handles keep its storage alive; an
         # evicted one gets a weakref.finalize as the runtime lets go of it, and a freed one is
         # forgotten at its last use, so no key ever outlives its storage (R2; see StorageIds).
@@ -937,7 +987,6 @@ class _ExecuteStep(_StepExecution):
         # the step's thread subtracts them from the accounting
         self.deaths: deque[int] = deque()
         self.n_seen = 0
-        self.first_sight = rt.first_sight
         # host clock per trace event: the compute gap before its hook, and the time in the hooks
         # (waits included; ``finish`` takes the stalls out). Meaningful on the CPU backend, where
         # compute is synchronous; the runtime re-times its trace from them (see SwapRuntime).
@@ -954,7 +1003,7 @@ class _ExecuteStep(_StepExecution):
         self.marks_out: list[Any] = []
         self.mark_start = self.mark_end = None
         if rt._device_timed_step():
-            self.marks_in = [None] * tr.n_events
+            self.marks_in = [None] * self.trace.n_events
             self.mark_start = self.backend.mark()
         if self.audit and rt.blocks is not None and rt.blocks.names:
             # the audit meter also sees what recomputes make (R9): storages of ours, and the model's
@@ -962,6 +1011,40 @@ class _ExecuteStep(_StepExecution):
             static = {storage_key(x) for x in (*rt.model.parameters(), *rt.model.buffers())}
             rt.blocks.metered, rt.blocks.watch = True, self._watch
             rt.blocks.known = lambda key: key in self.keys or key in static
+
+    def _load(self, layout: PlanLayout) -> None:
+        """Follow ``layout`` (at the step's start, or at its first saved tensor: another shape's)."""
+        self.layout = layout
+        self.trace = tr = layout.trace
+        self.static = tr.static_bytes  # the model's, plus what the profiling found held by others
+        self.room = self.budget - self.static  # for saved tensors
+        self.out_at, self.prefetch_at = layout.out_at, layout.prefetch_at
+        tb = event_tables(tr)  # the simulator's per-trace lists, shared
+        self.tensor_bytes = tb.bytes
+        self.frees = tb.free  # tensors whose last unpack is each event
+        self.alloc = tb.alloc_bytes  # bytes of the tensors first packed at each event (made in its gap)
+        # non-saved bytes live in each gap (R3): here what a recompute rebuilds, held by the
+        # checkpoint where backward runs the block (R9; see _ProfileStep._with_rebuilt)
+        self.other = tb.other
+        # the hooks' hot path reads two flat lists: the expected event (tensor id for a pack, its
+        # complement ~id for an unpack) and whether anything happens after it (a free, a planned
+        # swap-out or prefetch). Diverging empties both, which turns every later check off.
+        self.expected: list[int] | tuple[()] = layout.expected_codes
+        self.work: list[bool] | tuple[()] = layout.work_at
+        self.first_sight = layout.first_sight
+
+    def _first_tensor(self, nbytes: int) -> bool:
+        """The step's first saved tensor has ``nbytes`` where this layout expects other bytes: take
+        the plan of the shape that has them, or profile this step. False when profiling."""
+        layout = self.rt.layouts.get(nbytes)
+        # the same storage, in order of first sight, must be that shape's first event as well
+        if layout is not None and layout.first_sight.get(self.n_seen, -1) == layout.trace.events[0].tensor:
+            self._load(layout)
+            if self.marks_in is not None:
+                self.marks_in = [None] * self.trace.n_events
+            return True
+        self.profile = _ProfileStep(self.rt, since=(self.started, self.n_seen))
+        return False
 
     # ------------------------------------------------------------------ memory (R4, R6)
     def _count_deaths(self) -> None:
@@ -1105,6 +1188,8 @@ class _ExecuteStep(_StepExecution):
     def pack(self, t: torch.Tensor) -> Any:
         # the hot path: every saved tensor of the step passes here, so lookups come first and
         # each rarer case costs only the branch that needs it
+        if self.profile is not None:
+            return self.profile.pack(t)
         t_in = time.perf_counter()
         if self.marks_in is not None and self.i < len(self.marks_in):
             self.marks_in[self.i] = self.backend.mark()
@@ -1122,6 +1207,10 @@ class _ExecuteStep(_StepExecution):
             # ids in order of first sight, as the profiling step numbered them; a storage the
             # trace does not have (never unpacked there) is not tracked and just stays
             tid = self.first_sight.get(self.n_seen, -1)
+            if i == 0 and tid >= 0 and self.tensor_bytes[tid] != nbytes:
+                if not self._first_tensor(nbytes):  # a new shape: this step profiles it
+                    return self.profile.pack(t)
+                tid = self.first_sight.get(self.n_seen, -1)
             self.n_seen += 1
             if tid < 0:
                 self.keys[key] = _UNTRACKED
@@ -1163,6 +1252,8 @@ class _ExecuteStep(_StepExecution):
         return p
 
     def unpack(self, p: _Packed) -> torch.Tensor:
+        if self.profile is not None and not isinstance(p, _Packed):
+            return self.profile.unpack(p)
         t_in = time.perf_counter()
         if self.marks_in is not None and self.i < len(self.marks_in):
             self.marks_in[self.i] = self.backend.mark()
@@ -1264,6 +1355,9 @@ class _ExecuteStep(_StepExecution):
 
     # ------------------------------------------------------------------ end of step
     def finish(self) -> None:
+        if self.profile is not None:
+            self.profile.finish()
+            return
         self.tail_s = time.perf_counter() - self.last_exit
         if self.marks_in is not None:
             self.mark_end = self.backend.mark()
@@ -1273,6 +1367,8 @@ class _ExecuteStep(_StepExecution):
         self._settle()
 
     def abort(self) -> None:
+        if self.profile is not None:
+            self.profile.abort()
         self._settle()
 
     def _wait(self, rec: _Record, t: Ticket, use: bool = False) -> None:
@@ -1330,6 +1426,8 @@ class _ExecuteStep(_StepExecution):
         return tuple(max(elapsed(a, b), 0.0) for a, b in zip(before, ins, strict=True)), elapsed(outs[-1], self.mark_end)
 
     def report(self, step_s: float) -> StepReport:
+        if self.profile is not None:
+            return self.profile.report(step_s)
         cuda_peak = self.backend.peak_bytes()
         # host-clock gaps mean compute only where compute is synchronous, and only for a whole step
         timed = self.backend.emulated and not self.diverged and len(self.gaps) == self.trace.n_events
@@ -1337,7 +1435,7 @@ class _ExecuteStep(_StepExecution):
         return StepReport(
             step=self.rt.steps, mode="diverged" if self.diverged else "execute", step_s=step_s,
             stall_s=self.stall_s + self.backend.take_device_stall_s(),  # CUDA: compute's waits on the device
-            predicted_step_s=self.rt.predicted_s, evicted_bytes=self.evicted, prefetched_bytes=self.prefetched,
+            predicted_step_s=self.layout.predicted_s, evicted_bytes=self.evicted, prefetched_bytes=self.prefetched,
             on_demand_bytes=self.on_demand, peak_device_bytes=self.peak, budget_bytes=self.budget,
             # followed, and within budget: the guard may find nothing to evict (a tensor read again
             # by a later backward pass after its first unpack stays), which leaves the peak over

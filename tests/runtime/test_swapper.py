@@ -196,33 +196,67 @@ def test_exception_in_the_profiling_step_returns_its_buffers():
     rt.close()
 
 
+def _fixed_first(model: nn.Module, x: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """A step whose first saved tensor does not depend on the batch (``sin`` saves ``first * 1``),
+    so that a batch of another size leaves the trace after its first event, not at it."""
+    return (first * 1.0).sin().sum() + model(x).sum()
+
+
+def test_a_new_shape_is_profiled_in_the_step_that_shows_it_and_each_shape_keeps_its_plan():
+    case = build_model("mlp", "tiny", seed=4)
+    ref = build_model("mlp", "tiny", seed=4)
+    x0 = case.inputs[0]
+    x1 = torch.randn(x0.shape[0] - 3, *x0.shape[1:])  # smaller: it fits the bytes the budget stands for
+    rt = SwapRuntime(budget="50%", policy="capuchin", backend="cpu", min_bytes=0, model=case.model, retime_steps=0)
+
+    def run(model, i):
+        loss = model(x1 if i in (4, 5, 7) else x0).sum()
+        loss.backward()
+        return loss
+
+    try:
+        reports = train_together(case.model, ref.model, rt, 9, run)
+        # 3 profiled, then x0 runs its plan; x1's first step profiles x1 as it runs, planned at its end;
+        # from then on each batch size executes its own plan
+        assert [r.mode for r in reports] == ["profile"] * 3 + ["execute", "profile", "execute", "execute", "execute",
+                                                               "execute"]
+        assert reports[4].new_shape and "a shape no plan was made for" in str(reports[4])
+        assert all(r.plan_followed for r in reports[5:]) and len(rt.layouts) == 2
+        run_ = reports[-1].run
+        assert run_.shapes == 2 and run_.new_shapes == 1 and "plans for 2 shapes" in str(run_)
+        assert reports[5].budget_bytes == reports[3].budget_bytes  # one budget in bytes for the run
+    finally:
+        rt.close()
+
+
 def test_divergence_finishes_on_demand_and_replans():
     case = build_model("mlp", "tiny", seed=4)
     ref = build_model("mlp", "tiny", seed=4)
+    first = torch.randn(16, 16, requires_grad=True)
     rt = SwapRuntime(budget="50%", policy="capuchin", backend="cpu", min_bytes=0, model=case.model)
     for _ in range(5):
         with rt.step():
-            case.loss().backward()
-        ref.loss().backward()
-    # a different batch size: the events no longer match the trace
+            _fixed_first(case.model, case.inputs[0], first).backward()
+        _fixed_first(ref.model, case.inputs[0], first).backward()
+    # a different batch size after the same first tensor: the events no longer match the trace
     x = torch.randn(5, 256)
     with rt.step():
-        la = case.model(x).sum()
+        la = _fixed_first(case.model, x, first)
         la.backward()
-    lb = ref.model(x).sum()
+    lb = _fixed_first(ref.model, x, first)
     lb.backward()
     rep = rt.report()
     assert rep.mode == "diverged" and torch.equal(la, lb) and not rep.plan_followed
-    # where: the first pack already has another batch size, so other bytes
-    assert rep.divergence is not None and rep.divergence.event == 0
-    assert rep.divergence.expected.startswith("pack of tensor 0") and rep.divergence.seen.startswith("pack of tensor 0")
-    assert rep.divergence.expected != rep.divergence.seen and "diverged at event 0" in str(rep)
+    # where: the second pack already has another batch size, so other bytes
+    assert rep.divergence is not None and rep.divergence.event == 1
+    assert rep.divergence.expected.startswith("pack of tensor 1") and rep.divergence.seen.startswith("pack of tensor 1")
+    assert rep.divergence.expected != rep.divergence.seen and "diverged at event 1" in str(rep)
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(case.model.parameters(), ref.model.parameters(), strict=False))
     with rt.step():  # re-profiled
-        case.model(x).sum().backward()
-    assert rt.report().mode == "profile"
+        _fixed_first(case.model, x, first).backward()
+    assert rt.report().mode == "profile" and not rt.report().new_shape
     with rt.step():  # one profiling step is enough once the runtime has warmed up
-        case.model(x).sum().backward()
+        _fixed_first(case.model, x, first).backward()
     assert rt.report().mode == "execute"
     rt.close()
 
@@ -349,16 +383,20 @@ def test_strict_raises_where_the_step_leaves_its_trace_and_the_next_step_works()
 
     case = build_model("mlp", "tiny", seed=4)
     rt = SwapRuntime(budget="50%", policy="min", backend="cpu", min_bytes=0, model=case.model, strict=True)
+    first = torch.randn(16, 16, requires_grad=True)
     try:
         for _ in range(4):
             with rt.step():
-                case.loss().backward()
+                _fixed_first(case.model, case.inputs[0], first).backward()
         assert rt.report().mode == "execute" and rt.report().divergence is None
-        with pytest.raises(DivergenceError, match=r"at event 0 the trace expected pack of tensor 0"), rt.step():
-            case.model(torch.randn(5, 256)).sum().backward()
+        with pytest.raises(DivergenceError, match=r"at event 1 the trace expected pack of tensor 1"), rt.step():
+            _fixed_first(case.model, torch.randn(5, 256), first).backward()
         with rt.step():  # the plan still stands for the step it was made for
-            case.loss().backward()
+            _fixed_first(case.model, case.inputs[0], first).backward()
         assert rt.report().mode == "execute"
+        with rt.step():  # a batch of another size at the first saved tensor is a new shape, not a divergence
+            case.model(torch.randn(5, 256)).sum().backward()
+        assert rt.report().new_shape
     finally:
         rt.close()
 
@@ -513,13 +551,13 @@ def test_the_runtime_closes_itself_as_a_context_manager_and_reports_the_run():
         for _ in range(6):
             with rt.step():
                 case.loss().backward()
-        with rt.step():  # another batch size: diverges
+        with rt.step():  # another batch size: profiled as it runs
             case.model(torch.randn(3, 256)).sum().backward()
         run = rt.report().run
     assert not rt.backend.d2h.is_alive() and not rt.backend.h2d.is_alive()  # closed on leaving the block
     with pytest.raises(UserError, match="this runtime is closed"), rt.step():
         pass
-    assert (run.steps, run.profiled, run.executed, run.diverged) == (7, 3, 3, 1)
+    assert (run.steps, run.profiled, run.executed, run.diverged, run.new_shapes) == (7, 4, 3, 0, 1)
     with SwapRuntime(budget="50%", policy="swap-all", backend="cpu", min_bytes=0, model=ref.model) as rt:
         steps = step_reports(rt, ref, 6)
     run = rt.report().run
@@ -622,25 +660,26 @@ def test_a_real_device_times_its_gaps_with_marks_until_the_trace_is_retimed():
 
 
 def test_a_diverged_step_still_holds_the_budget():
-    """A larger batch than the profiled one leaves the trace at its first pack; the step finishes
+    """A larger batch than the profiled one leaves the trace after its first pack; the step finishes
     on demand, but R4 keeps making room (the trace's next allocation scaled by the step's own
     sizes) and the guard evicts, and a swap-in buffer lives only as long as autograd holds it, so
     the budget holds, with the gradients of training without the runtime."""
     case = build_model("mlp", "tiny", seed=4)
     ref = build_model("mlp", "tiny", seed=4)
     rt = SwapRuntime(budget="50%", policy="min", backend="cpu", min_bytes=0, model=case.model, audit=True)
+    first = torch.randn(16, 16, requires_grad=True)
     try:
         for _ in range(5):
             with rt.step():
-                case.loss().backward()
-            ref.loss().backward()
+                _fixed_first(case.model, case.inputs[0], first).backward()
+            _fixed_first(ref.model, case.inputs[0], first).backward()
         x = torch.randn(case.inputs[0].shape[0] * 3 // 2, *case.inputs[0].shape[1:])
         for m in (case.model, ref.model):
             m.zero_grad(set_to_none=True)
         with rt.step():
-            la = case.model(x).sum()
+            la = _fixed_first(case.model, x, first)
             la.backward()
-        lb = ref.model(x).sum()
+        lb = _fixed_first(ref.model, x, first)
         lb.backward()
         rep = rt.report()
         assert rep.mode == "diverged" and torch.equal(la, lb)
@@ -661,12 +700,12 @@ def test_a_run_that_mostly_diverges_says_so():
             with rt.step():
                 case.loss().backward()
         n = case.inputs[0].shape[0]
-        for i in range(8):  # the batch size changes every step: each diverges or profiles again
+        for i in range(8):  # a batch size never seen before every step: each is profiled as it runs
             with rt.step():
-                case.model(torch.randn(n + 1 + i % 2, *case.inputs[0].shape[1:])).sum().backward()
+                case.model(torch.randn(n + 1 + i, *case.inputs[0].shape[1:])).sum().backward()
         run = rt.report().run
-    assert run.diverged * 2 > run.steps - run.profiled
-    assert "most steps ran without a plan" in str(run)
+    assert run.new_shapes == 8 and run.executed == 0 and run.shapes == 8  # the last one is planned after its report
+    assert "most steps ran without a plan: of 8 after the first plan, 8 profiled a shape seen for the first time" in str(run)
 
 
 def test_a_shape_that_cannot_fit_the_resolved_budget_is_refused_with_what_it_needs():
