@@ -61,6 +61,7 @@ from swapsched.runtime.profiler import (
     storage_key,
 )
 from swapsched.runtime.recompute import BlockCheckpoints
+from swapsched.runtime.shapes import first_bytes, predicted_trace, structure
 from swapsched.runtime.retime import fitted_host_costs, median_trace, timed_by_execution
 from swapsched.trace import Trace
 
@@ -180,11 +181,14 @@ class PlanLayout:
     expected_codes: list[int]
     work_at: list[bool]
     first_sight: dict[int, int]
+    # the trace was predicted from its family's profiled sizes (runtime/shapes.py), not profiled,
+    # and the plan borrowed from the nearest profiled size at least as large
+    predicted: bool = False
 
     @property
     def shape_key(self) -> int:
         """The bytes of the step's first saved tensor: what a step shows of its shape first."""
-        return int(self.trace.tensor_bytes[self.trace.events[0].tensor])
+        return first_bytes(self.trace)
 
 
 class DivergenceError(RuntimeError):
@@ -210,6 +214,7 @@ class RunSummary:
     budget_spec: str | int | float | None = None
     shapes: int = 0  # shapes with a plan (steps of any of them execute it)
     new_shapes: int = 0  # of the profiled steps, those that profiled a shape no plan was made for, as it ran
+    predicted_steps: int = 0  # of the executed steps, those on a shape predicted from its family, never profiled
 
     @property
     def overhead(self) -> float | None:
@@ -232,6 +237,8 @@ class RunSummary:
             parts.append(f"{self.guard_evictions} guard evictions")
         if self.shapes > 1:
             parts.append(f"plans for {self.shapes} shapes")
+        if self.predicted_steps:
+            parts.append(f"{self.predicted_steps} executed steps on predicted shapes")
         line = ", ".join(parts)
         # never save_on_cpu behaviour in silence: after the first plan, a step either executes a
         # plan, profiles a shape seen for the first time, or leaves its trace
@@ -254,7 +261,8 @@ class _RunTally:
     over the last ``window`` executed steps)."""
 
     def __init__(self, window: int = 1000):
-        self.steps = self.profiled = self.executed = self.diverged = self.moved = self.guard = self.new_shapes = 0
+        self.steps = self.profiled = self.executed = self.diverged = self.moved = self.guard = 0
+        self.new_shapes = self.predicted_steps = 0
         self.peak: int | None = None
         self.recent: deque[float] = deque(maxlen=window)
 
@@ -262,6 +270,7 @@ class _RunTally:
         self.steps += 1
         self.profiled += rep.mode == "profile"
         self.new_shapes += rep.new_shape
+        self.predicted_steps += rep.shape_predicted
         self.diverged += rep.mode == "diverged"
         self.moved += rep.evicted_bytes + rep.prefetched_bytes + rep.on_demand_bytes
         self.guard += rep.guard_evictions
@@ -275,7 +284,8 @@ class _RunTally:
             median_step_s=float(np.median(self.recent)) if self.recent else None,
             plain_step_s=rt.trace.ideal_s if rt.trace is not None else None, moved_bytes=self.moved,
             peak_device_bytes=self.peak, budget_bytes=rt.budget_bytes, guard_evictions=self.guard,
-            budget_spec=rt.budget_spec, shapes=len(rt.layouts), new_shapes=self.new_shapes)
+            budget_spec=rt.budget_spec, shapes=len(rt.layouts), new_shapes=self.new_shapes,
+            predicted_steps=self.predicted_steps)
 
 
 @dataclass(frozen=True)
@@ -314,6 +324,7 @@ class StepReport:
     nothing_saved: bool = False  # the step saved no tensor for backward: there is nothing to swap
     recomputed_blocks: tuple[str, ...] = ()  # blocks run under torch.utils.checkpoint this step (R9)
     new_shape: bool = False  # mode "profile": a step whose shape no plan was made for, profiled as it ran
+    shape_predicted: bool = False  # executed on a trace predicted from its family's sizes (runtime/shapes.py)
     run: RunSummary | None = None  # the whole run so far
 
     def __str__(self) -> str:
@@ -502,13 +513,17 @@ class SwapRuntime:
                 self._plan_from(median_trace(self._profiles))
                 self._profiles = []
         elif ex.diverged:
+            if ex.layout.predicted:  # the prediction was wrong: that size is profiled when it comes again
+                self.layouts.pop(ex.layout.shape_key, None)
             self.trace = self.plan = self.layout = None  # re-profile and re-plan on the next step
             self._profiled = self.profile_steps - 1
             self._profiles = []
             self._executed = []
             self._host_steps.clear()  # steps of another trace: their event counts differ
         elif ex.layout is not self.layout:
-            pass  # a step of another shape, under its own plan: it re-times nothing of the current one
+            # a step of another shape, under its own plan: it re-times nothing of the current one
+            if ex.layout.predicted and not self._report.plan_followed and self.policy is not None:
+                self._plan_predicted(ex.layout, self._report)
         elif self.retime_steps and (self.backend.emulated or not self.trace.meta.get("timed_by_execution")):
             if self._report.gaps_s is not None:
                 self._executed.append(self._report)
@@ -653,16 +668,54 @@ class SwapRuntime:
         assert self.trace is not None and self.budget_bytes is not None
         assert not plan.recompute, "recompute goes through _recompute (R9's two stages)"
         plan.validate(self.trace)
-        res = simulate(self.trace, plan, self.hardware, self.budget_bytes, validate=False)
-        self.plan, self.predicted_s = plan, (None if res.oom else res.iteration_s)
-        out_at, prefetch_at = plan.by_event(self.trace.n_events)  # as the simulator lays it out
-        tb = event_tables(self.trace)
-        self.layout = PlanLayout(
-            self.trace, plan, self.predicted_s, out_at, prefetch_at,
+        self.layout = self._layout(self.trace, plan, self.first_sight)
+        self.plan, self.predicted_s = plan, self.layout.predicted_s
+        self.layouts[self.layout.shape_key] = self.layout
+
+    def _layout(self, trace: Trace, plan: SwapPlan, first_sight: dict[int, int], predicted: bool = False) -> PlanLayout:
+        """``plan`` on ``trace`` laid out for the hooks, with its predicted step time."""
+        assert self.budget_bytes is not None
+        res = simulate(trace, plan, self.hardware, self.budget_bytes, validate=False)
+        out_at, prefetch_at = plan.by_event(trace.n_events)  # as the simulator lays it out
+        tb = event_tables(trace)
+        return PlanLayout(
+            trace, plan, None if res.oom else res.iteration_s, out_at, prefetch_at,
             expected_codes=[~t if u else t for t, u in zip(tb.tensor, tb.is_unpack, strict=False)],
             work_at=[bool(f or o or p) for f, o, p in zip(tb.free, out_at, prefetch_at, strict=False)],
-            first_sight=dict(self.first_sight))
-        self.layouts[self.layout.shape_key] = self.layout
+            first_sight=dict(first_sight), predicted=predicted)
+
+    def _predicted_layout(self, like: PlanLayout, s: int) -> PlanLayout | None:
+        """A layout for the step of ``like``'s family whose first saved tensor has ``s`` bytes,
+        without profiling it: its trace predicted from the family's profiled sizes, the plan of the
+        nearest profiled size at least as large (the same events: its evictions apply as they are;
+        a larger one evicts no less). None where the family cannot predict it. A size that no plan
+        can fit in the run's bytes is refused here, at the step's first saved tensor, before its
+        memory is spent."""
+        shape = structure(like.trace)
+        family = [lay for lay in self.layouts.values()
+                  if not lay.predicted and lay.first_sight == like.first_sight and structure(lay.trace) == shape]
+        trace = predicted_trace([lay.trace for lay in family], s)
+        if trace is None:
+            return None
+        self._budget_for(self.budget_spec, trace, resolved=self.budget_bytes)
+        larger = [lay for lay in family if lay.shape_key >= s]
+        donor = min(larger, key=lambda lay: lay.shape_key) if larger else max(family, key=lambda lay: lay.shape_key)
+        plan = SwapPlan(trace.name, donor.plan.policy, donor.plan.evictions, {**donor.plan.meta, "borrowed_from": donor.trace.name})
+        layout = self._layout(trace, plan, like.first_sight, predicted=True)
+        self.layouts[s] = layout
+        return layout
+
+    def _plan_predicted(self, layout: PlanLayout, rep: StepReport) -> None:
+        """A predicted shape whose borrowed plan did not hold: the policy plans it, on the trace as
+        that step ran it (its gaps re-timed where the host clock measured them)."""
+        trace = layout.trace
+        if rep.gaps_s is not None and len(rep.gaps_s) == trace.n_events:
+            trace = timed_by_execution(trace, [rep])
+        assert self.policy is not None and self.budget_bytes is not None
+        plan = self.policy.plan(self._planned_on(trace), self.budget_bytes, self.hardware)
+        if plan.recompute:  # the blocks are chosen on profiled shapes (R9's two stages); here only swaps
+            return
+        self.layouts[layout.shape_key] = self._layout(trace, plan, layout.first_sight, predicted=True)
 
 
 class _StepExecution:
@@ -1036,7 +1089,7 @@ class _ExecuteStep(_StepExecution):
     def _first_tensor(self, nbytes: int) -> bool:
         """The step's first saved tensor has ``nbytes`` where this layout expects other bytes: take
         the plan of the shape that has them, or profile this step. False when profiling."""
-        layout = self.rt.layouts.get(nbytes)
+        layout = self.rt.layouts.get(nbytes) or self.rt._predicted_layout(self.layout, nbytes)
         # the same storage, in order of first sight, must be that shape's first event as well
         if layout is not None and layout.first_sight.get(self.n_seen, -1) == layout.trace.events[0].tensor:
             self._load(layout)
@@ -1446,4 +1499,5 @@ class _ExecuteStep(_StepExecution):
             gaps_s=gaps, tail_s=tail,
             measured_peak_bytes=self.measured_peak(), unowned_bytes=int(self.trace.meta.get("unowned_bytes", 0)),
             recomputed_blocks=self.rt.blocks.names if self.rt.blocks is not None else (),
+            shape_predicted=self.layout.predicted,
         )

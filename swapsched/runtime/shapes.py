@@ -1,0 +1,78 @@
+"""Families of steps: one structure, other sizes (a batch padded to its own length).
+
+Steps with the same events (kinds, which saved tensor is which, in the same order) and tensors of
+other sizes are one *family*. Within a family each tensor's bytes follow the step's size exactly,
+mostly linearly in the varying dimension, quadratically for attention scores, and so do the
+compute gaps, roughly. :func:`predicted_trace` fits each tensor's bytes (and each gap, the tail
+and the static bytes) as a polynomial in ``s``, the bytes of the step's first saved tensor, over
+the family's profiled traces, and evaluates it at a new ``s``: the trace of a shape never profiled.
+The runtime checks the prediction as the step runs (every saved tensor's bytes against it) and
+leaves it where it is wrong, as it leaves any trace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from swapsched.trace import Event, Trace
+
+__all__ = ["structure", "first_bytes", "predicted_trace"]
+
+
+def structure(trace: Trace) -> tuple[tuple[bool, int], ...]:
+    """What steps of one family share: each event's kind and tensor, in order."""
+    return tuple((e.kind == "unpack", e.tensor) for e in trace.events)
+
+
+def first_bytes(trace: Trace) -> int:
+    """``s``: the bytes of the step's first saved tensor, the first size a running step shows."""
+    return int(trace.tensor_bytes[trace.events[0].tensor])
+
+
+def _fit(s: np.ndarray, y: np.ndarray, at: int, degree: int) -> np.ndarray:
+    """Per column of ``y`` (one row per trace), the polynomial in ``s`` of ``degree`` through the
+    rows, evaluated at ``at``. ``s`` is rescaled first: byte counts squared overflow nothing but
+    make the least-squares system ill-conditioned."""
+    scale = float(s.max())
+    v = np.vander(s / scale, degree + 1)
+    coef, *_ = np.linalg.lstsq(v, y, rcond=None)
+    return np.vander(np.array([at / scale]), degree + 1) @ coef
+
+
+def predicted_trace(family: Sequence[Trace], s: int) -> Trace | None:
+    """The trace of the family's step whose first saved tensor has ``s`` bytes, or None where the
+    family cannot say: fewer than two sizes profiled, ``s`` beyond twice the largest, or bytes that
+    the fit does not reproduce on the profiled traces themselves (sizes that are no polynomial of
+    ``s`` of the degree the sizes allow: 1 with two traces, 2 from three on)."""
+    sizes = sorted({first_bytes(t): t for t in family}.items())
+    if len(sizes) < 2 or s > 2 * sizes[-1][0] or s <= 0:
+        return None
+    xs = np.array([k for k, _ in sizes], dtype=np.float64)
+    traces = [t for _, t in sizes]
+    degree = min(2, len(traces) - 1)
+    nbytes = np.array([t.tensor_bytes for t in traces], dtype=np.float64)
+    if len(traces) > degree + 1:  # more traces than the degree needs: the fit must reproduce them
+        back = np.vstack([_fit(xs, nbytes, int(x), degree) for x in xs])
+        if np.abs(back - nbytes).max() > 0.5:
+            return None
+    pred = np.rint(_fit(xs, nbytes, s, degree)[0]).astype(np.int64)
+    if (pred < 0).any() or int(pred[traces[0].events[0].tensor]) != s:
+        return None
+    gaps = np.array([t.gaps for t in traces], dtype=np.float64)
+    other = np.array([t.other_bytes for t in traces], dtype=np.float64)
+    scalars = np.array([[t.tail_compute_s, t.static_bytes] for t in traces], dtype=np.float64)
+    # compute follows the size, roughly: a straight line through the nearest two sizes
+    near = np.argsort(np.abs(xs - s), kind="stable")[:2]
+    g = np.maximum(_fit(xs[near], gaps[near], s, 1)[0], 0.0)
+    o = np.maximum(np.rint(_fit(xs, other, s, degree)[0]), 0).astype(np.int64)
+    tail, static = _fit(xs[near], scalars[near], s, 1)[0]
+    template = traces[int(near[0])]
+    tensors = tuple(replace(t, bytes=int(b)) for t, b in zip(template.tensors, pred, strict=True))
+    events = tuple(Event(e.kind, e.tensor, float(gi), e.flops, int(oi) if (e.other_bytes is not None or oi) else None)
+                   for e, gi, oi in zip(template.events, g, o, strict=True))
+    return replace(template, name=f"{template.name}@{s}B", tensors=tensors, events=events,
+                   tail_compute_s=max(float(tail), 0.0), static_bytes=max(int(round(static)), 0),
+                   meta={**template.meta, "predicted_from": [t.name for t in traces], "first_bytes": s})

@@ -1,0 +1,116 @@
+"""runtime/shapes.py: a family's trace at a size never profiled (hand-computed), and the runtime
+executing those predicted traces on steps of variable length, bit-identically within its budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from swapsched.budget import BudgetError
+from swapsched.deploy import SwapRuntime
+from swapsched.runtime.shapes import first_bytes, predicted_trace, structure
+from tests.conftest import make_trace, train_together
+
+
+def _at(n: int, static: int = 0, gap: float = 1.0):
+    """One family: T0 of 4n B (linear), T1 of n*n B (quadratic, as attention scores), T2 of 64 B
+    (fixed); gaps ``gap * n / 8``."""
+    g = gap * n / 8
+    return make_trace([4 * n, n * n, 64], [("pack", 0, g), ("pack", 1, g), ("pack", 2, g), ("unpack", 2, g),
+                                           ("unpack", 1, g), ("unpack", 0, g)], static=static, name=f"n{n}")
+
+
+def test_two_sizes_predict_a_linear_family_exactly():
+    # T1 is 4 n (n = 8, 16): a line through (32, 32) and (64, 64) in s = T0's bytes; at s = 48
+    # (n = 12) every tensor is exact, the gaps 12/8 = 1.5 s, the static bytes in between.
+    lin = [make_trace([4 * n, 4 * n, 64], [("pack", 0, n / 8), ("pack", 1, n / 8), ("pack", 2, n / 8),
+                                           ("unpack", 2, n / 8), ("unpack", 1, n / 8), ("unpack", 0, n / 8)],
+                      static=10 * n, name=f"n{n}") for n in (8, 16)]
+    tr = predicted_trace(lin, 48)
+    assert tr is not None and tr.tensor_bytes.tolist() == [48, 48, 64]
+    assert tr.gaps.tolist() == pytest.approx([1.5] * 6) and tr.static_bytes == 120
+    assert structure(tr) == structure(lin[0]) and first_bytes(tr) == 48
+
+
+def test_three_sizes_predict_a_quadratic_tensor_exactly_and_refuse_what_they_cannot_say():
+    family = [_at(n) for n in (8, 16, 32)]
+    tr = predicted_trace(family, 4 * 24)  # n = 24: T1 = 576 B, from the parabola through 64, 256, 1024
+    assert tr is not None and tr.tensor_bytes.tolist() == [96, 576, 64]
+    assert predicted_trace(family[:1], 96) is None  # one size says nothing of the others
+    assert predicted_trace(family, 4 * 65) is None  # beyond twice the largest profiled size
+    # two sizes fit a line, which a quadratic tensor leaves between them: the prediction is
+    # checked as the step runs, not here (only more sizes than the degree needs can be checked)
+    two = predicted_trace(family[:2], 4 * 12)
+    assert two is not None and two.tensor_bytes.tolist()[1] == 160  # the line, not 144
+    # four sizes of which one is no parabola of the others: no prediction
+    odd = [*family, make_trace([4 * 40, 40 * 40 + 8, 64], [(e.kind, e.tensor, e.compute_s) for e in _at(40).events])]
+    assert predicted_trace(odd, 4 * 24) is None
+
+
+class Net(nn.Module):
+    """Three residual blocks over (batch, length, 32): each saved tensor's bytes are linear in the length."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+                                    for _ in range(3))
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 1.0  # the first saved tensor grows with the length too
+        for b in self.blocks:
+            h = h + b(h)
+        return self.head(h).pow(2).mean()
+
+
+def _batches(lengths):
+    return {n: torch.randn(8, n, 32, generator=torch.Generator().manual_seed(n)) for n in set(lengths)}
+
+
+def test_steps_of_lengths_never_profiled_execute_predicted_plans_bit_identically_within_budget():
+    lengths = [32, 32, 32, 32, 48, 40, 64, 40, 56, 36, 64]
+    xs = _batches(lengths)
+    a, b = Net(), Net()
+
+    def run(model, i):
+        loss = model(xs[lengths[i]])
+        loss.backward()
+        return loss
+
+    rt = SwapRuntime(budget="60%", policy="min", backend="cpu", model=a, audit=True)
+    try:
+        reports = train_together(a, b, rt, len(lengths), run)
+    finally:
+        rt.close()
+    modes = [r.mode for r in reports]
+    # two lengths profiled (32 three times, 48 once as it ran); every other length is predicted
+    assert modes == ["profile"] * 3 + ["execute", "profile"] + ["execute"] * 6
+    assert [r.shape_predicted for r in reports[5:]] == [True] * 6
+    for r in reports[3:]:
+        if r.mode == "execute":  # the budget holds on every step, by the independent meter too
+            assert r.peak_device_bytes <= r.budget_bytes and r.measured_peak_bytes <= r.budget_bytes
+    # 64 is beyond every profiled length: the plan of 48 it borrows needs the guard, so the
+    # policy plans 64 after that step, and the next step of 64 follows its own plan
+    assert not reports[6].plan_followed and reports[10].plan_followed and reports[10].guard_evictions == 0
+    run_ = reports[-1].run
+    assert run_.predicted_steps == 6 and run_.new_shapes == 1 and "executed steps on predicted shapes" in str(run_)
+
+
+def test_a_length_no_plan_can_fit_is_refused_at_its_first_saved_tensor():
+    xs = _batches([32, 34, 64])
+    a = Net()
+    heads = []
+    a.head.register_forward_hook(lambda *_: heads.append(1))
+    with SwapRuntime(budget="40%", policy="min", backend="cpu", model=a) as rt:
+        for n in (32, 32, 32, 34):
+            with rt.step():
+                a(xs[n]).backward()
+        before = len(heads)
+        with pytest.raises(BudgetError, match="this step's shape needs more"), rt.step():
+            a(xs[64]).backward()
+        assert len(heads) == before  # refused at the first saved tensor: the forward went no further
+        with rt.step():  # the runtime goes on with the shapes that fit
+            a(xs[32]).backward()
+        assert rt.report().mode == "execute"
