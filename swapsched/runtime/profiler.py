@@ -133,14 +133,14 @@ class _OpNames(TorchDispatchMode):
             self.waiting.append(assign)
 
 
-class _ModulePath:
+class ModulePath:
     """Tracks the module path of the forward code running now (global module hooks)."""
 
     def __init__(self, model: nn.Module):
         self.names = {id(m): n for n, m in model.named_modules()}
         self.stack: list[str] = []
 
-    def __enter__(self) -> _ModulePath:
+    def __enter__(self) -> ModulePath:
         reg = torch.nn.modules.module
         self._handles = [reg.register_module_forward_pre_hook(self._enter), reg.register_module_forward_hook(self._leave)]
         return self
@@ -171,7 +171,7 @@ class TraceRecorder:
     """
 
     def __init__(self, clock: str | None, ops: _OpNames | None = None, flops: FlopCounterMode | None = None,
-                 modules: _ModulePath | None = None):
+                 modules: ModulePath | None = None):
         self.clock, self.ops, self.flops, self.modules = clock, ops, flops, modules
         self.ids = StorageIds()
         self.tensors: list[TensorInfo] = []
@@ -412,7 +412,7 @@ def profile(
     snap = _snapshot(model) if dev.type != "meta" else None
     ops, flops = _OpNames(), FlopCounterMode(display=False)
     with ExitStack() as stack:
-        mp = stack.enter_context(_ModulePath(model))
+        mp = stack.enter_context(ModulePath(model))
         stack.enter_context(flops)
         stack.enter_context(ops)
         structure = TraceRecorder(None, ops=ops, flops=flops, modules=mp)

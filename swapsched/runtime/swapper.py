@@ -52,17 +52,17 @@ from swapsched.plan import SwapPlan
 from swapsched.policy import Policy
 from swapsched.runtime.backends import Backend, CopyError, CpuBackend, Ticket, make_backend, resolve_backend
 from swapsched.runtime.profiler import (
+    ModulePath,
     StorageIds,
     TraceRecorder,
-    _ModulePath,
     is_cached_cast,
     is_parameter,
     static_bytes_of,
     storage_key,
 )
 from swapsched.runtime.recompute import BlockCheckpoints
-from swapsched.runtime.shapes import first_bytes, predicted_trace, structure
 from swapsched.runtime.retime import fitted_host_costs, median_trace, timed_by_execution
+from swapsched.runtime.shapes import first_bytes, predicted_trace, structure
 from swapsched.trace import Trace
 
 __all__ = ["SwapRuntime", "StepReport", "RunSummary", "Divergence", "DivergenceError"]
@@ -205,23 +205,24 @@ class RunSummary:
     executed: int  # steps that executed a plan to the end
     diverged: int  # steps that left the trace (finished on demand, profiled again)
     median_step_s: float | None  # over the executed steps (the last 1,000)
-    plain_step_s: float | None  # the profiled compute of one step without swapping (the trace's)
+    # the profiled compute of one step without swapping (its trace's ideal), median over the same
+    # executed steps: each step against its own shape's, where shapes vary
+    plain_step_s: float | None
     moved_bytes: int  # every byte copied either way, profiling included
     peak_device_bytes: int | None  # the largest executed step's peak, against...
     budget_bytes: int | None
     guard_evictions: int
     # the budget as given; a relative one ("60%") was resolved once, against the first profiled step
     budget_spec: str | int | float | None = None
+    median_overhead: float | None = None  # see ``overhead``
     shapes: int = 0  # shapes with a plan (steps of any of them execute it)
     new_shapes: int = 0  # of the profiled steps, those that profiled a shape no plan was made for, as it ran
     predicted_steps: int = 0  # of the executed steps, those on a shape predicted from its family, never profiled
 
     @property
     def overhead(self) -> float | None:
-        """Median executed step over the plain step, minus one."""
-        if self.median_step_s is None or not self.plain_step_s:
-            return None
-        return self.median_step_s / self.plain_step_s - 1.0
+        """The median over executed steps of each one over its own shape's plain step, minus one."""
+        return self.median_overhead
 
     def __str__(self) -> str:
         parts = [f"run: {self.steps} steps ({self.profiled} profiled, {self.executed} executed, {self.diverged} diverged)"]
@@ -265,6 +266,7 @@ class _RunTally:
         self.new_shapes = self.predicted_steps = 0
         self.peak: int | None = None
         self.recent: deque[float] = deque(maxlen=window)
+        self.plain: deque[float] = deque(maxlen=window)  # each of those steps' own plain step (its trace's)
 
     def add(self, rep: StepReport, rt: SwapRuntime) -> RunSummary:
         self.steps += 1
@@ -277,12 +279,15 @@ class _RunTally:
         if rep.mode == "execute":
             self.executed += 1
             self.recent.append(rep.step_s)
+            self.plain.append(rep.plain_step_s or 0.0)
             if rep.peak_device_bytes is not None:
                 self.peak = max(self.peak or 0, rep.peak_device_bytes)
         return RunSummary(
             steps=self.steps, profiled=self.profiled, executed=self.executed, diverged=self.diverged,
             median_step_s=float(np.median(self.recent)) if self.recent else None,
-            plain_step_s=rt.trace.ideal_s if rt.trace is not None else None, moved_bytes=self.moved,
+            plain_step_s=float(np.median(self.plain)) if self.plain else None, moved_bytes=self.moved,
+            median_overhead=(float(np.median([s / p - 1.0 for s, p in zip(self.recent, self.plain, strict=True) if p > 0]))
+                             if any(p > 0 for p in self.plain) else None),
             peak_device_bytes=self.peak, budget_bytes=rt.budget_bytes, guard_evictions=self.guard,
             budget_spec=rt.budget_spec, shapes=len(rt.layouts), new_shapes=self.new_shapes,
             predicted_steps=self.predicted_steps)
@@ -325,6 +330,7 @@ class StepReport:
     recomputed_blocks: tuple[str, ...] = ()  # blocks run under torch.utils.checkpoint this step (R9)
     new_shape: bool = False  # mode "profile": a step whose shape no plan was made for, profiled as it ran
     shape_predicted: bool = False  # executed on a trace predicted from its family's sizes (runtime/shapes.py)
+    plain_step_s: float | None = None  # executed: the step's trace's compute without swapping (its ideal)
     run: RunSummary | None = None  # the whole run so far
 
     def __str__(self) -> str:
@@ -822,7 +828,7 @@ class _ProfileStep(_StepExecution):
         clock = self.backend.device_type  # the host clock, or events on the device's stream
         self.ids = StorageIds()  # live storage -> its record (R2)
         # with the model: each saved tensor's module, from which the trace finds its blocks (R9)
-        self.modules = _ModulePath(rt.model).__enter__() if rt.model is not None else None
+        self.modules = ModulePath(rt.model).__enter__() if rt.model is not None else None
         self.recorder = TraceRecorder(clock, modules=self.modules)
         # R9: id of each pack handle a block's checkpoint made (of its inputs) -> the block, and
         # (hook call, block) for each unpack of one: where backward recomputes the block
@@ -1499,5 +1505,5 @@ class _ExecuteStep(_StepExecution):
             gaps_s=gaps, tail_s=tail,
             measured_peak_bytes=self.measured_peak(), unowned_bytes=int(self.trace.meta.get("unowned_bytes", 0)),
             recomputed_blocks=self.rt.blocks.names if self.rt.blocks is not None else (),
-            shape_predicted=self.layout.predicted,
+            shape_predicted=self.layout.predicted, plain_step_s=self.trace.ideal_s,
         )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -695,17 +695,30 @@ def test_a_diverged_step_still_holds_the_budget():
 
 def test_a_run_that_mostly_diverges_says_so():
     case = build_model("mlp", "tiny", seed=9)
+    x = case.inputs[0]
     with SwapRuntime(budget="90%", policy="min", backend="cpu", min_bytes=0, model=case.model) as rt:
         for _ in range(3):
             with rt.step():
-                case.loss().backward()
-        n = case.inputs[0].shape[0]
-        for i in range(8):  # a batch size never seen before every step: each is profiled as it runs
+                case.model(x).sum().backward()
+        net = case.model.net
+        for i in range(8):  # every other step skips the last layers: it leaves the trace, at its end
             with rt.step():
-                case.model(torch.randn(n + 1 + i, *case.inputs[0].shape[1:])).sum().backward()
+                (net[:-2](x) if i % 2 == 0 else net(x)).sum().backward()
         run = rt.report().run
-    assert run.new_shapes == 8 and run.executed == 0 and run.shapes == 8  # the last one is planned after its report
-    assert "most steps ran without a plan: of 8 after the first plan, 8 profiled a shape seen for the first time" in str(run)
+    assert run.diverged == 4 and run.executed == 0 and run.new_shapes == 0
+    assert "most steps ran without a plan: of 4 after the first plan, 4 left the profiled trace" in str(run)
+
+
+def test_a_run_of_new_shapes_says_so():
+    from swapsched.runtime.swapper import RunSummary
+
+    # 3 warm-up profiles, then 5 profiles of new shapes and 2 executed steps
+    run = RunSummary(steps=10, profiled=8, executed=2, diverged=0, median_step_s=0.1, plain_step_s=0.05, moved_bytes=0,
+                     peak_device_bytes=100, budget_bytes=100, guard_evictions=0, budget_spec="60%", median_overhead=1.0,
+                     shapes=6, new_shapes=5)
+    assert ("most steps ran without a plan: of 7 after the first plan, 5 profiled a shape seen for the first time"
+            in str(run)) and "+100.0% over the plain step" in str(run) and "plans for 6 shapes" in str(run)
+    assert "without a plan" not in str(replace(run, executed=6, steps=14))
 
 
 def test_a_shape_that_cannot_fit_the_resolved_budget_is_refused_with_what_it_needs():
