@@ -272,7 +272,7 @@ class _RunTally:
         self.steps += 1
         self.profiled += rep.mode == "profile"
         self.new_shapes += rep.new_shape
-        self.predicted_steps += rep.shape_predicted
+        self.predicted_steps += rep.shape_predicted and rep.mode == "execute"
         self.diverged += rep.mode == "diverged"
         self.moved += rep.evicted_bytes + rep.prefetched_bytes + rep.on_demand_bytes
         self.guard += rep.guard_evictions
@@ -692,20 +692,26 @@ class SwapRuntime:
 
     def _predicted_layout(self, like: PlanLayout, s: int) -> PlanLayout | None:
         """A layout for the step of ``like``'s family whose first saved tensor has ``s`` bytes,
-        without profiling it: its trace predicted from the family's profiled sizes, the plan of the
-        nearest profiled size at least as large (the same events: its evictions apply as they are;
-        a larger one evicts no less). None where the family cannot predict it. A size that no plan
-        can fit in the run's bytes is refused here, at the step's first saved tensor, before its
-        memory is spent."""
+        without profiling it: its trace predicted from the family's profiled sizes, and the plan of
+        a size near it (the same events: its evictions apply as they are), the one the simulator
+        times fastest on the predicted trace among the nearest few. None where the family cannot
+        predict it. A size that no plan can fit in the run's bytes is refused here, at the step's
+        first saved tensor, before its memory is spent."""
         shape = structure(like.trace)
-        family = [lay for lay in self.layouts.values()
-                  if not lay.predicted and lay.first_sight == like.first_sight and structure(lay.trace) == shape]
-        trace = predicted_trace([lay.trace for lay in family], s)
+        kin = [lay for lay in self.layouts.values() if lay.first_sight == like.first_sight and structure(lay.trace) == shape]
+        trace = predicted_trace([lay.trace for lay in kin if not lay.predicted], s)
         if trace is None:
             return None
         self._budget_for(self.budget_spec, trace, resolved=self.budget_bytes)
-        larger = [lay for lay in family if lay.shape_key >= s]
-        donor = min(larger, key=lambda lay: lay.shape_key) if larger else max(family, key=lambda lay: lay.shape_key)
+        # the nearest few sizes and the nearest larger one (a larger size evicts no less)
+        near = sorted(kin, key=lambda lay: abs(lay.shape_key - s))[:4]
+        larger = [lay for lay in kin if lay.shape_key >= s]
+        if larger:
+            near.append(min(larger, key=lambda lay: lay.shape_key))
+        assert self.budget_bytes is not None
+        timed = [(simulate(trace, lay.plan.evictions, self.hardware, self.budget_bytes, validate=False).iteration_s,
+                  lay.shape_key, lay) for lay in near]
+        donor = min(timed, key=lambda x: x[:2])[2]
         plan = SwapPlan(trace.name, donor.plan.policy, donor.plan.evictions, {**donor.plan.meta, "borrowed_from": donor.trace.name})
         layout = self._layout(trace, plan, like.first_sight, predicted=True)
         self.layouts[s] = layout

@@ -37,3 +37,47 @@ def test_one_line_trains_bit_identically_and_swaps(tmp_path, accumulate):
     assert not runtime.backend.d2h.is_alive()  # closed when training ended
     for p, q in zip(plain.model.parameters(), swapped.model.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def _padded_trainer(tmp_path, name, steps):
+    """GPT-2 on sequences of 6-32 tokens, each batch padded to its longest (labels -100 there), as
+    ``DataCollatorWithPadding`` pads a tokenizer's batches."""
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    gen = torch.Generator().manual_seed(2)
+    lengths = torch.randint(6, 33, (4 * steps,), generator=gen).tolist()
+    data = [{"input_ids": torch.randint(0, 128, (n,), generator=gen)} for n in lengths]
+
+    def pad(batch):
+        n = max(len(b["input_ids"]) for b in batch)
+        ids = torch.zeros(len(batch), n, dtype=torch.long)
+        mask = torch.zeros(len(batch), n, dtype=torch.long)
+        for i, b in enumerate(batch):
+            ids[i, : len(b["input_ids"])] = b["input_ids"]
+            mask[i, : len(b["input_ids"])] = 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / name), per_device_train_batch_size=4, max_steps=steps,
+                                          learning_rate=1e-3, report_to=[], save_strategy="no", logging_strategy="no",
+                                          use_cpu=True, seed=0, disable_tqdm=True, remove_unused_columns=False)
+    return transformers.Trainer(model=model, args=args, train_dataset=data, data_collator=pad)
+
+
+def test_batches_padded_to_their_own_length_run_plans_bit_identically_within_budget(tmp_path):
+    steps = 16
+    plain, swapped = _padded_trainer(tmp_path, "plain", steps), _padded_trainer(tmp_path, "swapped", steps)
+    runtime = swap_trainer(swapped, budget="70%", policy="min", backend="cpu", min_bytes=0, audit=True)
+    reports = []
+    swapped.add_callback(type("Reports", (transformers.TrainerCallback,), {
+        "on_step_end": lambda self, *a, **k: reports.append(runtime.report())})())
+    plain.train()
+    swapped.train()
+    for p, q in zip(plain.model.parameters(), swapped.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    later = reports[3:]
+    assert len({r.step for r in later}) == len(later) == steps - 3
+    executed = [r for r in later if r.mode == "execute"]
+    assert len(executed) * 2 > len(later), [r.mode for r in reports]  # most steps after warm-up run a plan
+    assert all(r.measured_peak_bytes <= r.budget_bytes for r in executed)  # the budget holds, by the meter
