@@ -35,7 +35,7 @@ __all__ = ["SimResult", "Simulation", "simulate", "analytic_floor", "joint_floor
 
 #: Where a tensor is; the runtime's records use the same values (one set of states for both executors).
 NOT_YET, RESIDENT, OUT, HOST, IN, WAITING, FREED = range(7)
-DROPPED = 7  # R9: the simulator's alone (the runtime does not execute recompute)
+DROPPED = 7  # R9: the simulator's alone (in the runtime a checkpoint holds recomputed blocks, see runtime/recompute.py)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,9 @@ def test_prefetch_arrives_in_time(two_tensors, hw):
     assert r.iteration_s == 5.0 and r.stall_s == 0.0
     assert r.timeline.d2h == ((1.0, 2.0, 0),) and r.timeline.h2d == ((4.0, 5.0, 0),)
     assert r.d2h_bytes == r.h2d_bytes == 100
+    # memory: T0 made (100), T1 made (200), T0's swap-out done (100), T1 freed at e2 (0), T0's
+    # swap-in buffer allocated there (100), T0 freed at e3 (0)
+    assert r.timeline.memory == ((0.0, 0), (0.0, 100), (1.0, 200), (2.0, 100), (4.0, 0), (4.0, 100), (5.0, 0))
 
 
 def test_on_demand_stalls_one_transfer(two_tensors, hw):
@@ -134,9 +137,11 @@ def _with(hw, **fields):
 def test_host_cost_of_copies_is_paid_by_compute(two_tensors, hw):
     # 0.2 s per copy. Out at e0 (t=1): owed 0.2, paid before e1's gap -> e1 at 2.2, e2 at 4.2; the
     # prefetch issued there (h2d 4.2 -> 5.2) owes 0.2 more -> e3 at 5.4, no stall.
-    r = simulate(two_tensors, [Eviction(0, 0, 2)], _with(hw, copy_issue_s=0.2), 200)
+    r = simulate(two_tensors, [Eviction(0, 0, 2)], _with(hw, copy_issue_s=0.2), 200, record=True)
     assert r.iteration_s == pytest.approx(5.4) and r.host_s == pytest.approx(0.4) and r.stall_s == 0.0
     assert r.ideal_s == 5.0
+    # each debt is paid before the next gap, not at the end: the gaps start at 0, 1.2, 2.2, 4.4
+    assert [c for c, _ in r.timeline.compute[:4]] == pytest.approx([0.0, 1.2, 2.2, 4.4])
 
 
 def test_wait_resume_follows_each_stall(two_tensors, hw):
@@ -265,6 +270,9 @@ def test_a_recomputed_block_is_rebuilt_at_its_first_unpack(one_block, hw):
     assert not r.oom and r.iteration_s == 8.0 and r.recompute_s == 2.0 and r.stall_s == 0.0
     assert r.peak_bytes == 200 and r.d2h_bytes == r.h2d_bytes == 0
     assert r.timeline.recompute == ((5.0, 7.0, 0),)
+    # T1 leaves with its release and T2 arrives at t=2 (200 either way); T2 freed at e3 (100); the
+    # rebuilt T1 at 5 (200), freed at e4 (100), T0 at e5 (0)
+    assert r.timeline.memory == ((0.0, 0), (0.0, 100), (1.0, 200), (2.0, 200), (4.0, 100), (5.0, 200), (7.0, 100), (8.0, 0))
 
 
 def test_a_recompute_waits_for_its_swapped_anchor(one_block, hw):
@@ -328,7 +336,20 @@ def test_incremental_equals_whole(two_tensors, hw):
     sim.run_until(0)
     sim.schedule(0, 0, 2)
     sim.run_until(2)
-    assert sim.finish() == whole
+    assert not sim.done
+    sim.run_until(99)  # past the last event: it stops there
+    assert sim.done and sim.finish() == whole
+    oom = Simulation(two_tensors, hw, 150)
+    oom.run_until(2)
+    assert oom.done and oom.oom_event == 1  # an OOM ends the step early
+
+
+def test_a_step_without_compute_has_no_overhead_and_a_trace_without_events_its_tail(hw):
+    free = make_trace([100], [("pack", 0, 0.0), ("unpack", 0, 0.0)])
+    r = simulate(free, [], hw, 100)
+    assert r.ideal_s == 0.0 and r.overhead == 0.0
+    empty = make_trace([], [], tail=0.5)
+    assert analytic_floor(empty, 0, hw) == 0.5 == joint_floor(empty, 0, hw)
 
 
 def test_floor_hand_computed(two_tensors, hw):
@@ -464,3 +485,52 @@ def test_swap_all_on_the_largest_corpus_trace_completes():
     evs = [Eviction(k, int(tr.last_forward_pack[k]), int(tr.first_unpack[k])) for k in range(tr.n_tensors)]
     r = simulate(tr, evs, hw, tr.peak_bytes_no_swap)
     assert not r.oom and np.isfinite(r.iteration_s)
+
+
+def _joint_floor_on_a_grid(tr, budget, hw, points=2001):
+    """joint_floor's bound by brute force, written apart from it: per gap, the swapped bytes ``x``
+    tried on a grid of ``points`` values in [0, must], the rest freed by the fractional knapsack
+    of the blocks absent there (cheapest seconds per byte first). Returns (floor, the most it can
+    lie above the true minimum: the function's steepest slope times the grid step)."""
+    gaps = [g + hw.hook_cost_s for g in tr.gaps.tolist()]
+    total = sum(gaps) + tr.tail_compute_s
+    demand = (tr.static_bytes + tr.other_bytes + tr.resident_bytes_no_swap).tolist()
+    rel, size = tr.release.tolist(), tr.tensor_bytes.tolist()
+    floor, slack, before = total, 0.0, 0.0
+    for j, g in enumerate(gaps):
+        m = max(demand[j] - budget, 0)
+        after = total - before
+        if m > 0:
+            items = []
+            for sg in tr.segments:
+                gone = sum(size[k] for k in sg.members if rel[k] < j <= sg.at)
+                if gone:
+                    items.append((sg.forward_s / gone, gone))
+            items.sort()
+
+            def recompute(y):
+                cost = 0.0
+                for rate, have in items:
+                    take = min(have, y)
+                    cost, y = cost + rate * take, y - take
+                return cost if y <= 1e-9 * m else math.inf
+
+            xs = [m * i / (points - 1) for i in range(points)]
+            best = min(max(before, x / hw.d2h_bytes_per_s) + max(after + recompute(m - x), x / hw.h2d_bytes_per_s)
+                       for x in xs)
+            floor = max(floor, best)
+            steepest = 1 / hw.d2h_bytes_per_s + 1 / hw.h2d_bytes_per_s + max((r for r, _ in items), default=0.0)
+            slack = max(slack, steepest * m / (points - 1))
+        before += g
+    return floor, slack
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(joint_cases())
+def test_the_joint_floor_is_the_minimum_over_every_mix_of_swap_and_recompute(case):
+    """R9's floor: at every gap the least step time over every split of the bytes that must be
+    away into swapped and recomputed ones (its breakpoints against a dense grid of splits)."""
+    tr, _, hw, budget = case
+    grid, slack = _joint_floor_on_a_grid(tr, budget, hw)
+    got = joint_floor(tr, budget, hw)
+    assert grid - slack - 1e-9 <= got <= grid + 1e-9 * max(grid, 1.0)
