@@ -128,3 +128,15 @@ def test_lead_eviction_places_the_prefetch_lead_transfers_ahead(two_tensors):
     hw = make_hw(h2d=50)
     assert [lead_eviction(two_tensors, 0, i, hw).prefetch_at for i in range(6)] == [3, 1, 0, 0, 0, 0]
     assert prefetch_event(two_tensors, 0, 100.0) == 0  # clamped to the swap-out
+
+
+def test_an_unknown_block_is_named_beside_the_first_six_of_the_trace():
+    from tests.conftest import make_trace
+
+    n = 8  # blocks blk.0 .. blk.7, two tensors each
+    sizes = [10] * (2 * n)
+    events = [("pack", k, 1.0) for k in range(2 * n)] + [("unpack", k, 1.0) for k in reversed(range(2 * n))]
+    tr = make_trace(sizes, events, modules=[f"blk.{k // 2}.op{k % 2}" for k in range(2 * n)])
+    assert len(tr.segments) == n
+    with pytest.raises(PlanError, match=r"\(its blocks: blk\.0, blk\.1, blk\.2, blk\.3, blk\.4, blk\.5, \.\.\.\)"):
+        SwapPlan("hand", "hand", (), recompute=("nope",)).validate(tr)
