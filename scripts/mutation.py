@@ -43,6 +43,9 @@ TARGETS = {
         "test_a_swap_in_must_fit_between_its_gap_and_its_first_unpack",
         "test_two_swap_ins_share_the_host_to_device_engine_after_one_gap",
         "test_two_swap_outs_share_the_device_to_host_engine_before_one_gap",
+        "test_hooks_tail_static_and_workspace_enter_the_bound",
+        "test_nothing_over_budget_no_events_or_a_floor_above_the_relaxation_return_the_floor",
+        "test_two_blocks_each_with_its_own_recompute_variable",
         # the pinned cases alone: each asserts the bound's exact value, so a mutant that lowers or
         # raises it there fails. The soundness properties (bound <= every plan, over random cases)
         # run in the suite but would make a run take hours here: the score is a lower bound

@@ -158,3 +158,49 @@ def test_recompute_tightens_nothing_it_cannot_prove(one_block):
     joint = lower_bound(one_block, 200, hw)
     assert joint.bound_s == pytest.approx(8.0, rel=1e-6) and joint.status == "milp" and joint.floor_s == pytest.approx(7.6)
     assert lower_bound(one_block, 200, hw, integer=False).bound_s == pytest.approx(8.0, rel=1e-6)
+
+
+def test_hooks_tail_static_and_workspace_enter_the_bound():
+    # test_latency_makes_the_bound_tighter_than_the_floor's case with 0.25 s per hook and a 0.5 s
+    # tail: the gaps are 1.25 1.25 2.25 1.25 (6 s), 6.5 with the tail; S_1 >= 1.5 as
+    # there: 8.0. With 30 B static and 10 B of workspace in gap 1 instead, budget 225: 240 B there,
+    # so T0 must be away (S_1 >= 1.5): 5 + 1.5 = 6.5, where the workspace counted negatively would
+    # leave nothing over budget.
+    two = [("pack", 0, 1.0), ("pack", 1, 1.0), ("unpack", 1, 2.0), ("unpack", 0, 1.0)]
+    hw = make_hw(latency=0.5)
+    hooked = type(hw)(**{**hw.to_dict(), "hook_cost_s": 0.25})
+    b = lower_bound(make_trace([100, 100], two, tail=0.5), 100, hooked)
+    assert b.bound_s == pytest.approx(8.0, rel=1e-6) and b.status == "milp" and 0 <= b.solve_s < 60
+    b = lower_bound(make_trace([100, 100], two, static=30, other=[0, 10, 0, 0]), 225, hw)
+    assert b.bound_s == pytest.approx(6.5, rel=1e-6) and b.gaps == 1
+
+
+def test_nothing_over_budget_no_events_or_a_floor_above_the_relaxation_return_the_floor():
+    two = [("pack", 0, 1.0), ("pack", 1, 1.0), ("unpack", 1, 2.0), ("unpack", 0, 1.0)]
+    hw = make_hw()
+    fits = lower_bound(make_trace([100, 100], two), 200, hw)
+    assert (fits.bound_s, fits.floor_s, fits.status, fits.gaps, fits.variables) == (5.0, 5.0, "floor", 0, 0)
+    assert 0 <= fits.solve_s < 60
+    empty = lower_bound(make_trace([], [], tail=0.5), 0, hw)
+    assert (empty.bound_s, empty.status) == (0.5, "floor")
+    # 150 B of workspace in gap 2 (an unpack's gap, which the relaxation does not check), budget 150,
+    # 25 B/s: the floor there is max(2, 200/25) + max(3, 8) = 16; the relaxation, from gap 1 alone
+    # (T0 away: 4 s out), says 5 + 4 = 9. The bound is the floor's 16.
+    slow = make_hw(d2h=25, h2d=25)
+    tr = make_trace([100, 100], two, other=[0, 0, 150, 0])
+    b = lower_bound(tr, 150, slow)
+    assert analytic_floor(tr, 150, slow) == 16.0 and b.bound_s == 16.0 and b.status == "floor" and b.variables > 0
+
+
+def test_two_blocks_each_with_its_own_recompute_variable():
+    # Blocks a.0 (anchor T0, members T1 T2: 200 B, 3 s forward, recomputed at e9) and a.1 (anchor
+    # T3, member T4: 100 B, 2 s, at e7); T5 outside; 100 B each, 1 s gaps (ideal 12 s), 10 B/s, so
+    # a swap costs 10 s each way. Budget 400: 200 B must be away in gap 5 and 100 in gap 4; a.0's
+    # members are absent there from their releases: recompute a.0, 3 s: 15. Budget 300: gap 5
+    # needs 300 B, a.0 frees 200 and a.1 (T4, absent from gap 5) 100: both, 3 + 2 s: 17.
+    tr = make_trace([100] * 6, [*(("pack", k, 1.0) for k in range(6)), *(("unpack", k, 1.0) for k in reversed(range(6)))],
+                    modules=["a.0.x", "a.0.y", "a.0.z", "a.1.x", "a.1.y", "head"])
+    assert [(sg.name, sg.members, sg.at, sg.forward_s) for sg in tr.segments] == [("a.0", (1, 2), 9, 3.0), ("a.1", (4,), 7, 2.0)]
+    slow = make_hw(d2h=10, h2d=10)
+    assert lower_bound(tr, 400, slow).bound_s == pytest.approx(15.0, rel=1e-6)
+    assert lower_bound(tr, 300, slow).bound_s == pytest.approx(17.0, rel=1e-6)
