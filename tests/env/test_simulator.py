@@ -508,7 +508,7 @@ def _joint_floor_on_a_grid(tr, budget, hw, points=2001):
                     items.append((sg.forward_s / gone, gone))
             items.sort()
 
-            def recompute(y):
+            def recompute(y, items=items, m=m):
                 cost = 0.0
                 for rate, have in items:
                     take = min(have, y)
