@@ -102,18 +102,18 @@ class TimedPolicy:
             self.calls += 1
 
 
-def _train(cls, batch, lengths, wrap=None):
-    """Train a copy under ``wrap()`` beside a plain copy: per step (seconds, None); raises if a
-    loss differs."""
+def _train(cls, batch, lengths, wrap=None, runtime=None, model=None):
+    """Train a copy (``model``, else a fresh one) inside ``wrap()`` or ``runtime.step()`` beside a
+    plain copy: per step (seconds, the runtime's report or None); raises if a loss differs."""
     torch.manual_seed(0)
-    a = cls()
+    a = model if model is not None else cls()
     torch.manual_seed(0)
     b = cls()
     opts = [torch.optim.SGD(m.parameters(), lr=1e-3) for m in (a, b)]
     out = []
     for n in lengths:
         x = batch(n)
-        ctx = wrap() if wrap else torch.enable_grad()
+        ctx = runtime.step() if runtime is not None else (wrap() if wrap else torch.enable_grad())
         t0 = time.perf_counter()
         with ctx:
             la = a(x)
@@ -126,8 +126,8 @@ def _train(cls, batch, lengths, wrap=None):
         for o in opts:
             o.step()
             o.zero_grad(set_to_none=True)
-        out.append((dt, None))
-    return out, a
+        out.append((dt, runtime.report() if runtime is not None else None))
+    return out
 
 
 def run_case(name: str, budget: str, steps: int, bandwidth: float, policy: str, seed: int) -> dict:
@@ -135,28 +135,21 @@ def run_case(name: str, budget: str, steps: int, bandwidth: float, policy: str, 
     rng = random.Random(seed)
     lengths = [draw(rng) for _ in range(steps)]
     static_len = int(round(statistics.mean(lengths)))
-    plain, _ = _train(cls, batch, lengths)
+    plain = _train(cls, batch, lengths)
     plain_at = {}
     for n, (dt, _) in zip(lengths, plain, strict=True):
         plain_at.setdefault(n, []).append(dt)
-    plain_static, _ = _train(cls, batch, [static_len] * steps)
-    timed = TimedPolicy(policy)
-    torch.manual_seed(0)
-    model = cls()
-    rt = SwapRuntime(budget=budget, policy=timed, backend="cpu", bandwidth=bandwidth, model=model, audit=True)
-    try:
-        dyn = _train_with(model, cls, batch, lengths, rt)
-    finally:
-        rt.close()
-    static_timed = TimedPolicy(policy)
-    torch.manual_seed(0)
-    model = cls()
-    rt = SwapRuntime(budget=budget, policy=static_timed, backend="cpu", bandwidth=bandwidth, model=model, audit=True)
-    try:
-        stat = _train_with(model, cls, batch, [static_len] * steps, rt)
-    finally:
-        rt.close()
-    soc, _ = _train(cls, batch, lengths, wrap=lambda: torch.autograd.graph.save_on_cpu(pin_memory=False))
+    plain_static = _train(cls, batch, [static_len] * steps)
+    def under_runtime(seq: list[int]) -> tuple[list, TimedPolicy]:
+        timed = TimedPolicy(policy)
+        torch.manual_seed(0)
+        model = cls()
+        with SwapRuntime(budget=budget, policy=timed, backend="cpu", bandwidth=bandwidth, model=model, audit=True) as rt:
+            return _train(cls, batch, seq, runtime=rt, model=model), timed
+
+    dyn, timed = under_runtime(lengths)
+    stat, _ = under_runtime([static_len] * steps)
+    soc = _train(cls, batch, lengths, wrap=lambda: torch.autograd.graph.save_on_cpu(pin_memory=False))
     late = list(zip(lengths, dyn, strict=True))[5:]
     executed = [(n, dt, r) for n, (dt, r) in late if r.mode == "execute"]
     ratio = [dt / statistics.median(plain_at[n]) for n, (dt, _) in late]
@@ -174,30 +167,6 @@ def run_case(name: str, budget: str, steps: int, bandwidth: float, policy: str, 
         "worst_over_budget": over, "planning_s": timed.seconds, "plans": timed.calls,
         "summary": str(dyn[-1][1].run),
     }
-
-
-def _train_with(model, cls, batch, lengths, rt):
-    """``_train`` with the runtime's own model as the copy under it."""
-    torch.manual_seed(0)
-    ref = cls()
-    opts = [torch.optim.SGD(m.parameters(), lr=1e-3) for m in (model, ref)]
-    out = []
-    for n in lengths:
-        x = batch(n)
-        t0 = time.perf_counter()
-        with rt.step():
-            la = model(x)
-            la.backward()
-        dt = time.perf_counter() - t0
-        lb = ref(x)
-        lb.backward()
-        if not torch.equal(la, lb):
-            raise SystemExit(f"losses differ at length {n}")
-        for o in opts:
-            o.step()
-            o.zero_grad(set_to_none=True)
-        out.append((dt, rt.report()))
-    return out
 
 
 def main() -> int:
