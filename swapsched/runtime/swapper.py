@@ -37,11 +37,10 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
-import numpy as np
 import torch
 
 from swapsched.budget import BudgetError, check_budget, format_bytes, parse_budget, smallest_feasible
@@ -61,8 +60,9 @@ from swapsched.runtime.profiler import (
     storage_key,
 )
 from swapsched.runtime.recompute import BlockCheckpoints
+from swapsched.runtime.reports import Divergence, DivergenceError, PlanLayout, RunSummary, RunTally, StepReport
 from swapsched.runtime.retime import fitted_host_costs, median_trace, timed_by_execution
-from swapsched.runtime.shapes import first_bytes, predicted_trace, structure
+from swapsched.runtime.shapes import predicted_trace, structure
 from swapsched.trace import Trace
 
 __all__ = ["SwapRuntime", "StepReport", "RunSummary", "Divergence", "DivergenceError"]
@@ -151,214 +151,6 @@ class _Packed:
                 "one of the variables needed for gradient computation has been modified by an inplace "
                 f"operation: a saved tensor is at version {now}; expected version {self.version} instead. "
                 "(swapsched keeps autograd's check; clone the tensor before changing it in place.)")
-
-
-@dataclass(frozen=True)
-class Divergence:
-    """Where an executed step left its trace: the first event that did not match what the
-    profiling steps recorded (a new batch shape, a data-dependent branch, a second backward)."""
-
-    event: int  # index of the trace event where the step was expected to be
-    expected: str  # what the trace has there, e.g. "pack of tensor 12 (4.00 MiB)", "the end of the step"
-    seen: str  # what the step did instead
-
-    def __str__(self) -> str:
-        return f"at event {self.event} the trace expected {self.expected}, the step did {self.seen}"
-
-
-@dataclass(frozen=True)
-class PlanLayout:
-    """One adopted plan as the executing hooks read it: the trace it follows, the plan per event
-    (as the simulator lays it out, R5), the expected event codes (a pack's tensor id, an unpack's
-    complement ``~id``), whether anything happens after each event (a free, a swap-out, a
-    prefetch), and the profiling's order of first sight -> trace id."""
-
-    trace: Trace
-    plan: SwapPlan
-    predicted_s: float | None
-    out_at: list[list[int]]
-    prefetch_at: list[list[int]]
-    expected_codes: list[int]
-    work_at: list[bool]
-    first_sight: dict[int, int]
-    # the trace was predicted from its family's profiled sizes (runtime/shapes.py), not profiled,
-    # and the plan borrowed from the nearest profiled size at least as large
-    predicted: bool = False
-
-    @property
-    def shape_key(self) -> int:
-        """The bytes of the step's first saved tensor: what a step shows of its shape first."""
-        return first_bytes(self.trace)
-
-
-class DivergenceError(RuntimeError):
-    """``SwapRuntime(strict=True)``: an executed step left its trace (as ``torch.utils.checkpoint``
-    raises ``CheckpointError`` when a recomputation differs)."""
-
-
-@dataclass(frozen=True)
-class RunSummary:
-    """The run so far, beside the last step's report (``report().run``)."""
-
-    steps: int
-    profiled: int  # steps run under save_on_cpu semantics to record the trace
-    executed: int  # steps that executed a plan to the end
-    diverged: int  # steps that left the trace (finished on demand, profiled again)
-    median_step_s: float | None  # over the executed steps (the last 1,000)
-    # the profiled compute of one step without swapping (its trace's ideal), median over the same
-    # executed steps: each step against its own shape's, where shapes vary
-    plain_step_s: float | None
-    moved_bytes: int  # every byte copied either way, profiling included
-    peak_device_bytes: int | None  # the largest executed step's peak, against...
-    budget_bytes: int | None
-    guard_evictions: int
-    # the budget as given; a relative one ("60%") was resolved once, against the first profiled step
-    budget_spec: str | int | float | None = None
-    median_overhead: float | None = None  # see ``overhead``
-    shapes: int = 0  # shapes with a plan (steps of any of them execute it)
-    new_shapes: int = 0  # of the profiled steps, those that profiled a shape no plan was made for, as it ran
-    predicted_steps: int = 0  # of the executed steps, those on a shape predicted from its family, never profiled
-
-    @property
-    def overhead(self) -> float | None:
-        """The median over executed steps of each one over its own shape's plain step, minus one."""
-        return self.median_overhead
-
-    def __str__(self) -> str:
-        parts = [f"run: {self.steps} steps ({self.profiled} profiled, {self.executed} executed, {self.diverged} diverged)"]
-        if self.median_step_s is not None:
-            over = f", {100 * self.overhead:+.1f}% over the plain step" if self.overhead is not None else ""
-            parts.append(f"median {1e3 * self.median_step_s:.2f} ms{over}")
-        parts.append(f"moved {format_bytes(self.moved_bytes)}")
-        if self.peak_device_bytes is not None and self.budget_bytes is not None:
-            basis = (f" ({self.budget_spec} of the first profiled step's activation peak)"
-                     if isinstance(self.budget_spec, str) and self.budget_spec.strip().endswith("%") else "")
-            parts.append(f"peak {format_bytes(self.peak_device_bytes)} of {format_bytes(self.budget_bytes)}{basis}")
-        if self.guard_evictions:
-            parts.append(f"{self.guard_evictions} guard evictions")
-        if self.shapes > 1:
-            parts.append(f"plans for {self.shapes} shapes")
-        if self.predicted_steps:
-            parts.append(f"{self.predicted_steps} executed steps on predicted shapes")
-        line = ", ".join(parts)
-        # never save_on_cpu behaviour in silence: after the first plan, a step either executes a
-        # plan, profiles a shape seen for the first time, or leaves its trace
-        after = self.executed + self.new_shapes + self.diverged
-        if after >= 4 and (self.new_shapes + self.diverged) * 2 > after:
-            why = []
-            if self.new_shapes:
-                why.append(f"{self.new_shapes} profiled a shape seen for the first time (saved tensors of other sizes: "
-                           "a batch padded to its own length)")
-            if self.diverged:
-                why.append(f"{self.diverged} left the profiled trace (other control flow or sizes after the first "
-                           "saved tensor; each finished on demand and the next step profiled again)")
-            line += (f"\nmost steps ran without a plan: of {after} after the first plan, " + "; ".join(why)
-                     + ". Pad to a few fixed lengths (buckets) so that shapes repeat: each then runs its own plan")
-        return line
-
-
-class _RunTally:
-    """Running totals for :class:`RunSummary`: constant memory however long the run (the median is
-    over the last ``window`` executed steps)."""
-
-    def __init__(self, window: int = 1000):
-        self.steps = self.profiled = self.executed = self.diverged = self.moved = self.guard = 0
-        self.new_shapes = self.predicted_steps = 0
-        self.peak: int | None = None
-        self.recent: deque[float] = deque(maxlen=window)
-        self.plain: deque[float] = deque(maxlen=window)  # each of those steps' own plain step (its trace's)
-
-    def add(self, rep: StepReport, rt: SwapRuntime) -> RunSummary:
-        self.steps += 1
-        self.profiled += rep.mode == "profile"
-        self.new_shapes += rep.new_shape
-        self.predicted_steps += rep.shape_predicted and rep.mode == "execute"
-        self.diverged += rep.mode == "diverged"
-        self.moved += rep.evicted_bytes + rep.prefetched_bytes + rep.on_demand_bytes
-        self.guard += rep.guard_evictions
-        if rep.mode == "execute":
-            self.executed += 1
-            self.recent.append(rep.step_s)
-            self.plain.append(rep.plain_step_s or 0.0)
-            if rep.peak_device_bytes is not None:
-                self.peak = max(self.peak or 0, rep.peak_device_bytes)
-        return RunSummary(
-            steps=self.steps, profiled=self.profiled, executed=self.executed, diverged=self.diverged,
-            median_step_s=float(np.median(self.recent)) if self.recent else None,
-            plain_step_s=float(np.median(self.plain)) if self.plain else None, moved_bytes=self.moved,
-            median_overhead=(float(np.median([s / p - 1.0 for s, p in zip(self.recent, self.plain, strict=True) if p > 0]))
-                             if any(p > 0 for p in self.plain) else None),
-            peak_device_bytes=self.peak, budget_bytes=rt.budget_bytes, guard_evictions=self.guard,
-            budget_spec=rt.budget_spec, shapes=len(rt.layouts), new_shapes=self.new_shapes,
-            predicted_steps=self.predicted_steps)
-
-
-@dataclass(frozen=True)
-class StepReport:
-    """What ``runtime.report()`` returns about the last step."""
-
-    step: int
-    mode: str  # "profile" | "execute" | "diverged"
-    step_s: float  # on CUDA from a synchronized start to the device's end of the step
-    stall_s: float  # compute waiting for copies: the host's waits, and on CUDA the device's (timing events)
-    predicted_step_s: float | None
-    evicted_bytes: int
-    prefetched_bytes: int
-    on_demand_bytes: int
-    peak_device_bytes: int | None  # None for the profiling step, which runs unbudgeted on demand
-    budget_bytes: int | None
-    plan_followed: bool
-    guard_evictions: int
-    kept_small: int  # planned evictions of tensors below min_bytes, dropped before the step
-    cuda_peak_bytes: int | None = None
-    hook_s: float | None = None  # the runtime's own time inside its hooks, waits left out
-    copies: int = 0  # swap-outs and swap-ins issued
-    waits: int = 0  # times compute waited for a copy that was not complete
-    # CPU backend, executed steps: the compute before each event's hook and after the last one, on
-    # the host clock (what ``timed_by_execution`` re-times a trace from)
-    gaps_s: tuple[float, ...] | None = field(default=None, repr=False)
-    tail_s: float | None = None
-    # SwapRuntime(audit=True): static bytes plus the most bytes of saved storages (every storage
-    # packed, whoever holds it, and every buffer made for a swap-in) alive at once, measured from
-    # the storages' own lifetimes (CPU backend) or torch's allocator peak (CUDA); None without audit
-    measured_peak_bytes: int | None = None
-    # saved storages the runtime found held by someone else (the caller's inputs, module buffers,
-    # autocast's cached casts): left resident and counted in the trace's static bytes
-    unowned_bytes: int = 0
-    divergence: Divergence | None = None  # mode "diverged": where and how
-    nothing_saved: bool = False  # the step saved no tensor for backward: there is nothing to swap
-    recomputed_blocks: tuple[str, ...] = ()  # blocks run under torch.utils.checkpoint this step (R9)
-    new_shape: bool = False  # mode "profile": a step whose shape no plan was made for, profiled as it ran
-    shape_predicted: bool = False  # executed on a trace predicted from its family's sizes (runtime/shapes.py)
-    plain_step_s: float | None = None  # executed: the step's trace's compute without swapping (its ideal)
-    run: RunSummary | None = None  # the whole run so far
-
-    def __str__(self) -> str:
-        pred = f"{1e3 * self.predicted_step_s:.2f} ms" if self.predicted_step_s is not None else "-"
-        lines = [
-            f"step {self.step} ({self.mode}): {1e3 * self.step_s:.2f} ms measured, {pred} predicted, "
-            f"stall {1e3 * self.stall_s:.2f} ms",
-            f"  evicted {format_bytes(self.evicted_bytes)}, prefetched {format_bytes(self.prefetched_bytes)}, "
-            f"on demand {format_bytes(self.on_demand_bytes)}",
-            (f"  peak device {format_bytes(self.peak_device_bytes)} of budget {format_bytes(self.budget_bytes)}"
-             if self.peak_device_bytes is not None else "  profiling step: every saved tensor on the host, back on demand"
-             + (" (a shape no plan was made for; it is planned now)" if self.new_shape else ""))
-            + (f" (torch peak {format_bytes(self.cuda_peak_bytes)})" if self.cuda_peak_bytes is not None else "")
-            + (f"; measured {format_bytes(self.measured_peak_bytes)}" if self.measured_peak_bytes is not None else ""),
-            f"  plan followed: {'yes' if self.plan_followed else 'no'}; guard evictions {self.guard_evictions}; "
-            f"small tensors kept {self.kept_small}"
-            + (f"; runtime's own hook time {1e3 * self.hook_s:.2f} ms" if self.hook_s is not None else ""),
-        ]
-        if self.recomputed_blocks:
-            lines.append(f"  recomputed {len(self.recomputed_blocks)} block(s) under torch.utils.checkpoint: "
-                         + ", ".join(self.recomputed_blocks[:4]) + (", ..." if len(self.recomputed_blocks) > 4 else ""))
-        if self.divergence is not None:
-            lines.append(f"  diverged {self.divergence}: finished on demand; the next step profiles again")
-        if self.nothing_saved:
-            lines.append("  nothing to swap: the step saved no tensor for backward (it ran as it would without swapsched)")
-        if self.run is not None:
-            lines.append(f"  {self.run}")
-        return "\n".join(lines)
 
 
 class SwapRuntime:
@@ -465,7 +257,7 @@ class SwapRuntime:
         self.predicted_s: float | None = None
         self.steps = 0
         self._report: StepReport | None = None
-        self._tally = _RunTally()
+        self._tally = RunTally()
         self._closed = False
         self._exec: _StepExecution | None = None
 
