@@ -46,6 +46,10 @@ TARGETS = {
         "test_hooks_tail_static_and_workspace_enter_the_bound",
         "test_nothing_over_budget_no_events_or_a_floor_above_the_relaxation_return_the_floor",
         "test_two_blocks_each_with_its_own_recompute_variable",
+        "test_one_byte_over_budget_puts_a_whole_tensor_away",
+        "test_a_tensor_the_program_still_holds_cannot_be_away",
+        "test_max_gaps_checks_the_most_over_gaps_first",
+        "test_spread_picks_evenly_and_keeps_short_lists",
         # the pinned cases alone: each asserts the bound's exact value, so a mutant that lowers or
         # raises it there fails. The soundness properties (bound <= every plan, over random cases)
         # run in the suite but would make a run take hours here: the score is a lower bound

@@ -3,12 +3,15 @@ the R8 floor, and tighter than the floor where copies have latency."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from swapsched.agents import get_policy
-from swapsched.agents.bound import lower_bound
+from swapsched.agents.bound import _spread, lower_bound
 from swapsched.agents.optimal import Optimal
 from swapsched.env.corpus import load_corpus
 from swapsched.env.simulator import analytic_floor, joint_floor, simulate
@@ -182,7 +185,7 @@ def test_nothing_over_budget_no_events_or_a_floor_above_the_relaxation_return_th
     assert (fits.bound_s, fits.floor_s, fits.status, fits.gaps, fits.variables) == (5.0, 5.0, "floor", 0, 0)
     assert 0 <= fits.solve_s < 60
     empty = lower_bound(make_trace([], [], tail=0.5), 0, hw)
-    assert (empty.bound_s, empty.status) == (0.5, "floor")
+    assert (empty.bound_s, empty.status, empty.gaps, empty.variables) == (0.5, "floor", 0, 0)
     # 150 B of workspace in gap 2 (an unpack's gap, which the relaxation does not check), budget 150,
     # 25 B/s: the floor there is max(2, 200/25) + max(3, 8) = 16; the relaxation, from gap 1 alone
     # (T0 away: 4 s out), says 5 + 4 = 9. The bound is the floor's 16.
@@ -204,3 +207,45 @@ def test_two_blocks_each_with_its_own_recompute_variable():
     slow = make_hw(d2h=10, h2d=10)
     assert lower_bound(tr, 400, slow).bound_s == pytest.approx(15.0, rel=1e-6)
     assert lower_bound(tr, 300, slow).bound_s == pytest.approx(17.0, rel=1e-6)
+
+
+def test_one_byte_over_budget_puts_a_whole_tensor_away():
+    # test_latency_makes_the_bound_tighter_than_the_floor's case at budget 199: gap 1 is 1 B over, and
+    # a tensor is away whole or not at all (e is binary), so T0's 1.5 s copy out still precedes gap
+    # 1: 6.5. The floor lets 1 B go in 0.01 s: 5.
+    tr = make_trace([100, 100], [("pack", 0, 1.0), ("pack", 1, 1.0), ("unpack", 1, 2.0), ("unpack", 0, 1.0)])
+    hw = make_hw(latency=0.5)
+    b = lower_bound(tr, 199, hw)
+    assert b.bound_s == pytest.approx(6.5, rel=1e-6) and b.floor_s == 5.0 and b.status == "milp"
+
+
+def test_a_tensor_the_program_still_holds_cannot_be_away():
+    # R2: T0 released_at 1 (the program holds it through gap 1, where T1 is made). Budget 150: gap 1
+    # is 50 B over and nothing may be away there (T1 is being made, T0 is held): no variable, the
+    # floor is the answer (no plan fits: the smallest feasible budget is 200).
+    tr = make_trace([100, 100], [("pack", 0, 1.0), ("pack", 1, 1.0), ("unpack", 1, 2.0), ("unpack", 0, 1.0)])
+    held = replace(tr, tensors=(replace(tr.tensors[0], released_at=1), tr.tensors[1]))
+    b = lower_bound(held, 150, make_hw(latency=0.5))
+    assert (b.bound_s, b.floor_s, b.status, b.gaps, b.variables) == (5.0, 5.0, "floor", 1, 0)
+    assert 0 <= b.solve_s < 60 and held.min_feasible_bytes == 200
+
+
+def test_max_gaps_checks_the_most_over_gaps_first():
+    # Four 100 B tensors, 1 s gaps (ideal 8), 100 B of workspace in gap 2; 100 B/s, 0.5 s latency;
+    # budget 250. Demand 100 200 400 400 at the forward gaps: gaps 2 and 3 are 150 B over. Gap 2
+    # alone: T0 and T1 both away (100 B each, whole), one d2h engine, 1.5 s each, in [end of gap 0,
+    # start of gap 2] = 1 s + S_2: S_2 >= 2, bound 10; gap 3 adds nothing here. max_gaps 1 or 2 checks
+    # gap 2 only (the most over half first, ties in event order, then an even spread of the rest).
+    four = [*(("pack", k, 1.0) for k in range(4)), *(("unpack", k, 1.0) for k in (3, 2, 1, 0))]
+    tr = make_trace([100] * 4, four, other=[0, 0, 100, 0, 0, 0, 0, 0])
+    hw = make_hw(latency=0.5)
+    assert lower_bound(tr, 250, hw).gaps == 2
+    for most in (1, 2):
+        b = lower_bound(tr, 250, hw, max_gaps=most)
+        assert b.gaps == 1 and b.bound_s == pytest.approx(10.0, rel=1e-6)
+
+
+def test_spread_picks_evenly_and_keeps_short_lists():
+    assert _spread(np.arange(10), 4).tolist() == [0, 3, 6, 9]
+    assert _spread(np.array([2, 5, 7]), 2).tolist() == [2, 7]
+    assert _spread(np.array([2, 5]), 3).tolist() == [2, 5]

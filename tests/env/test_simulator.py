@@ -311,6 +311,30 @@ def test_joint_floor_hand_computed(one_block, hw):
     assert joint_floor(one_block, 200, slow) == pytest.approx(7.6)
 
 
+def test_joint_floor_with_three_blocks_hand_computed():
+    # Three blocks, anchor + one 100 B member each: blk.0 = T0 T1 (forward 2 + 2 = 4 s), blk.1 = T2 T3
+    # (1 + 1 = 2 s), blk.2 = T4 T5 (0.5 + 0.5 = 1 s): 0.04, 0.02 and 0.01 s per byte freed, cheapest
+    # last in trace order. Backward unpacks T5 .. T0, 1 s each: step 7 + 6 = 13 s. Budget 300.
+    # Gap 5 (before 6.5, after 6.5) holds 600 B: must 300. Absent if recomputed: T1 (gaps 2..10) and
+    # T3 (4..8), not T5 (from 6), so at least 100 B are swapped, and R(y) is 0.02 s/B for T3's 100 B,
+    # then 0.04 for T1's.
+    g = [2.0, 2.0, 1.0, 1.0, 0.5, 0.5]
+    tr = make_trace([100] * 6, [("pack", k, g[k]) for k in range(6)] + [("unpack", k, 1.0) for k in (5, 4, 3, 2, 1, 0)],
+                    modules=["blk.0.a", "blk.0.b", "blk.1.a", "blk.1.b", "blk.2.a", "blk.2.b"])
+    # 20 B/s each way: max(6.5, x/20) + max(6.5 + R(300 - x), x/20). Up to x = 130 the swap-out hides in
+    # the 6.5 s before the gap and each swapped byte saves 0.04 s of recompute; past it the swap-out
+    # costs 0.05 s/B: the minimum is at x = 130, 6.5 + 6.5 + 2 + 0.04 * 70 = 17.8. The other gaps ask
+    # less (gap 6, all three blocks absent: at x = 140, 7 + 6 + 1 + 0.02 * 60 = 15.2, less than 17.8).
+    assert joint_floor(tr, 300, make_hw(d2h=20, h2d=20)) == pytest.approx(17.8)
+    # d2h 1000 B/s, h2d 20 B/s: the swap-out always hides, 6.5 + max(6.5 + R(300 - x), x/20); the two
+    # terms cross in R's second piece (y = 300 - x between 100 and 200): 6.5 + 2 + 0.04 (200 - x) = x/20,
+    # x = 16.5 / 0.09 = 183.3, floor 6.5 + 9.1667 = 15.667 (gap 6's crossing, 7 + 11/0.07/20 = 14.86,
+    # and gap 7's, 8 + 9/0.07/20 = 14.43, are lower). Swapping alone binds at gap 6: 7 + 300/20 = 22.
+    fast_out = make_hw(d2h=1000, h2d=20)
+    assert joint_floor(tr, 300, fast_out) == pytest.approx(6.5 + 16.5 / 0.09 / 20)
+    assert analytic_floor(tr, 300, fast_out) == pytest.approx(22.0)
+
+
 def test_floor_counts_hooks_tail_static_and_workspace(hw):
     # two_tensors' events with 50 B static, 20 B workspace in gap 1, a 0.5 s tail, 0.25 s per hook,
     # budget 150, 25 B/s each way. Gaps with hooks 1.25 1.25 2.25 1.25, step 6.5 with the tail.
