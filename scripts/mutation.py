@@ -286,10 +286,14 @@ def main() -> int:
     work = [(m, mut, src) for m in modules for mut, src in mutants(m)]
     earlier: dict[str, int] = {}  # module -> mutants killed in the earlier run and not run again
     if args.survivors_of:
-        prev = json.loads(Path(args.survivors_of).read_text())["outcomes"]
+        data = json.loads(Path(args.survivors_of).read_text())
+        prev = data["outcomes"]
         again = {(o["module"], o["line"], o["kind"], o["before"], o["after"]) for o in prev
                  if not o["killed"] or o.get("detail") == "timeout"}
-        known = {(o["module"], o["line"], o["kind"], o["before"], o["after"]) for o in prev}
+        root = data
+        while "rerun_of" in root:  # a rerun holds only its survivors' outcomes: the full run has them all
+            root = json.loads(Path(root["rerun_of"]).read_text())
+        known = {(o["module"], o["line"], o["kind"], o["before"], o["after"]) for o in root["outcomes"]}
         mine = work
         # the same mutants, line for line, or the source changed since and the earlier kills say nothing
         if {(mut.module, mut.line, mut.kind, mut.before, mut.after) for _, mut, _ in mine} != known:

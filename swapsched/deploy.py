@@ -1,6 +1,6 @@
 """``swapsched.SwapRuntime``: the runtime as users deploy it, with policies given by name.
 
-The runtime proper (``swapsched.runtime.swapper.SwapRuntime``) takes a policy object and knows no
+The runtime proper (``swapsched.runtime.swapper.PolicyRuntime``) takes a policy object and knows no
 names; this is the one place where a name (``"default"``, ``"min"``, ``"learned:PATH.zip"``) becomes
 a policy for it.
 """
@@ -27,8 +27,8 @@ def resolve_policy(policy: str | Policy | None, **options: Any) -> Policy | None
     return get_policy(policy, **options)
 
 
-class SwapRuntime(swapper.SwapRuntime):
-    """:class:`swapsched.runtime.swapper.SwapRuntime` whose ``policy`` may also be a name
+class SwapRuntime(swapper.PolicyRuntime):
+    """:class:`swapsched.runtime.swapper.PolicyRuntime` whose ``policy`` may also be a name
     (default ``"default"``, the shipped learned planner of keep / swap / recompute: it recomputes
     blocks only when given the ``model``, whose modules it records and checkpoints) or a
     checkpoint path."""

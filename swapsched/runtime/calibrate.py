@@ -34,7 +34,8 @@ from swapsched.runtime.retime import nonnegative_fit
 from swapsched.trace import Trace
 
 if TYPE_CHECKING:
-    from swapsched.runtime.swapper import StepReport, SwapRuntime
+    from swapsched.runtime.reports import StepReport
+    from swapsched.runtime.swapper import PolicyRuntime
     from swapsched.zoo import ModelCase
 
 __all__ = ["Calibration", "HostCosts", "calibrate_link", "calibrate_host", "calibrate", "execute_in_rounds",
@@ -144,7 +145,7 @@ def _round_trips(trace: Trace, half: str) -> SwapPlan:
     return SwapPlan(trace.name, f"calibration-round-trips-{half}", ev)
 
 
-def training_step(rt: SwapRuntime, case: ModelCase) -> Callable[[], StepReport]:
+def training_step(rt: PolicyRuntime, case: ModelCase) -> Callable[[], StepReport]:
     """One training step of ``case`` under ``rt``, as ``execute_in_rounds`` runs them: forward and
     backward in ``rt.step()`` (which on CUDA ends with the device), gradients cleared; its report."""
 
@@ -156,7 +157,7 @@ def training_step(rt: SwapRuntime, case: ModelCase) -> Callable[[], StepReport]:
     return step
 
 
-def execute_in_rounds(rt: SwapRuntime, train_step: Callable[[], StepReport],
+def execute_in_rounds(rt: PolicyRuntime, train_step: Callable[[], StepReport],
                       plans: Sequence[tuple[SwapPlan, int | None]], rounds: int, steps: int = 2,
                       seed: int = 0, on_round: Callable[[], Any] | None = None) -> list[list[list[StepReport]]]:
     """Execute each ``(plan, budget bytes or None)`` on ``rt`` in ``rounds`` rounds, the plans in
@@ -182,12 +183,12 @@ def _measure_workload(model: str, size: str, backend_name: str, bandwidth: float
                       rounds: int, on_round: Callable[[], Any] | None = None) -> tuple[list[list[list[StepReport]]], int]:
     """Reports of four plans on one workload (no eviction, round trips of the smaller and of the
     larger half of the tensors, swap-all) from ``execute_in_rounds``; and its event count."""
-    from swapsched.runtime.swapper import SwapRuntime
+    from swapsched.runtime.swapper import PolicyRuntime
     from swapsched.zoo import build_model
 
     device = "cuda" if backend_name == "cuda" else "cpu"
     case = build_model(model, size, device=device)
-    rt = SwapRuntime(budget="100%", policy=None, backend=backend_name, model=case.model, bandwidth=bandwidth)
+    rt = PolicyRuntime(budget="100%", policy=None, backend=backend_name, model=case.model, bandwidth=bandwidth)
     train_step = training_step(rt, case)
 
     try:

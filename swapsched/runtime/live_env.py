@@ -3,7 +3,7 @@
 A policy trained in the simulator can be fine-tuned here on measured steps: the decisions are
 made exactly as in :class:`~swapsched.env.swap_env.SwapEnv` (same observations, same action masks,
 over the trace this device just measured), and when the last tensor is decided the plan is executed
-by :class:`~swapsched.runtime.swapper.SwapRuntime` in real training steps of the given model.
+by :class:`~swapsched.runtime.swapper.PolicyRuntime` in real training steps of the given model.
 
 It lives with the runtime, which it drives; the simulator and ``SwapEnv`` never import torch.
 """
@@ -18,7 +18,7 @@ import numpy as np
 
 from swapsched.env.swap_env import SwapEnv
 from swapsched.plan import SwapPlan
-from swapsched.runtime.swapper import SwapRuntime
+from swapsched.runtime.swapper import PolicyRuntime
 from swapsched.zoo import ModelCase, build_model
 
 __all__ = ["LiveSwapEnv"]
@@ -53,7 +53,7 @@ class LiveSwapEnv(gym.Env):
         super().__init__()
         device = "cuda" if backend == "cuda" else "cpu"
         self.case = model if isinstance(model, ModelCase) else build_model(model, size, device=device)
-        self.runtime = SwapRuntime(budget=budget, policy=None, backend=backend, bandwidth=bandwidth,
+        self.runtime = PolicyRuntime(budget=budget, policy=None, backend=backend, bandwidth=bandwidth,
                                    hardware=hardware, model=self.case.model)
         for _ in range(self.runtime.profile_steps):
             self._train_step(self.runtime.step)

@@ -15,7 +15,7 @@ from swapsched.runtime.shapes import first_bytes
 from swapsched.trace import Trace
 
 if TYPE_CHECKING:
-    from swapsched.runtime.swapper import SwapRuntime
+    from swapsched.runtime.swapper import PolicyRuntime
 
 __all__ = ["Divergence", "DivergenceError", "PlanLayout", "RunSummary", "StepReport"]
 
@@ -135,7 +135,7 @@ class RunTally:
         self.recent: deque[float] = deque(maxlen=window)
         self.plain: deque[float] = deque(maxlen=window)  # each of those steps' own plain step (its trace's)
 
-    def add(self, rep: StepReport, rt: SwapRuntime) -> RunSummary:
+    def add(self, rep: StepReport, rt: PolicyRuntime) -> RunSummary:
         self.steps += 1
         self.profiled += rep.mode == "profile"
         self.new_shapes += rep.new_shape

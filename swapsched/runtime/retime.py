@@ -2,7 +2,7 @@
 
 The profiling steps give the first trace; on the emulated device (compute timed by the host clock)
 executed steps measure each gap again without the profiling's copies, and their time in the hooks
-gives what the runtime costs the host. ``SwapRuntime`` calls these between steps.
+gives what the runtime costs the host. ``PolicyRuntime`` (``runtime/swapper.py``) calls these between steps.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from swapsched.hardware import Hardware
 from swapsched.trace import Trace
 
 if TYPE_CHECKING:
-    from swapsched.runtime.swapper import StepReport
+    from swapsched.runtime.reports import StepReport
 
 __all__ = ["timed_by_execution", "median_trace", "fitted_host_costs", "nonnegative_fit"]
 

@@ -13,13 +13,13 @@ from swapsched.runtime import swapper
 
 def test_the_runtime_proper_refuses_a_name_and_says_where_names_go():
     with pytest.raises(UserError, match="swapsched.SwapRuntime or swapsched.get_policy"):
-        swapper.SwapRuntime(budget="60%", policy="min", backend="cpu")
+        swapper.PolicyRuntime(budget="60%", policy="min", backend="cpu")
 
 
 def test_the_facade_resolves_names_and_passes_objects_through():
     rt = SwapRuntime(budget="60%", policy="min", backend="cpu")
     try:
-        assert isinstance(rt.policy, Belady) and isinstance(rt, swapper.SwapRuntime)
+        assert isinstance(rt.policy, Belady) and isinstance(rt, swapper.PolicyRuntime)
     finally:
         rt.close()
     obj = Belady()
@@ -29,7 +29,7 @@ def test_the_facade_resolves_names_and_passes_objects_through():
 def test_without_a_policy_every_tensor_stays_until_use_plan():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     x = torch.randn(4, 8)
-    rt = swapper.SwapRuntime(budget="100%", policy=None, backend="cpu", profile_steps=1, retime_steps=0)
+    rt = swapper.PolicyRuntime(budget="100%", policy=None, backend="cpu", profile_steps=1, retime_steps=0)
     try:
         for _ in range(2):
             with rt.step():
@@ -50,7 +50,7 @@ def test_the_runtime_gets_each_planner_by_its_name():
 def test_a_plan_that_recomputes_needs_the_model_in_one_line():
     from swapsched.errors import UserError
     from swapsched.plan import SwapPlan
-    from swapsched.runtime.swapper import SwapRuntime as Inner
+    from swapsched.runtime.swapper import PolicyRuntime as Inner
     from swapsched.zoo import build_model
 
     case = build_model("gpt", "tiny", seed=0)

@@ -1,0 +1,95 @@
+"""What one step under the runtime counts: device memory as it is really held, and the audit meter.
+
+The profiling and the executing steps (``profile_step.py``, ``execute_step.py``) share this base:
+the step's records, the accounting of saved bytes against the budget (R4), the stall and copy
+counters, and the independent audit meter (finalizers on the storages themselves).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from swapsched.runtime.reports import Divergence, StepReport
+from swapsched.runtime.stash import Record
+
+if TYPE_CHECKING:
+    from swapsched.runtime.swapper import PolicyRuntime
+
+__all__ = ["StepExecution"]
+
+
+class StepExecution:
+    """Common bookkeeping of one step: identities, accounting, counters, and the audit meter."""
+
+    # slots: the hooks read and write these at every saved-tensor event
+    __slots__ = ("rt", "backend", "records", "static", "used", "peak", "stall_s", "evicted", "prefetched",
+                 "on_demand", "copies", "waits", "guard", "diverged", "divergence", "audit", "alive", "alive_peak", "dead_bytes",
+                 "finalizers")
+
+    def __init__(self, rt: PolicyRuntime):
+        self.rt = rt
+        self.backend = rt.backend
+        self.records: list[Record] = []
+        self.static = rt.static_bytes
+        self.used = 0
+        self.peak = 0
+        self.stall_s = 0.0
+        self.evicted = self.prefetched = self.on_demand = 0
+        self.copies = self.waits = 0
+        self.guard = 0
+        self.diverged = False
+        self.divergence: Divergence | None = None
+        # every finalizer this step puts on a storage: detached when the step ends, so a storage
+        # that outlives many steps (the caller's batch) does not collect one per step
+        self.finalizers: list[weakref.finalize] = []
+        # the audit meter: bytes of the saved storages alive now, kept by finalizers on the storages
+        # themselves, so it sees what really holds memory whoever keeps it (never our accounting)
+        self.audit = rt.audit and self.backend.emulated
+        self.alive = self.alive_peak = 0
+        # finalizers may run on a copy thread (the CPU backend drops a source there): they only
+        # append here, and the step's thread does the arithmetic
+        self.dead_bytes: deque[int] = deque()
+        self.backend.reset_peak()
+
+    def _account(self, delta: int) -> None:
+        self.used += delta
+        if self.static + self.used > self.peak:
+            self.peak = self.static + self.used
+
+    def _watch(self, storage: Any, nbytes: int) -> None:
+        """Audit: count ``storage`` as alive until it dies."""
+        dead = self.dead_bytes
+        while dead:
+            self.alive -= dead.popleft()
+        self.alive += nbytes
+        if self.alive > self.alive_peak:
+            self.alive_peak = self.alive
+        self._on_death(storage, dead.append, nbytes)
+
+    def measured_peak(self) -> int | None:
+        if not self.rt.audit:
+            return None
+        return self.rt.static_bytes + self.alive_peak if self.audit else self.backend.peak_bytes()
+
+    def finish(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        self.records.clear()
+        self._drop_finalizers()
+
+    def _on_death(self, storage: Any, fn: Callable[..., Any], *args: Any) -> None:
+        """Call ``fn(*args)`` when ``storage`` dies during this step."""
+        self.finalizers.append(weakref.finalize(storage, fn, *args))
+
+    def _drop_finalizers(self) -> None:
+        for f in self.finalizers:
+            f.detach()
+        self.finalizers.clear()
+
+    def report(self, step_s: float) -> StepReport:
+        raise NotImplementedError
+

@@ -1,0 +1,535 @@
+"""The executing step: a plan carried out event by event (R4-R7), with the guard (MIN on the spot)."""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from swapsched.budget import format_bytes
+from swapsched.env.simulator import FREED, HOST, IN, OUT, RESIDENT, event_tables
+from swapsched.errors import internal_assert, present
+from swapsched.runtime.backends import CopyError, Ticket
+from swapsched.runtime.profiler import is_parameter, storage_key
+from swapsched.runtime.reports import Divergence, DivergenceError, PlanLayout, StepReport
+from swapsched.runtime.stash import UNTRACKED, Packed, Record, flat_bytes, rebuild
+
+if TYPE_CHECKING:
+    from swapsched.runtime.swapper import PolicyRuntime
+from swapsched.runtime.accounting import StepExecution
+from swapsched.runtime.profile_step import ProfileStep
+
+__all__ = ["ExecuteStep"]
+
+# as torch.utils.checkpoint's CheckpointError says how to find what differs
+DIVERGENCE_TIP = ("To find why: runtime.trace.tensors[k] has the op and module that saved tensor k in the "
+                  "profiled steps, to compare with what your step ran there. Shapes that vary between steps "
+                  "(padded batches, a last partial batch) are planned per shape when strict is off; "
+                  "control flow that depends on the data (an early exit, a layer skipped) gives each path "
+                  "its own trace, profiled again on every switch")
+
+
+class ExecuteStep(StepExecution):
+    """Steps 2..: execute the plan event by event (R4-R7).
+
+    The accounting is the memory really held, not the plan's view of it: a saved storage (and a
+    swap-in buffer) counts from its first pack (its allocation) until a finalizer on the storage
+    says it died. So an evicted tensor leaves the budget only once its swap-out completed *and* the
+    program let go of it (R2's release), and a tensor last used at an unpack only once autograd's
+    node that read it is done with it; until then, R4's waits and the guard see it."""
+
+    __slots__ = ("layout", "trace", "budget", "room", "out_at", "prefetch_at", "tensor_bytes", "frees", "expected",
+                 "work", "keys", "by_tid", "i", "outs", "waiting", "ins", "n_seen", "first_sight", "gaps", "hook_s",
+                 "last_exit", "tail_s", "deaths", "alloc", "other", "marks_in", "marks_out", "mark_start", "mark_end",
+                 "scale", "profile", "started")
+
+    def __init__(self, rt: PolicyRuntime):
+        super().__init__(rt)
+        self.budget = present(rt.budget_bytes, "the run's budget in bytes")
+        self._load(present(rt.layout, "the plan's layout of an executing step"))
+        # after a divergence: the largest ratio seen of a tensor's bytes to the trace's, by which
+        # R4 scales the trace's next allocation (a batch of another size is one family, scaled)
+        self.scale = 1.0
+        # a step whose first saved tensor shows a shape no plan was made for is profiled instead
+        # (it hands every hook call to this profiling step), and that shape is planned after it
+        self.profile: ProfileStep | None = None
+        self.started = time.perf_counter()
+        # live storage key -> record. A resident record's handles keep its storage alive; an
+        # evicted one gets a weakref.finalize as the runtime lets go of it, and a freed one is
+        # forgotten at its last use, so no key ever outlives its storage (R2; see StorageIds).
+        # Parameters (and storages the trace does not track) map to UNTRACKED for the step.
+        self.keys: dict[int, Record] = {}
+        self.by_tid: dict[int, Record] = {}
+        self.i = 0
+        self.outs: deque[Record] = deque()  # swap-outs in flight, in issue order
+        self.waiting: deque[Record] = deque()  # prefetches waiting for room (R6)
+        self.ins: list[Record] = []
+        # bytes of device storages of ours that died: finalizers append (maybe on a copy thread),
+        # the step's thread subtracts them from the accounting
+        self.deaths: deque[int] = deque()
+        self.n_seen = 0
+        # host clock per trace event: the compute gap before its hook, and the time in the hooks
+        # (waits included; ``finish`` takes the stalls out). Meaningful on the CPU backend, where
+        # compute is synchronous; the runtime re-times its trace from them (see PolicyRuntime).
+        self.gaps: list[float] = []
+        self.hook_s = 0.0
+        self.last_exit = time.perf_counter()
+        self.tail_s = 0.0
+        # on a real device, for the steps the runtime re-times its trace from: a mark in the
+        # compute order as each hook starts and ends (CUDA timing events), read after the step
+        # (R1's gaps as the device ran them, where the profiling steps' synchronous copies
+        # stretched them). Entries are by event index: a hook that returns early (a parameter)
+        # is overwritten by the event's own hook. None: not timed on the device.
+        self.marks_in: list[Any] | None = None
+        self.marks_out: list[Any] = []
+        self.mark_start = self.mark_end = None
+        if rt._device_timed_step():
+            self.marks_in = [None] * self.trace.n_events
+            self.mark_start = self.backend.mark()
+        if self.audit and rt.blocks is not None and rt.blocks.names:
+            # the audit meter also sees what recomputes make (R9): storages of ours, and the model's
+            # parameters and buffers, are counted already or are static
+            static = {storage_key(x) for x in (*rt.model.parameters(), *rt.model.buffers())}
+            rt.blocks.metered, rt.blocks.watch = True, self._watch
+            rt.blocks.known = lambda key: key in self.keys or key in static
+
+    def _load(self, layout: PlanLayout) -> None:
+        """Follow ``layout`` (at the step's start, or at its first saved tensor: another shape's)."""
+        self.layout = layout
+        self.trace = tr = layout.trace
+        self.static = tr.static_bytes  # the model's, plus what the profiling found held by others
+        self.room = self.budget - self.static  # for saved tensors
+        self.out_at, self.prefetch_at = layout.out_at, layout.prefetch_at
+        tb = event_tables(tr)  # the simulator's per-trace lists, shared
+        self.tensor_bytes = tb.bytes
+        self.frees = tb.free  # tensors whose last unpack is each event
+        self.alloc = tb.alloc_bytes  # bytes of the tensors first packed at each event (made in its gap)
+        # non-saved bytes live in each gap (R3): here what a recompute rebuilds, held by the
+        # checkpoint where backward runs the block (R9; see ProfileStep._with_rebuilt)
+        self.other = tb.other
+        # the hooks' hot path reads two flat lists: the expected event (tensor id for a pack, its
+        # complement ~id for an unpack) and whether anything happens after it (a free, a planned
+        # swap-out or prefetch). Diverging empties both, which turns every later check off.
+        self.expected: list[int] | tuple[()] = layout.expected_codes
+        self.work: list[bool] | tuple[()] = layout.work_at
+        self.first_sight = layout.first_sight
+
+    def _first_tensor(self, nbytes: int) -> bool:
+        """The step's first saved tensor has ``nbytes`` where this layout expects other bytes: take
+        the plan of the shape that has them, or profile this step. False when profiling."""
+        layout = self.rt.layouts.get(nbytes) or self.rt._predicted_layout(self.layout, nbytes)
+        # the same storage, in order of first sight, must be that shape's first event as well
+        if layout is not None and layout.first_sight.get(self.n_seen, -1) == layout.trace.events[0].tensor:
+            self._load(layout)
+            if self.marks_in is not None:
+                self.marks_in = [None] * self.trace.n_events
+            return True
+        self.profile = ProfileStep(self.rt, since=(self.started, self.n_seen))
+        return False
+
+    # ------------------------------------------------------------------ memory (R4, R6)
+    def _count_deaths(self) -> None:
+        """Take the storages that died since the last look out of the accounting."""
+        deaths = self.deaths
+        while deaths:
+            self.used -= deaths.popleft()
+
+    def _drain(self) -> None:
+        self._count_deaths()
+        while self.outs and self.backend.done(self.outs[0].out):
+            self._retire_out(self.outs.popleft())
+        if self.waiting:
+            self._admit()
+
+    def _retire_out(self, rec: Record) -> None:
+        t = rec.out
+        if t.error is not None:
+            raise CopyError(f"swap-out of tensor {rec.tid} ({format_bytes(rec.nbytes)}) failed: {t.error}") from t.error
+        t.src = None  # complete, or compute waits for it: the device storage may go (see backends.py)
+        if rec.state == OUT:
+            rec.state = HOST
+        # no accounting here: the bytes go when the storage dies (see ExecuteStep's docstring)
+
+    def _admit(self) -> None:
+        room = self.budget - self.static
+        while self.waiting and self.used + self.waiting[0].nbytes <= room:
+            rec = self.waiting.popleft()
+            self._start_in(rec)
+            self.prefetched += rec.nbytes
+
+    def _start_in(self, rec: Record) -> None:
+        self._account(rec.nbytes)
+        rec.inn = self.backend.copy_in(rec.host, rec.out)
+        st = rec.inn.dst.untyped_storage()
+        self._on_death(st, self.deaths.append, rec.nbytes)
+        if self.audit:
+            self._watch(st, rec.nbytes)
+        self.copies += 1
+        rec.state = IN
+        self.ins.append(rec)
+
+    def _room_for_next(self, need: int) -> None:
+        """R4 before the gap: the next gap produces ``need`` bytes of new saved tensors (by the
+        trace); compute waits here, while nothing of it exists yet, for room under the budget."""
+        self._drain()
+        if self.used + need > self.room:
+            self._make_room(need, None)
+
+    def _make_room(self, need: int, now_tid: int | None) -> None:
+        # a diverged step makes room too: the plan no longer describes it, but the budget still
+        # holds, by the swap-outs in flight and then the guard
+        room = self.budget - self.static
+        while self.used + need > room:
+            if self.deaths:
+                self._count_deaths()
+                continue
+            if self.outs:
+                t0 = time.perf_counter()
+                self.waits += not self.backend.done(self.outs[0].out)
+                # the compute that follows waits for the swap-out, not the host (a stream wait on
+                # CUDA, so the device's queue does not drain; its stall is timed on the device).
+                # Dropping the source then is safe: only compute, queued after the wait, can reuse
+                # its memory, and a swap-in of it waits for the swap-out on its own stream (R6)
+                self._wait(self.outs[0], self.outs[0].out, use=True)
+                self.stall_s += time.perf_counter() - t0
+                self._retire_out(self.outs.popleft())
+                continue
+            if not self._guard_evict(now_tid):
+                return  # nothing left to move: over budget, reported, never a crash
+
+    def _guard_evict(self, now_tid: int | None) -> bool:
+        """MIN rule on the spot: evict the tensor on the device whose next use is farthest. That
+        may be one prefetched too early (IN): its host copy is still whole, so it goes back to
+        HOST with no copy, once its swap-in has landed."""
+        fu = self.trace.first_unpack
+        cands = [r for r in self.records if r.tid != now_tid and r.nbytes >= self.rt.min_bytes and fu[r.tid] > self.i
+                 and ((r.state == RESIDENT and (r.flat is not None or any(h.tensor is not None for h in r.live_handles())))
+                      or (r.state == IN and r.host is not None))]
+        if not cands:
+            return False
+        rec = max(cands, key=lambda r: fu[r.tid])
+        if rec.state == IN:
+            self._undo_in(rec)
+        else:
+            self._issue_out(rec)
+        self.guard += 1
+        return True
+
+    def _undo_in(self, rec: Record) -> None:
+        """Take back a prefetch not yet used: wait for its copy (the ticket holds the device
+        buffer until then), then drop the ticket, the buffer's one owner, so it dies and its
+        finalizer takes its bytes out of the accounting (see _start_in)."""
+        internal_assert(rec.inn is not None and rec.host is not None, f"a prefetch taken back (tensor {rec.tid}) has its copy")
+        t0 = time.perf_counter()
+        self._wait(rec, rec.inn)
+        self.stall_s += time.perf_counter() - t0
+        rec.inn = None
+        rec.state = HOST
+        self.ins.remove(rec)
+        self._count_deaths()
+
+    def _issue_out(self, rec: Record) -> None:
+        flat = rec.flat
+        if flat is None:
+            flat = flat_bytes(next(h.tensor for h in rec.live_handles() if h.tensor is not None))
+        # from now on nothing of ours but the ticket keeps the storage alive: forget its key when it dies
+        self._on_death(flat.untyped_storage(), self.keys.pop, rec.key, None)
+        rec.out = self.backend.copy_out(flat)
+        self.copies += 1
+        rec.host = rec.out.dst
+        rec.state = OUT
+        # the ticket now holds the device storage until the copy completes; the stashes let go
+        rec.flat = None
+        for h in rec.live_handles():
+            h.let_go()
+        self.outs.append(rec)
+        self.evicted += rec.nbytes
+
+    # ------------------------------------------------------------------ hooks
+    def _diverge(self, seen: str) -> None:
+        """The step's events left the trace at event ``self.i`` (it did ``seen``): nothing more is
+        planned, and what is evicted comes back on demand."""
+        if self.divergence is None:
+            i, ex = self.i, self.expected
+            if i >= len(ex):
+                expected = "the end of the step"
+            elif ex[i] >= 0:
+                expected = f"pack of tensor {ex[i]} ({format_bytes(int(self.tensor_bytes[ex[i]]))})"
+            else:
+                expected = f"unpack of tensor {~ex[i]}"
+            self.divergence = Divergence(i, expected, seen)
+            if self.rt.strict:
+                raise DivergenceError(f"step {self.rt.steps} {self.divergence} (SwapRuntime(strict=True)). {DIVERGENCE_TIP}")
+        self.diverged = True
+        # no more planned work; R4 keeps making room before each gap, from the trace's next
+        # allocation scaled by what this step's tensors weigh against the trace's (self.scale)
+        self.expected = self.work = ()
+        self.waiting.clear()
+
+    def pack(self, t: torch.Tensor) -> Any:
+        # the hot path: every saved tensor of the step passes here, so lookups come first and
+        # each rarer case costs only the branch that needs it
+        if self.profile is not None:
+            return self.profile.pack(t)
+        t_in = time.perf_counter()
+        if self.marks_in is not None and self.i < len(self.marks_in):
+            self.marks_in[self.i] = self.backend.mark()
+        st = t.untyped_storage()
+        key = st._cdata
+        rec = self.keys.get(key)
+        i = self.i
+        if rec is None:
+            if is_parameter(t):  # parameters stay (counted in static_bytes), and get no trace id
+                self.keys[key] = UNTRACKED
+                return Packed(None, t)
+            nbytes = st.nbytes()
+            if self.audit:
+                self._watch(st, nbytes)
+            # ids in order of first sight, as the profiling step numbered them; a storage the
+            # trace does not have (never unpacked there) is not tracked and just stays
+            tid = self.first_sight.get(self.n_seen, -1)
+            if i == 0 and tid >= 0 and self.tensor_bytes[tid] != nbytes:
+                if not self._first_tensor(nbytes):  # a new shape: this step profiles it
+                    return self.profile.pack(t)
+                tid = self.first_sight.get(self.n_seen, -1)
+            self.n_seen += 1
+            if tid < 0:
+                self.keys[key] = UNTRACKED
+                self._on_death(st, self.keys.pop, key, None)
+                return Packed(None, t)
+            rec = Record(tid, nbytes, key)
+            self.keys[key] = rec
+            self.records.append(rec)
+            self.by_tid[tid] = rec
+            ex = self.expected
+            if i >= len(ex) or ex[i] != tid or self.tensor_bytes[tid] != nbytes:
+                self._diverge(f"pack of tensor {tid} ({format_bytes(nbytes)})")
+                self.scale = max(self.scale, nbytes / max(int(self.tensor_bytes[tid]), 1))
+            # it is already made: counted before anything else moves, so an overshoot shows in the
+            # peak, and so the drain below cannot admit a waiting prefetch (R6) into the room that
+            # R4 made for this tensor before its gap (_room_for_next); _make_room only catches what
+            # that missed
+            if self.deaths:
+                self._count_deaths()
+            self.used += nbytes
+            self._on_death(st, self.deaths.append, nbytes)
+            if self.static + self.used > self.peak:
+                self.peak = self.static + self.used
+            if self.outs:
+                self._drain()
+            if self.used > self.room:
+                self._make_room(0, tid)
+        elif rec is UNTRACKED:
+            return Packed(None, t)
+        else:
+            ex = self.expected
+            if i >= len(ex) or ex[i] != rec.tid:
+                self._diverge(f"pack of tensor {rec.tid} again")
+        p = Packed(rec, t)  # holds a detached alias (see Packed)
+        if rec.state != RESIDENT:
+            p.let_go()  # evicted earlier in the step: rebuilt on unpack
+        rec.handles.append(weakref.ref(p))
+        self._end_event(i, t_in)
+        return p
+
+    def unpack(self, p: Packed) -> torch.Tensor:
+        if p.profiled:  # packed after this step handed its hooks to a profiling step
+            return self.profile.unpack(p)
+        t_in = time.perf_counter()
+        if self.marks_in is not None and self.i < len(self.marks_in):
+            self.marks_in[self.i] = self.backend.mark()
+        p.check_version()
+        rec = p.rec
+        if rec is None:
+            return p.tensor
+        i = self.i
+        ex = self.expected
+        if i >= len(ex) or ex[i] != ~rec.tid:
+            self._diverge(f"unpack of tensor {rec.tid}")
+        out = p.tensor
+        if out is None:  # evicted at some point (a handle holds its tensor only while resident)
+            out = self._make_resident(p)
+        self._end_event(i, t_in)
+        return out
+
+    def _end_event(self, i: int, t_in: float) -> None:
+        """After event ``i``: the plan's work at it, room for the next event's tensor (R4, before
+        its gap), and the hook's own time and the compute gap before it."""
+        self.i = i + 1
+        work = self.work
+        if i < len(work) and work[i]:
+            self._after_event(i)
+        alloc = self.alloc
+        if i + 1 < len(alloc):
+            need = int(alloc[i + 1] * self.scale) + self.other[i + 1]
+            if self.used + need > self.room:
+                self._room_for_next(need)
+            if self.other[i + 1] and self.static + self.used + self.other[i + 1] > self.peak:
+                self.peak = self.static + self.used + self.other[i + 1]  # the rebuilt members, through the gap
+        if self.marks_in is not None:
+            self.marks_out.append(self.backend.mark())
+        now = time.perf_counter()
+        self.gaps.append(t_in - self.last_exit)  # the compute since the previous event's hook
+        self.hook_s += now - t_in
+        self.last_exit = now
+
+    def _make_resident(self, p: Packed) -> torch.Tensor:
+        """(a) of an unpack whose tensor was evicted: wait for its prefetch, or bring it on demand."""
+        rec = p.rec
+        if self.outs or self.deaths:
+            self._drain()
+        # a freed tensor unpacked again (the step diverged) comes back from its host copy, which
+        # stays until the step ends
+        if rec.state in (OUT, HOST) or (rec.state == FREED and rec.host is not None):
+            if rec in self.waiting:
+                self.waiting.remove(rec)  # on demand goes ahead of prefetches waiting for room
+            self._make_room(rec.nbytes, rec.tid)
+            self._start_in(rec)
+            self.on_demand += rec.nbytes
+        if rec.state == IN:
+            t0 = time.perf_counter()
+            self.waits += not self.backend.done(rec.inn)
+            self._wait(rec, rec.inn, use=True)
+            self.stall_s += time.perf_counter() - t0
+            if self.diverged:
+                # no plan says when it is last used: the swap-in buffer lives only as long as
+                # autograd holds what unpack returns (its finalizer takes the bytes out); an unpack
+                # after that brings it back again from the host copy, which stays to the step's end
+                buf, rec.inn, rec.state = rec.inn.dst, None, HOST
+                return rebuild(p, buf)
+            rec.flat = rec.inn.dst
+            rec.state = RESIDENT
+            # a backward that records a graph (double backward) may save what it unpacked: the
+            # swap-in buffer is the same saved tensor (R2), as the profiling step numbered it
+            st = rec.flat.untyped_storage()
+            self.keys[st._cdata] = rec
+            self._on_death(st, self.keys.pop, st._cdata, None)
+        return rebuild(p, rec.flat)
+
+    def _after_event(self, i: int) -> None:
+        """(b)-(d) after event ``i``; called only for events with work (``self.work``)."""
+        # (b) free what is last used here
+        for tid in self.frees[i]:
+            rec = self.by_tid[tid]
+            # our own references go (the swap-in buffer is held by rec.flat and by the swap-in
+            # ticket's dst); autograd drops its handles itself, which frees the storage here as
+            # plain PyTorch would. A host copy stays until the step ends, in case an unplanned
+            # unpack (divergence) needs it again.
+            rec.flat = None
+            rec.inn = None
+            rec.state = FREED
+            if self.keys.get(rec.key) is rec:
+                del self.keys[rec.key]  # no pack of it may follow; its address may be reused
+        # (c) swap-outs planned here
+        for tid in self.out_at[i]:
+            rec = self.by_tid.get(tid)
+            if rec is not None and rec.state == RESIDENT:
+                self._issue_out(rec)
+        # (d) prefetches planned here, in issue order, waiting for room (R6)
+        pf = self.prefetch_at[i]
+        if pf:
+            for tid in pf:
+                rec = self.by_tid.get(tid)
+                if rec is not None and rec.state in (OUT, HOST) and rec not in self.waiting:
+                    self.waiting.append(rec)
+            self._admit()
+
+    # ------------------------------------------------------------------ end of step
+    def finish(self) -> None:
+        if self.profile is not None:
+            self.profile.finish()
+            return
+        self.tail_s = time.perf_counter() - self.last_exit
+        if self.marks_in is not None:
+            self.mark_end = self.backend.mark()
+        self.hook_s -= self.stall_s
+        if not self.diverged and self.i != self.trace.n_events:
+            self._diverge(f"the end of the step after {self.i} of {self.trace.n_events} events")
+        self._settle()
+
+    def abort(self) -> None:
+        if self.profile is not None:
+            self.profile.abort()
+        self._settle()
+
+    def _wait(self, rec: Record, t: Ticket, use: bool = False) -> None:
+        """Wait for one of ``rec``'s copies; a copy that failed or hung names its tensor."""
+        try:
+            (self.backend.wait_for_use if use else self.backend.wait_host)(t)
+        except CopyError as exc:
+            kind = "swap-out" if t is rec.out else "swap-in"
+            raise CopyError(f"{kind} of tensor {rec.tid} ({format_bytes(rec.nbytes)}) {exc}") from exc
+
+    def _settle(self) -> None:
+        """Wait for every copy in flight, return host buffers to the pool, drop every stash.
+
+        Never raises (it also runs while an exception unwinds the step). A copy that failed is
+        complete, so its buffers may be reused; one that never completed may still write its host
+        buffer, which is then dropped instead of pooled, and the backend starts fresh engines."""
+        stuck: set[int] = set()
+        pending = [(rec, rec.out) for rec in self.outs]
+        pending += [(rec, rec.inn) for rec in self.ins if rec.inn is not None]  # None: released at its use
+        for rec, t in pending:
+            try:
+                self.backend.wait_host(t)
+            except CopyError:
+                if not self.backend.done(t):
+                    stuck.add(id(rec))
+        if stuck:
+            self.backend.recover()
+        pool = self.backend.pool
+        for rec in self.records:
+            if rec.host is not None:
+                (pool.discard if id(rec) in stuck else pool.give)(rec.host)
+                rec.host = None
+            rec.flat = None
+            rec.out = rec.inn = None
+            for h in rec.live_handles():
+                h.let_go()
+        self.outs.clear()
+        self.waiting.clear()
+        self.ins.clear()
+        self.records.clear()
+        self.keys.clear()
+        self.by_tid.clear()
+        self._count_deaths()  # what died since the last hook (a storage still alive stays counted)
+        self._drop_finalizers()
+        if self.rt.blocks is not None:
+            self.rt.blocks.metered, self.rt.blocks.watch, self.rt.blocks.known = False, None, None
+
+    def _device_gaps(self) -> tuple[tuple[float, ...] | None, float | None]:
+        """Each gap and the tail from the device's marks (the step has synchronized), or None."""
+        ins, outs, n = self.marks_in, self.marks_out, self.trace.n_events
+        if ins is None or self.diverged or self.mark_end is None or len(outs) != n or any(m is None for m in ins):
+            return None, None
+        elapsed = self.backend.elapsed_s
+        before = [self.mark_start, *outs[:-1]]
+        return tuple(max(elapsed(a, b), 0.0) for a, b in zip(before, ins, strict=True)), elapsed(outs[-1], self.mark_end)
+
+    def report(self, step_s: float) -> StepReport:
+        if self.profile is not None:
+            return self.profile.report(step_s)
+        cuda_peak = self.backend.peak_bytes()
+        # host-clock gaps mean compute only where compute is synchronous, and only for a whole step
+        timed = self.backend.emulated and not self.diverged and len(self.gaps) == self.trace.n_events
+        gaps, tail = (tuple(self.gaps), self.tail_s) if timed else self._device_gaps()
+        return StepReport(
+            step=self.rt.steps, mode="diverged" if self.diverged else "execute", step_s=step_s,
+            stall_s=self.stall_s + self.backend.take_device_stall_s(),  # CUDA: compute's waits on the device
+            predicted_step_s=self.layout.predicted_s, evicted_bytes=self.evicted, prefetched_bytes=self.prefetched,
+            on_demand_bytes=self.on_demand, peak_device_bytes=self.peak, budget_bytes=self.budget,
+            # followed, and within budget: the guard may find nothing to evict (a tensor read again
+            # by a later backward pass after its first unpack stays), which leaves the peak over
+            plan_followed=not self.diverged and self.guard == 0 and self.peak <= self.budget,
+            divergence=self.divergence,
+            guard_evictions=self.guard, kept_small=int(self.rt.plan.meta.get("kept_small", 0)), cuda_peak_bytes=cuda_peak,
+            hook_s=self.hook_s, copies=self.copies, waits=self.waits,
+            gaps_s=gaps, tail_s=tail,
+            measured_peak_bytes=self.measured_peak(), unowned_bytes=int(self.trace.meta.get("unowned_bytes", 0)),
+            recomputed_blocks=self.rt.blocks.names if self.rt.blocks is not None else (),
+            shape_predicted=self.layout.predicted, plain_step_s=self.trace.ideal_s,
+        )
+

@@ -1,0 +1,223 @@
+"""The profiling step: record the trace while every saved tensor goes to the host and back on demand."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from swapsched.env.simulator import HOST
+from swapsched.runtime.profiler import ModulePath, StorageIds, TraceRecorder, is_cached_cast, storage_key
+from swapsched.runtime.reports import StepReport
+from swapsched.runtime.stash import Packed, Record, flat_bytes, rebuild
+from swapsched.trace import Trace
+
+if TYPE_CHECKING:
+    from swapsched.runtime.swapper import PolicyRuntime
+from swapsched.runtime.accounting import StepExecution
+
+__all__ = ["ProfileStep"]
+
+# the autograd engine's id of the backward pass running now (a private API, present since torch
+# 2.0; where it is missing every pass counts as one, and only a budget error loses its reason)
+_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: 0)
+
+
+class ProfileStep(StepExecution):
+    """Step 1: record the trace; every saved tensor goes to the host at once and comes back on
+    demand, synchronously inside the hook (the recorder excludes hook time from the gaps).
+
+    It also finds the saved storages the runtime does not own: at the end of the step, a storage
+    that is still alive although autograd dropped every handle to it is held by someone else (the
+    caller's batch or output, a module buffer). Evicting it would free nothing, so the trace leaves
+    it out and counts its bytes as static. A graph kept with ``retain_graph`` keeps its handles, so
+    its storages are not judged."""
+
+    __slots__ = ("ids", "recorder", "trace", "moved", "device", "owners", "cast_keys", "cast_bytes", "released",
+                 "freed", "unpacked", "devices", "param_keys", "passes", "modules", "checkpoint_packs", "recomputes",
+                 "new_shape", "seen_before")
+
+    def __init__(self, rt: PolicyRuntime, since: tuple[float, int] | None = None):
+        super().__init__(rt)
+        clock = self.backend.device_type  # the host clock, or events on the device's stream
+        self.ids = StorageIds()  # live storage -> its record (R2)
+        # with the model: each saved tensor's module, from which the trace finds its blocks (R9)
+        self.modules = ModulePath(rt.model).__enter__() if rt.model is not None else None
+        self.recorder = TraceRecorder(clock, modules=self.modules)
+        # R9: id of each pack handle a block's checkpoint made (of its inputs) -> the block, and
+        # (hook call, block) for each unpack of one: where backward recomputes the block
+        self.checkpoint_packs: dict[int, str] = {}
+        self.recomputes: list[tuple[int, str]] = []
+        if rt.blocks is not None and rt.blocks.names:
+            # what each recompute really holds, measured from inside it (storages of ours and of
+            # the model's parameters and buffers are not new memory)
+            static = {storage_key(x) for x in (*rt.model.parameters(), *rt.model.buffers())}
+            rt.blocks.metered, rt.blocks.rebuilt_peak = True, {}
+            rt.blocks.known = lambda key: key in static or key in self.ids
+        # since: an executing step handed its hooks over (a shape not planned for) at this host
+        # time, having seen this many storages first: the recording starts there
+        self.recorder.start(since[0] if since else None)
+        self.new_shape = since is not None
+        self.seen_before = since[1] if since else 0
+        self.trace: Trace | None = None
+        self.moved = 0
+        self.device = self.backend.device_type
+        # trace id (order of first sight) -> (storage, handles autograd holds, bytes, key), all weak
+        self.owners: dict[int, tuple[weakref.ref[Any], list[weakref.ref[Packed]], int, int]] = {}
+        self.cast_keys: set[int] = set()
+        self.cast_bytes = 0
+        # trace id -> the hook call before which its storage died: here the runtime holds no device
+        # copy, so that is when the program itself let go of it (R2's release)
+        self.released: dict[int, int] = {}
+        # trace id -> the hook call before which its last unpacked copy died: when autograd's node
+        # that read it let go (R2's free)
+        self.freed: dict[int, int] = {}
+        self.unpacked: set[int] = set()
+        self.devices: dict[int, torch.device] = {}
+        self.param_keys: set[int] = set()  # parameters live through the step: no finalizer needed
+        self.passes: set[int] = set()  # the autograd graph tasks (backward passes) that unpacked
+
+    def pack(self, t: torch.Tensor) -> Packed:
+        # a storage first seen as a parameter's stays one, whatever view of it comes later (a
+        # double backward saves a transpose of an unpacked, detached weight): the executed steps
+        # tell parameters by their storage too
+        tid = None if t.untyped_storage()._cdata in self.param_keys else self.recorder.pack(t)
+        if tid is None:
+            self.param_keys.add(t.untyped_storage()._cdata)
+            if is_cached_cast(t):  # stays like its parameter; its bytes are counted once, as static
+                st = t.untyped_storage()
+                if st._cdata not in self.cast_keys:
+                    self.cast_keys.add(st._cdata)
+                    self.cast_bytes += st.nbytes()
+            return Packed(None, t, profiled=True)
+        st = t.untyped_storage()
+        if st.nbytes() < self.rt.min_bytes:
+            p = Packed(None, t, tid=tid, profiled=True)
+            self._own(tid, st, p)
+            return p
+        rec = self.ids.get(t)
+        if rec is None:
+            flat = flat_bytes(t)
+            rec = Record(tid, flat.numel(), host=self.backend.copy_out_now(flat), state=HOST)
+            self.devices[tid] = t.device  # it comes back to the tensor's own device
+            self.ids.add(t, rec)
+            self.records.append(rec)
+            self.moved += rec.nbytes
+            self.recorder.hook_done()  # the copy was hook time, not compute
+        p = Packed(rec, t, tid=tid, profiled=True)
+        p.let_go()  # the device copy may go: unpack rebuilds from the host
+        self._own(tid, st, p)
+        blocks = self.rt.blocks
+        if blocks is not None and blocks.entering is not None:
+            self.checkpoint_packs[id(p)] = blocks.entering  # p lives in autograd's graph until its unpack
+        return p
+
+    def _own(self, tid: int, st: Any, p: Packed) -> None:
+        entry = self.owners.get(tid)
+        if entry is None:
+            self.owners[tid] = (weakref.ref(st), [weakref.ref(p)], st.nbytes(), st._cdata)
+            self._on_death(st, self._died, tid)
+        else:
+            entry[1].append(weakref.ref(p))
+
+    def _died(self, tid: int) -> None:
+        """The packed storage died: before its first unpack the program let go of it (it was on
+        the host already); after, autograd did (a kept tensor)."""
+        if tid in self.unpacked:
+            self._freed(tid)
+        else:
+            self.released.setdefault(tid, len(self.recorder.kinds))
+
+    def _freed(self, tid: int) -> None:
+        self.freed[tid] = max(self.freed.get(tid, 0), len(self.recorder.kinds))
+
+    def unpack(self, p: Packed) -> torch.Tensor:
+        tid = p.tid
+        p.check_version()
+        self.passes.add(_graph_task_id())  # one id per backward pass
+        self.recorder.unpack(tid)
+        if tid is not None:
+            self.unpacked.add(tid)
+            block = self.checkpoint_packs.get(id(p))
+            if block is not None:
+                self.recomputes.append((len(self.recorder.kinds) - 1, block))
+        if p.rec is None:  # kept: a parameter, or smaller than min_bytes
+            return p.tensor
+        out = rebuild(p, self.backend.copy_in_now(p.rec.host, self.devices[p.rec.tid]))
+        self._on_death(out.untyped_storage(), self._freed, tid)
+        # a backward that records a graph (double backward) may save what it unpacked: the copy
+        # is the same saved tensor (R2), as an executed step, which unpacks the storage itself, sees it
+        self.recorder.ids.add(out, tid)
+        self.ids.add(out, p.rec)
+        self.recorder.hook_done()
+        return out
+
+    def unowned(self) -> dict[int, int]:
+        """Trace id -> bytes of the storages alive though autograd let go of every handle."""
+        out = {}
+        for tid, (st, handles, nbytes, key) in self.owners.items():
+            if st() is not None and all(h() is None for h in handles):
+                out[tid] = 0 if key in self.rt._static_keys else nbytes  # a buffer is static already
+        return out
+
+    def finish(self) -> None:
+        unowned = self.unowned()
+        static = self.rt.static_bytes + self.cast_bytes + sum(unowned.values())
+        if "unpack" not in self.recorder.kinds:  # a step without backward: no trace to learn from
+            self.abort()
+            return
+        self.trace = self.recorder.finish(f"runtime-step-{self.rt.steps}", self.device, static, "measured",
+                                          exclude=frozenset(unowned), released=dict(self.released),
+                                          freed=dict(self.freed))
+        self.trace = replace(self.trace, events=self._with_rebuilt(self.trace),
+                             meta={**self.trace.meta, "unowned_bytes": static - self.rt.static_bytes,
+                                   "unowned_tensors": len(unowned), "backward_passes": len(self.passes)})
+        self.rt.first_sight = {k + self.seen_before: v for k, v in self.recorder.remap.items()}
+        self.abort()
+
+    def _with_rebuilt(self, trace: Trace) -> tuple[Any, ...]:
+        """R9: the trace's events, with what each recompute rebuilds counted in the gap after the
+        unpack of the block's inputs (the recompute and the block's backward run in it; the
+        checkpoint holds the members there, outside the runtime's hooks)."""
+        events = list(trace.events)
+        index = self.recorder.event_index
+        measured = self.rt.blocks.rebuilt_peak if self.rt.blocks is not None else {}
+        for call, block in self.recomputes:
+            j = index[call + 1]  # the event whose gap follows that hook call
+            if j < len(events):
+                # what the recompute was measured to hold (its members and transients), else the
+                # members' bytes by the trace it was planned on
+                rebuilt = measured.get(block, self.rt._rebuilt.get(block, 0))
+                e = events[j]
+                events[j] = replace(e, other_bytes=(e.other_bytes or 0) + rebuilt)
+        return tuple(events)
+
+    def abort(self) -> None:
+        if self.modules is not None:
+            self.modules.__exit__()
+            self.modules = None
+        if self.rt.blocks is not None:
+            self.rt.blocks.metered, self.rt.blocks.known = False, None
+        for rec in self.records:  # every copy here was synchronous: the buffers are free to reuse
+            if rec.host is not None:
+                self.backend.pool.give(rec.host)
+                rec.host = None
+        self.records.clear()
+        self.ids.clear()
+        self.recorder.ids.clear()
+        self.owners.clear()
+        self._drop_finalizers()
+
+    def report(self, step_s: float) -> StepReport:
+        unowned = int(self.trace.meta.get("unowned_bytes", 0)) if self.trace is not None else 0
+        return StepReport(
+            step=self.rt.steps, mode="profile", step_s=step_s, stall_s=0.0, predicted_step_s=None,
+            evicted_bytes=self.moved, prefetched_bytes=0, on_demand_bytes=self.moved,
+            peak_device_bytes=None, budget_bytes=None, plan_followed=True, guard_evictions=0, kept_small=0,
+            unowned_bytes=unowned, nothing_saved=not self.recorder.kinds,
+            recomputed_blocks=self.rt.blocks.names if self.rt.blocks is not None else (), new_shape=self.new_shape,
+        )
+
