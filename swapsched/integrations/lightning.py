@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from swapsched.deploy import SwapRuntime
-from swapsched.errors import UserError
+from swapsched.errors import UserError, internal_assert, present
 from swapsched.policy import Policy
 
 try:
@@ -34,8 +34,8 @@ class SwapCallback(Callback):  # type: ignore[misc]
         self.runtime = SwapRuntime(self.budget, self.policy, model=pl_module, **self.options)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        assert self.runtime is not None and self._step is None
-        self._step = self.runtime.step()
+        internal_assert(self._step is None, "a training batch starts while the last one's step is open")
+        self._step = present(self.runtime, "the runtime made when fitting started").step()
         self._step.__enter__()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from swapsched.errors import UserError
 from swapsched.hardware import DEFAULT_GPU_HARDWARE, Hardware, load_hardware
 from swapsched.plan import Eviction, SwapPlan, on_demand_plan
 from swapsched.runtime.backends import Backend, CpuBackend, CudaBackend
@@ -194,7 +195,9 @@ def _measure_workload(model: str, size: str, backend_name: str, bandwidth: float
     try:
         for _ in range(rt.profile_steps + rt.retime_steps + 1):
             train_step()
-        assert rt.trace is not None and rt.budget_bytes is not None and rt.plan is not None
+        if rt.trace is None or rt.plan is None:
+            raise UserError(f"{case.name}: its training step saved no tensor for backward, so there is nothing to "
+                            "swap and nothing to calibrate on; pick a model whose loss has a backward pass")
         plans = [rt.plan, _round_trips(rt.trace, "smaller"), _round_trips(rt.trace, "larger"),
                  on_demand_plan(rt.trace, "swap-all")]
         reports = execute_in_rounds(rt, train_step, [(p, None) for p in plans], rounds, on_round=on_round)

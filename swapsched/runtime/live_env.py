@@ -17,6 +17,7 @@ import gymnasium as gym
 import numpy as np
 
 from swapsched.env.swap_env import SwapEnv
+from swapsched.errors import UserError
 from swapsched.plan import SwapPlan
 from swapsched.runtime.swapper import PolicyRuntime
 from swapsched.zoo import ModelCase, build_model
@@ -57,7 +58,8 @@ class LiveSwapEnv(gym.Env):
                                    hardware=hardware, model=self.case.model)
         for _ in range(self.runtime.profile_steps):
             self._train_step(self.runtime.step)
-        assert self.runtime.trace is not None
+        if self.runtime.trace is None:
+            raise UserError(f"{self.case.name}: its training step saved no tensor for backward: nothing to swap")
         self.plain_step_s = statistics.median(self._train_step(None) for _ in range(plain_steps))
         self.steps_per_episode = int(steps_per_episode)
         self.sim_env = SwapEnv(traces=[self.runtime.trace], hardware=[self.runtime.hardware])

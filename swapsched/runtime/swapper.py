@@ -268,11 +268,18 @@ class PolicyRuntime:
         self._host_steps.clear()  # steps of another trace: their event counts differ
 
     def _after_other_shape(self, ex: ExecuteStep) -> None:
-        """A step of another shape, under its own plan: it re-times nothing of the current one; a
-        borrowed plan that did not hold is replanned for that shape."""
+        """A step of another shape, under its own plan: it re-times nothing of the current one. A
+        borrowed plan that did not hold is replanned for that shape; else the shape's first
+        executed step re-times its trace, so that its prediction and its plain step follow the
+        compute as it runs (the profiling steps' copies stretch the gaps they measure)."""
         rep = present(self._report, "the report of the step that just ran")
-        if ex.layout.predicted and not rep.plan_followed and self.policy is not None:
-            self._plan_predicted(ex.layout, rep)
+        layout = ex.layout
+        if layout.predicted and not rep.plan_followed and self.policy is not None:
+            self._plan_predicted(layout, rep)
+        elif (rep.gaps_s is not None and len(rep.gaps_s) == layout.trace.n_events
+              and "timed_by_execution" not in layout.trace.meta):
+            self.layouts[layout.shape_key] = self._layout(timed_by_execution(layout.trace, [rep]), layout.plan,
+                                                          layout.first_sight, predicted=layout.predicted)
 
     def _after_retime_step(self) -> None:
         """Every ``retime_steps`` executed steps: the trace's gaps from them (and the host's costs,

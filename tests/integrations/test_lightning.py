@@ -51,3 +51,63 @@ def test_one_callback_trains_bit_identically_and_swaps(accumulate):
     assert not swap.runtime.backend.d2h.is_alive()  # closed when fitting ended
     for p, q in zip(plain.parameters(), swapped.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+class Sequences(pl.LightningModule):
+    """Residual MLP blocks over (batch, length, 32), batches padded to their longest sequence."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 96),
+                                                              torch.nn.GELU(), torch.nn.Linear(96, 32)) for _ in range(3))
+
+    def training_step(self, batch, batch_idx):
+        x, mask = batch
+        h = x * 1.0  # the first saved tensor grows with the padded length
+        for b in self.blocks:
+            h = h + b(h)
+        return (h.pow(2).mean(-1) * mask).sum() / mask.sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+def _pad(batch):
+    n = max(len(x) for x in batch)
+    out, mask = torch.zeros(len(batch), n, 32), torch.zeros(len(batch), n)
+    for i, x in enumerate(batch):
+        out[i, : len(x)], mask[i, : len(x)] = x, 1.0
+    return out, mask
+
+
+def _fit_sequences(callbacks, steps):
+    gen = torch.Generator().manual_seed(4)
+    lengths = torch.randint(8, 41, (4 * steps,), generator=gen).tolist()
+    data = [torch.randn(n, 32, generator=gen) for n in lengths]
+    loader = torch.utils.data.DataLoader(data, batch_size=4, collate_fn=_pad)
+    module = Sequences()
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+    trainer.fit(module, loader)
+    return module
+
+
+def test_variable_lengths_run_plans_bit_identically_within_budget():
+    steps = 16
+    swap = SwapCallback(budget="60%", policy="min", backend="cpu", min_bytes=0, audit=True)
+    reports = []
+
+    class Reports(pl.Callback):  # after SwapCallback, which ends the step first
+        def on_train_batch_end(self, *args, **kwargs):
+            reports.append(swap.runtime.report())
+
+    plain, swapped = _fit_sequences([], steps), _fit_sequences([swap, Reports()], steps)
+    for p, q in zip(plain.parameters(), swapped.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert len(reports) == steps
+    # three profiling steps and a second length profiled as it ran; every later length has a
+    # plan (its own, or predicted from the two), and every step holds the budget by the meter too
+    assert [r.mode for r in reports] == ["profile"] * 4 + ["execute"] * (steps - 4)
+    assert all(r.peak_device_bytes <= r.budget_bytes and r.measured_peak_bytes <= r.budget_bytes for r in reports[4:])
+    assert reports[-1].run.shapes > 3 and reports[-1].run.predicted_steps > 0

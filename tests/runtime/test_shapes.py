@@ -3,6 +3,8 @@ executing those predicted traces on steps of variable length, bit-identically wi
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn as nn
@@ -21,6 +23,11 @@ def _at(n: int, static: int = 0, gap: float = 1.0):
                                            ("unpack", 1, g), ("unpack", 0, g)], static=static, name=f"n{n}")
 
 
+def _scaled(tr, n):
+    """``tr`` (a family member at n = 8, tensors of 4n, 4n and 64 B) at ``n``."""
+    return replace(tr, tensors=tuple(replace(t, bytes=b) for t, b in zip(tr.tensors, [4 * n, 4 * n, 64], strict=True)))
+
+
 def test_two_sizes_predict_a_linear_family_exactly():
     # T1 is 4 n (n = 8, 16): a line through (32, 32) and (64, 64) in s = T0's bytes; at s = 48
     # (n = 12) every tensor is exact, the gaps 12/8 = 1.5 s, the static bytes in between.
@@ -31,6 +38,13 @@ def test_two_sizes_predict_a_linear_family_exactly():
     assert tr is not None and tr.tensor_bytes.tolist() == [48, 48, 64]
     assert tr.gaps.tolist() == pytest.approx([1.5] * 6) and tr.static_bytes == 120
     assert structure(tr) == structure(lin[0]) and first_bytes(tr) == 48
+    # beyond the profiled sizes the gaps scale with s from the nearest: at n = 24 (s = 96), 2 * 96/64 = 3
+    assert predicted_trace(lin, 96).gaps.tolist() == pytest.approx([3.0] * 6)
+    # two close sizes with noisy gaps (1 s at n = 8, 2 s at n = 9): a line through them would say
+    # 1 + (64 - 32) / 4 = 9 s per gap at n = 16; scaled from n = 9 it is 2 * 64/36 = 3.56
+    noisy = [replace(t, events=tuple(replace(e, compute_s=g) for e in t.events))
+             for t, g in zip([lin[0], _scaled(lin[0], 9)], [1.0, 2.0], strict=True)]
+    assert predicted_trace(noisy, 64).gaps.tolist() == pytest.approx([2 * 64 / 36] * 6)
 
 
 def test_three_sizes_predict_a_quadratic_tensor_exactly_and_refuse_what_they_cannot_say():
@@ -114,3 +128,32 @@ def test_a_length_no_plan_can_fit_is_refused_at_its_first_saved_tensor():
         with rt.step():  # the runtime goes on with the shapes that fit
             a(xs[32]).backward()
         assert rt.report().mode == "execute"
+
+
+def test_a_plain_loop_with_a_partial_last_batch_runs_a_plan_for_it_from_its_second_epoch():
+    # 70 samples in batches of 16: four full batches and a last one of 6, each epoch. The last
+    # batch is a new shape: profiled as it runs in epoch 1, its own plan from epoch 2 on.
+    gen = torch.Generator().manual_seed(5)
+    data = torch.utils.data.TensorDataset(torch.randn(70, 24, 32, generator=gen))
+    loader = torch.utils.data.DataLoader(data, batch_size=16)
+    batches = [x for _ in range(3) for (x,) in loader]
+    assert [len(x) for x in batches[:5]] == [16, 16, 16, 16, 6]
+    a, b = Net(), Net()
+
+    def run(model, i):
+        loss = model(batches[i])
+        loss.backward()
+        return loss
+
+    rt = SwapRuntime(budget="60%", policy="min", backend="cpu", model=a, audit=True)
+    try:
+        reports = train_together(a, b, rt, len(batches), run)
+    finally:
+        rt.close()
+    modes = [r.mode for r in reports]
+    assert modes == ["profile"] * 3 + ["execute", "profile"] + ["execute"] * 10, modes
+    assert reports[4].new_shape and [r.plan_followed for r in reports[9::5]] == [True, True]
+    for r in reports[3:]:
+        if r.mode == "execute":  # every step within the budget, by the accounting and by the meter
+            assert r.peak_device_bytes <= r.budget_bytes and r.measured_peak_bytes <= r.budget_bytes
+    assert reports[-1].run.shapes == 2
