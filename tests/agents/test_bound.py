@@ -249,3 +249,28 @@ def test_spread_picks_evenly_and_keeps_short_lists():
     assert _spread(np.arange(10), 4).tolist() == [0, 3, 6, 9]
     assert _spread(np.array([2, 5, 7]), 2).tolist() == [2, 7]
     assert _spread(np.array([2, 5]), 3).tolist() == [2, 5]
+
+
+def test_a_block_member_the_program_still_holds_is_not_freed_by_recomputing(one_block):
+    # test_recompute_tightens_nothing_it_cannot_prove's case (10 B/s: a swap costs 10 s each way),
+    # with T1 held by the program through gap 2 (released_at 2), where T2 is made and 100 B must go.
+    # Recomputing the block frees T1 only from gap 3, so T0 must be swapped: out after e0, done before
+    # gap 2 (S_2 >= 10 - 1 = 9), back by its unpack at e5 (S_6 - S_2 >= 10 - 4 = 6): 6 + 15 = 21, where
+    # recompute alone gave 8. The floor: max(2, 10) + max(4, 10) = 20.
+    held = replace(one_block, tensors=(one_block.tensors[0], replace(one_block.tensors[1], released_at=2),
+                                       one_block.tensors[2]))
+    b = lower_bound(held, 200, make_hw(d2h=10, h2d=10))
+    assert b.bound_s == pytest.approx(21.0, rel=1e-6) and b.floor_s == pytest.approx(20.0)
+
+
+def test_where_the_solver_proves_nothing_the_bound_is_the_floor(monkeypatch):
+    # HiGHS stopped without a dual bound (None) or with an infinite or undefined one: only the floor
+    # is proven. test_latency_makes_the_bound_tighter_than_the_floor's case, whose floor is 5.
+    import swapsched.agents.bound as bound_module
+
+    tr = make_trace([100, 100], [("pack", 0, 1.0), ("pack", 1, 1.0), ("unpack", 1, 2.0), ("unpack", 0, 1.0)])
+    for proven in (None, float("nan"), float("-inf")):
+        result = type("Result", (), {"status": 1, "mip_dual_bound": proven, "fun": None})()
+        monkeypatch.setattr(bound_module, "milp", lambda *a, result=result, **k: result)
+        b = lower_bound(tr, 100, make_hw(latency=0.5))
+        assert (b.bound_s, b.floor_s, b.status, b.gaps) == (5.0, 5.0, "floor", 1) and b.variables > 0
