@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Variable shapes: does every batch run a plan? Steps of variable length under the live runtime.
 
-    python scripts/bench_dynamic.py [--steps 40] [--budgets 50%,70%,90%] [--bandwidth 1e9]
-                                    [--policy min] [--seed 0] [--out bench_results/dynamic.json]
+    python scripts/bench_dynamic.py [--steps 40] [--budgets 50%,70%,90%] [--bandwidth 1e9] [--rounds 2]
+                                    [--policy min] [--no-background] [--seed 0] [--out bench_results/dynamic.json]
 
 Cases (CPU backend, copies throttled to ``--bandwidth``):
 - ``encoder``: a 4-layer transformer encoder (d 128, 4 heads; its attention saves scores quadratic
@@ -10,13 +10,16 @@ Cases (CPU backend, copies throttled to ``--bandwidth``):
   a collator padding each batch to its longest sequence makes them;
 - ``convnet``: a 6-block CNN on batches of 16 images whose side is drawn from {24, 32, 40}.
 
-Per case and budget, the same length sequence is trained four ways, each beside a plain copy that
-checks the losses bit for bit: swapsched (``--policy``), plain training, ``torch.autograd.graph.
-save_on_cpu`` (a plain memcpy here, not the throttled link: its row is not comparable on time), and
-swapsched on static shapes at the mean length. Reported: the share of steps after the first five
-that executed a plan (predicted shapes counted apart), the median step over plain training's at the
-same length (the median of per-step ratios), the same for the static run, the most any step's peak
-exceeded the budget by the runtime's audit meter, and the seconds spent planning between steps.
+Per case and budget, the same length sequence is trained five ways in shuffled order each round,
+each beside a plain copy that checks the losses bit for bit: swapsched (``--policy``), plain
+training, ``torch.autograd.graph.save_on_cpu`` (a plain memcpy here, not the throttled link: its row
+is not comparable on time), and swapsched and plain training on static shapes at the mean length.
+Reported: the share of steps after the first five that executed a plan (predicted shapes counted
+apart), the median step over plain training's at the same length (the median of per-step ratios),
+the same for the static run, their ratio (dynamic over static: what variable shapes cost beyond
+swapping itself), the most any step's peak exceeded the budget by the runtime's audit meter, and
+the seconds the policy planned on the training loop's thread (the critical path; a new shape's plan
+is made on the runtime's planner thread unless ``--no-background``) with their share of training.
 Run it alone: the machine is shared and noisy.
 """
 
@@ -27,6 +30,7 @@ import math
 import random
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -85,12 +89,13 @@ CASES = {
 
 
 class TimedPolicy:
-    """The policy, with the seconds its plans took (between steps: on the training loop's path)."""
+    """The policy, with the seconds its plans took: on the training loop's thread (between steps,
+    on the critical path) and on the runtime's planner thread (in the background) apart."""
 
     def __init__(self, name: str):
         self.inner = get_policy(name)
         self.name = self.inner.name
-        self.seconds = 0.0
+        self.on_path_s = self.background_s = 0.0
         self.calls = 0
 
     def plan(self, trace, budget, hardware):
@@ -98,13 +103,18 @@ class TimedPolicy:
         try:
             return self.inner.plan(trace, budget, hardware)
         finally:
-            self.seconds += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            if threading.current_thread() is threading.main_thread():
+                self.on_path_s += dt
+            else:
+                self.background_s += dt
             self.calls += 1
 
 
 def _train(cls, batch, lengths, wrap=None, runtime=None, model=None):
     """Train a copy (``model``, else a fresh one) inside ``wrap()`` or ``runtime.step()`` beside a
-    plain copy: per step (seconds, the runtime's report or None); raises if a loss differs."""
+    plain copy: per step (seconds, the runtime's report or None); raises if a loss differs. The
+    seconds of a runtime step include what the runtime does after it (planning, re-timing)."""
     torch.manual_seed(0)
     a = model if model is not None else cls()
     torch.manual_seed(0)
@@ -130,42 +140,75 @@ def _train(cls, batch, lengths, wrap=None, runtime=None, model=None):
     return out
 
 
-def run_case(name: str, budget: str, steps: int, bandwidth: float, policy: str, seed: int) -> dict:
+WAYS = ("plain", "plain-static", "runtime", "runtime-static", "save_on_cpu")
+
+
+def run_case(name: str, budget: str, steps: int, bandwidth: float, policy: str, seed: int, rounds: int,
+             background: bool) -> dict:
+    """The five ways of training ``name``'s length sequence, in shuffled order each round; ratios
+    per round (each step over plain training at its length, median over the steps after the first
+    five), then their median and range over the rounds."""
     cls, batch, draw = CASES[name]
     rng = random.Random(seed)
     lengths = [draw(rng) for _ in range(steps)]
     static_len = int(round(statistics.mean(lengths)))
-    plain = _train(cls, batch, lengths)
-    plain_at = {}
-    for n, (dt, _) in zip(lengths, plain, strict=True):
-        plain_at.setdefault(n, []).append(dt)
-    plain_static = _train(cls, batch, [static_len] * steps)
-    def under_runtime(seq: list[int]) -> tuple[list, TimedPolicy]:
-        timed = TimedPolicy(policy)
-        torch.manual_seed(0)
-        model = cls()
-        with SwapRuntime(budget=budget, policy=timed, backend="cpu", bandwidth=bandwidth, model=model, audit=True) as rt:
-            return _train(cls, batch, seq, runtime=rt, model=model), timed
+    order = random.Random(seed + 1)
+    per_round = []
+    for _ in range(rounds):
+        got, policies = {}, {}
+        for way in order.sample(WAYS, len(WAYS)):
+            seq = [static_len] * steps if way.endswith("static") else lengths
+            if way.startswith("runtime"):
+                timed = TimedPolicy(policy)
+                torch.manual_seed(0)
+                model = cls()
+                with SwapRuntime(budget=budget, policy=timed, backend="cpu", bandwidth=bandwidth, model=model,
+                                 audit=True, background_planning=background) as rt:
+                    got[way] = _train(cls, batch, seq, runtime=rt, model=model)
+                policies[way] = timed
+            elif way == "save_on_cpu":
+                got[way] = _train(cls, batch, seq, wrap=lambda: torch.autograd.graph.save_on_cpu(pin_memory=False))
+            else:
+                got[way] = _train(cls, batch, seq)
+        plain_at = {}
+        for n, (dt, _) in zip(lengths, got["plain"], strict=True):
+            plain_at.setdefault(n, []).append(dt)
+        plain_static = statistics.median(d for d, _ in got["plain-static"][5:])
+        late = list(zip(lengths, got["runtime"], strict=True))[5:]
+        per_round.append({
+            "ratio": statistics.median(dt / statistics.median(plain_at[n]) for n, (dt, _) in late),
+            "static": statistics.median(dt / plain_static for dt, _ in got["runtime-static"][5:]),
+            "soc": statistics.median(dt / statistics.median(plain_at[n])
+                                     for n, (dt, _) in list(zip(lengths, got["save_on_cpu"], strict=True))[5:]),
+            "late": late, "timed": policies["runtime"],
+            "train_s": sum(dt for dt, _ in got["runtime"]),
+        })
+    first = per_round[0]
+    late, timed = first["late"], first["timed"]
+    executed = [r for _, (_, r) in late if r.mode == "execute"]
+    over = max(((r.measured_peak_bytes or 0) - r.budget_bytes) / r.budget_bytes
+               for rd in per_round for _, (_, r) in rd["late"] if r.budget_bytes)
 
-    dyn, timed = under_runtime(lengths)
-    stat, _ = under_runtime([static_len] * steps)
-    soc = _train(cls, batch, lengths, wrap=lambda: torch.autograd.graph.save_on_cpu(pin_memory=False))
-    late = list(zip(lengths, dyn, strict=True))[5:]
-    executed = [(n, dt, r) for n, (dt, r) in late if r.mode == "execute"]
-    ratio = [dt / statistics.median(plain_at[n]) for n, (dt, _) in late]
-    static_ratio = [dt / statistics.median(d for d, _ in plain_static) for dt, _ in stat[5:]]
-    soc_ratio = [dt / statistics.median(plain_at[n]) for n, (dt, _) in list(zip(lengths, soc, strict=True))[5:]]
-    over = max(((r.measured_peak_bytes or 0) - r.budget_bytes) / r.budget_bytes for _, (_, r) in late if r.budget_bytes)
+    def spread(key: str) -> dict:
+        xs = [rd[key] for rd in per_round]
+        return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+    over_static = [rd["ratio"] / rd["static"] for rd in per_round]
     return {
-        "case": name, "budget": budget, "steps": steps, "distinct_lengths": len(set(lengths)),
+        "case": name, "budget": budget, "steps": steps, "rounds": rounds, "distinct_lengths": len(set(lengths)),
+        "mean_length": static_len,
         "executed_share": len(executed) / len(late),
-        "predicted_share": sum(r.shape_predicted for _, _, r in executed) / len(late),
+        "predicted_share": sum(r.shape_predicted for r in executed) / len(late),
         "profiled_after_warmup": sum(r.mode == "profile" for _, (_, r) in late),
         "diverged": sum(r.mode == "diverged" for _, (_, r) in late),
-        "step_over_plain": statistics.median(ratio), "static_over_plain": statistics.median(static_ratio),
-        "save_on_cpu_over_plain": statistics.median(soc_ratio),
-        "worst_over_budget": over, "planning_s": timed.seconds, "plans": timed.calls,
-        "summary": str(dyn[-1][1].run),
+        "step_over_plain": spread("ratio"), "static_over_plain": spread("static"),
+        "over_static": {"median": statistics.median(over_static), "min": min(over_static), "max": max(over_static)},
+        "save_on_cpu_over_plain": spread("soc"),
+        "worst_over_budget": over,
+        "planning_on_path_s": statistics.median(rd["timed"].on_path_s for rd in per_round),
+        "planning_background_s": statistics.median(rd["timed"].background_s for rd in per_round),
+        "planning_share": statistics.median(rd["timed"].on_path_s / rd["train_s"] for rd in per_round),
+        "plans": timed.calls, "summary": str(late[-1][1][1].run),
     }
 
 
@@ -177,10 +220,14 @@ def main() -> int:
     ap.add_argument("--policy", default="min")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of the five ways, each round in shuffled order")
+    ap.add_argument("--no-background", action="store_true", help="plan new shapes between steps, not on a thread")
     ap.add_argument("--out", default="bench_results/dynamic.json")
     args = ap.parse_args()
     if args.steps < 10:
         ap.error("--steps must be at least 10 (5 warm-up steps are left out)")
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     bad = [c for c in cases if c not in CASES]
     if bad:
@@ -188,15 +235,21 @@ def main() -> int:
     from tqdm import tqdm
 
     work = [(c, b.strip()) for c in cases for b in args.budgets.split(",")]
-    rows = [run_case(c, b, args.steps, args.bandwidth, args.policy, args.seed)
+    rows = [run_case(c, b, args.steps, args.bandwidth, args.policy, args.seed, args.rounds, not args.no_background)
             for c, b in tqdm(work, desc="cases", file=sys.stderr)]
+
+    def rng(x: dict) -> str:
+        return f"{x['median']:.2f} ({x['min']:.2f}-{x['max']:.2f})"
+
     print(table(["case", "budget", "lengths", "executed", "of which predicted", "profiled", "diverged", "step/plain",
-                 "static/plain", "save_on_cpu/plain*", "worst over budget", "planning s"],
+                 "static/plain", "dynamic/static", "save_on_cpu/plain*", "worst over budget", "planning on path"],
                 [[r["case"], r["budget"], r["distinct_lengths"], f"{100 * r['executed_share']:.0f}%",
                   f"{100 * r['predicted_share']:.0f}%", r["profiled_after_warmup"], r["diverged"],
-                  f"{r['step_over_plain']:.2f}", f"{r['static_over_plain']:.2f}", f"{r['save_on_cpu_over_plain']:.2f}",
-                  f"{100 * r['worst_over_budget']:+.1f}%", f"{r['planning_s']:.2f}"] for r in rows]))
+                  rng(r["step_over_plain"]), rng(r["static_over_plain"]), rng(r["over_static"]),
+                  rng(r["save_on_cpu_over_plain"]), f"{100 * r['worst_over_budget']:+.1f}%",
+                  f"{r['planning_on_path_s']:.2f} s ({100 * r['planning_share']:.1f}%)"] for r in rows]))
     print("* save_on_cpu copies by plain memcpy here, not over the throttled link: not comparable on time")
+    print("ratios: median over steps after the first five, then median (range) over the rounds")
     write(args.out, {"args": vars(args), "runs": rows})
     return 0
 

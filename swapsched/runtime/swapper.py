@@ -39,7 +39,8 @@ import enum
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import replace
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -57,7 +58,7 @@ from swapsched.runtime.profiler import static_bytes_of, storage_key
 from swapsched.runtime.recompute import BlockCheckpoints
 from swapsched.runtime.reports import Divergence, DivergenceError, PlanLayout, RunSummary, RunTally, StepReport
 from swapsched.runtime.retime import fitted_host_costs, median_trace, timed_by_execution
-from swapsched.runtime.shapes import predicted_trace, structure
+from swapsched.runtime.shapes import first_bytes, predicted_trace, structure
 from swapsched.trace import Trace
 
 __all__ = ["PolicyRuntime", "Phase", "StepReport", "RunSummary", "Divergence", "DivergenceError"]
@@ -74,6 +75,15 @@ class Phase(enum.Enum):
     RETIME = "retime"
     #: execute the plan, as it was last timed
     EXECUTE = "execute"
+
+
+@dataclass(frozen=True)
+class _PendingPlan:
+    """A plan the policy is making on the planner thread: for ``layout``'s shape, on ``trace``."""
+
+    future: Future[SwapPlan]
+    layout: PlanLayout
+    trace: Trace
 
 
 class PolicyRuntime:
@@ -107,7 +117,10 @@ class PolicyRuntime:
     ``report().measured_peak_bytes`` (on the CPU backend a finalizer per saved storage: slower).
     ``strict``: a step that leaves the profiled trace raises :class:`DivergenceError` where it
     leaves it, instead of finishing on demand and profiling again (``report().divergence`` says
-    where either way).
+    where either way). ``background_planning``: a shape after the first one planned runs at once
+    on a plan borrowed from its family (the one the simulator times fastest on its trace), while
+    the policy plans it on a thread; its plan is used from the first step that starts after it is
+    ready (:meth:`wait_for_plans` waits for them). False: the policy plans it between steps.
 
     Only what the runtime owns is evicted. Storages the profiling steps find alive after autograd
     let go of them (the caller's inputs and outputs, module buffers) and autocast's cached casts of
@@ -118,7 +131,8 @@ class PolicyRuntime:
     def __init__(self, budget: str | int = "60%", policy: Policy | None = None, hardware: Hardware | str | None = None,
                  backend: str | Backend | None = None, *, bandwidth: float | None = None, min_bytes: int = 0,
                  model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-                 profile_steps: int = 3, retime_steps: int = 3, audit: bool = False, strict: bool = False):
+                 profile_steps: int = 3, retime_steps: int = 3, audit: bool = False, strict: bool = False,
+                 background_planning: bool = True):
         self.strict = bool(strict)
         self.budget_spec = check_budget(budget)  # a malformed budget fails here, not after profiling
         if policy is not None and not isinstance(policy, Policy):
@@ -186,6 +200,11 @@ class PolicyRuntime:
         # whether the executing plan's trace has been re-timed from executed steps (run state,
         # kept here; the trace's meta only records how many steps timed it)
         self._retimed = False
+        # plans for shapes after the first, made by the policy on a thread while steps run on a
+        # plan borrowed at once from the family (see _plan_later); shape key -> the pending plan
+        self.background_planning = bool(background_planning)
+        self._planner: ThreadPoolExecutor | None = None
+        self._pending: dict[int, _PendingPlan] = {}
 
     # ------------------------------------------------------------------ the public surface
     @contextlib.contextmanager
@@ -200,6 +219,8 @@ class PolicyRuntime:
         self.backend.synchronize()
         self.backend.take_device_stall_s()  # waits of an earlier, aborted step do not count
         self.steps += 1
+        if self._pending:
+            self._install_plans()
         ex: StepExecution = ProfileStep(self) if self.phase is Phase.PROFILE else ExecuteStep(self)
         self._exec = ex
         t0 = time.perf_counter()
@@ -255,7 +276,18 @@ class PolicyRuntime:
             return
         self._executed = []
         self._host_steps.clear()  # steps of another trace: their event counts differ
-        self._plan_from(profiled.trace)
+        trace = profiled.trace
+        kin = self._kin(trace, self.first_sight)
+        if not (kin and self.background_planning and self.policy is not None):
+            self._plan_from(trace)
+            return
+        # at once, the family's plan the simulator times fastest here; the policy's on a thread
+        self.budget_bytes = self._budget_for(self.budget_spec, trace, resolved=self.budget_bytes)
+        self.trace, self._retimed = trace, False
+        if self.blocks is None or not self.blocks.names:
+            self._unwrapped_trace = trace
+        self._adopt(self._borrowed(trace, kin))
+        self._plan_later(self.layout)
 
     def _after_divergence(self, ex: ExecuteStep) -> None:
         """The step left its trace: the next step is profiled and planned again."""
@@ -335,6 +367,9 @@ class PolicyRuntime:
     def close(self) -> None:
         """Stop the copy engines. ``with SwapRuntime(...) as runtime:`` closes itself."""
         self._closed = True
+        if self._planner is not None:
+            self._planner.shutdown(wait=False, cancel_futures=True)
+            self._pending.clear()
         if self.blocks is not None:
             self.blocks.remove()
         self.backend.shutdown()
@@ -401,11 +436,15 @@ class PolicyRuntime:
         if plan.recompute:
             self._recompute(plan, planned_on)
             return
+        self._adopt(self._without_small(plan, trace))
+
+    def _without_small(self, plan: SwapPlan, trace: Trace) -> SwapPlan:
+        """``plan`` less its evictions of tensors under ``min_bytes``: copying them costs more than it saves."""
         small = [e for e in plan.evictions if trace.tensors[e.tensor].bytes < self.min_bytes]
-        if small:  # tiny tensors stay: copying them costs more than it saves
-            plan = SwapPlan(plan.trace, plan.policy, tuple(e for e in plan.evictions if e not in small),
-                            {**plan.meta, "kept_small": len(small)})
-        self._adopt(plan)
+        if not small:
+            return plan
+        return SwapPlan(plan.trace, plan.policy, tuple(e for e in plan.evictions if e not in small),
+                        {**plan.meta, "kept_small": len(small)})
 
     def _recompute(self, plan: SwapPlan, trace: Trace) -> None:
         """R9, in two stages. Here: checkpoint ``plan``'s blocks from the next step on, and profile
@@ -419,6 +458,7 @@ class PolicyRuntime:
         self._rebuilt = {name: size[name] for name in plan.recompute}
         self.blocks.install(plan.recompute)
         self.layouts.clear()  # laid out for steps that did not checkpoint the blocks
+        self._pending.clear()  # plans in the making are for those steps too: dropped when ready
         self.trace = self.plan = self.layout = None
         self.predicted_s = None
         self._profiled = 0
@@ -453,13 +493,25 @@ class PolicyRuntime:
         times fastest on the predicted trace among the nearest few. None where the family cannot
         predict it. A size that no plan can fit in the run's bytes is refused here, at the step's
         first saved tensor, before its memory is spent."""
-        shape = structure(like.trace)
-        kin = [lay for lay in self.layouts.values() if lay.first_sight == like.first_sight and structure(lay.trace) == shape]
+        kin = self._kin(like.trace, like.first_sight)
         trace = predicted_trace([lay.trace for lay in kin if not lay.predicted], s)
         if trace is None:
             return None
         self._budget_for(self.budget_spec, trace, resolved=self.budget_bytes)
-        # the nearest few sizes and the nearest larger one (a larger size evicts no less)
+        layout = self._layout(trace, self._borrowed(trace, kin), like.first_sight, predicted=True)
+        self.layouts[s] = layout
+        return layout
+
+    def _kin(self, trace: Trace, first_sight: dict[int, int]) -> list[PlanLayout]:
+        """The layouts of ``trace``'s family: the same events, the same storages in order of first sight."""
+        shape = structure(trace)
+        return [lay for lay in self.layouts.values() if lay.first_sight == first_sight and structure(lay.trace) == shape]
+
+    def _borrowed(self, trace: Trace, kin: list[PlanLayout]) -> SwapPlan:
+        """For ``trace``, the plan of one of its family's sizes (the same events: its evictions
+        apply as they are, R7): of the nearest few and the nearest larger one (a larger size evicts
+        no less), the one the simulator times fastest on ``trace``."""
+        s = first_bytes(trace)
         near = sorted(kin, key=lambda lay: abs(lay.shape_key - s))[:4]
         larger = [lay for lay in kin if lay.shape_key >= s]
         if larger:
@@ -468,10 +520,7 @@ class PolicyRuntime:
         timed = [(simulate(trace, lay.plan.evictions, self.hardware, budget, validate=False).iteration_s,
                   lay.shape_key, lay) for lay in near]
         donor = min(timed, key=lambda x: x[:2])[2]
-        plan = SwapPlan(trace.name, donor.plan.policy, donor.plan.evictions, {**donor.plan.meta, "borrowed_from": donor.trace.name})
-        layout = self._layout(trace, plan, like.first_sight, predicted=True)
-        self.layouts[s] = layout
-        return layout
+        return SwapPlan(trace.name, donor.plan.policy, donor.plan.evictions, {**donor.plan.meta, "borrowed_from": donor.trace.name})
 
     def _plan_predicted(self, layout: PlanLayout, rep: StepReport) -> None:
         """A predicted shape whose borrowed plan did not hold: the policy plans it, on the trace as
@@ -479,9 +528,49 @@ class PolicyRuntime:
         trace = layout.trace
         if rep.gaps_s is not None and len(rep.gaps_s) == trace.n_events:
             trace = timed_by_execution(trace, [rep])
+        if self.background_planning:
+            self._plan_later(layout, trace)
+            return
         policy = present(self.policy, "the policy that replans a predicted shape")
         plan = policy.plan(self._planned_on(trace), present(self.budget_bytes, "the run's budget in bytes"), self.hardware)
         if plan.recompute:  # the blocks are chosen on profiled shapes (R9's two stages); here only swaps
             return
-        self.layouts[layout.shape_key] = self._layout(trace, plan, layout.first_sight, predicted=True)
+        self.layouts[layout.shape_key] = self._layout(trace, self._without_small(plan, trace), layout.first_sight,
+                                                      predicted=True)
+
+    # ------------------------------------------------------------------ planning in the background
+    def _plan_later(self, layout: PlanLayout, trace: Trace | None = None) -> None:
+        """Have the policy plan ``layout``'s shape (on ``trace``, default its own) on the planner
+        thread; :meth:`_install_plans` puts the plan in place of ``layout`` once it is ready. The
+        policy reads only its arguments (``plan(trace, budget, hardware)``), so it may run beside
+        the training step; on a machine with few cores it takes their time from the step."""
+        trace = layout.trace if trace is None else trace
+        if self._planner is None:
+            self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swapsched-planner")
+        policy = present(self.policy, "the policy that plans in the background")
+        budget = present(self.budget_bytes, "the run's budget in bytes")
+        future = self._planner.submit(policy.plan, self._planned_on(trace), budget, self.hardware)
+        self._pending[layout.shape_key] = _PendingPlan(future, layout, trace)
+
+    def _install_plans(self, wait: bool = False) -> None:
+        """Lay out every background plan that is ready (all of them, with ``wait``) in place of the
+        layout it was made for, unless that layout has gone since (a wrong prediction, new blocks)."""
+        for key, pending in list(self._pending.items()):
+            if not (wait or pending.future.done()):
+                continue
+            del self._pending[key]
+            plan = pending.future.result()  # a policy's error surfaces here, in the training loop
+            if plan.recompute or self.layouts.get(key) is not pending.layout:
+                continue  # blocks are chosen on the first shape (R9's two stages); here only swaps
+            old = pending.layout
+            layout = self._layout(pending.trace, self._without_small(plan, pending.trace), old.first_sight,
+                                  predicted=old.predicted)
+            self.layouts[key] = layout
+            if self.layout is old:  # the current shape's: later steps of it follow the new plan
+                self.layout, self.plan, self.predicted_s = layout, layout.plan, layout.predicted_s
+                self.trace = pending.trace
+
+    def wait_for_plans(self) -> None:
+        """Wait for the plans being made in the background, and use them from the next step on."""
+        self._install_plans(wait=True)
 

@@ -3,6 +3,7 @@ executing those predicted traces on steps of variable length, bit-identically wi
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import pytest
@@ -93,7 +94,8 @@ def test_steps_of_lengths_never_profiled_execute_predicted_plans_bit_identically
         loss.backward()
         return loss
 
-    rt = SwapRuntime(budget="60%", policy="min", backend="cpu", model=a, audit=True)
+    # planned between steps, so that which plan each step runs does not depend on a thread's timing
+    rt = SwapRuntime(budget="60%", policy="min", backend="cpu", model=a, audit=True, background_planning=False)
     try:
         reports = train_together(a, b, rt, len(lengths), run)
     finally:
@@ -157,3 +159,40 @@ def test_a_plain_loop_with_a_partial_last_batch_runs_a_plan_for_it_from_its_seco
         if r.mode == "execute":  # every step within the budget, by the accounting and by the meter
             assert r.peak_device_bytes <= r.budget_bytes and r.measured_peak_bytes <= r.budget_bytes
     assert reports[-1].run.shapes == 2
+
+
+def test_new_shapes_run_a_borrowed_plan_at_once_and_the_policys_from_the_background():
+    # test_steps_of_lengths_never_profiled...'s lengths, planned on the planner thread: the length
+    # 48, profiled as it ran, starts on 32's plan (its only family member) and the policy's plan
+    # replaces it once ready; so does 64's, replanned after its borrowed plan needed the guard.
+    lengths = [32, 32, 32, 32, 48, 40, 64, 40, 56, 36, 64]
+    xs = _batches(lengths)
+    a, b = Net(), Net()
+    waited = []
+
+    def run(model, i):
+        loss = model(xs[lengths[i]])
+        loss.backward()
+        return loss
+
+    class Planned(SwapRuntime):  # waits for the background plans after each step (the test's clock, not the runtime's)
+        @contextlib.contextmanager
+        def step(self):
+            with super().step():
+                yield self
+            waited.append({k: dict(lay.plan.meta) for k, lay in self.layouts.items()})
+            self.wait_for_plans()
+
+    rt = Planned(budget="60%", policy="min", backend="cpu", model=a, audit=True)
+    try:
+        reports = train_together(a, b, rt, len(lengths), run)
+        s48, s64 = 8 * 48 * 32 * 4, 8 * 64 * 32 * 4  # the first saved tensor: the input's copy, float32
+        assert "borrowed_from" in waited[4][s48] and "borrowed_from" not in rt.layouts[s48].plan.meta
+        assert "borrowed_from" not in rt.layouts[s64].plan.meta and rt.layouts[s64].predicted
+    finally:
+        rt.close()
+    assert [r.mode for r in reports] == ["profile"] * 3 + ["execute", "profile"] + ["execute"] * 6
+    assert reports[10].plan_followed and reports[10].guard_evictions == 0
+    for r in reports[3:]:
+        if r.mode == "execute":
+            assert r.peak_device_bytes <= r.budget_bytes and r.measured_peak_bytes <= r.budget_bytes
