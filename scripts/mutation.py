@@ -293,7 +293,7 @@ def main() -> int:
         again = {(o["module"], o["line"], o["kind"], o["before"], o["after"]) for o in prev
                  if not o["killed"] or o.get("detail") == "timeout"}
         root = data
-        while "rerun_of" in root:  # a rerun holds only its survivors' outcomes: the full run has them all
+        while root.get("rerun_of"):  # a rerun holds only its survivors' outcomes: the full run has them all
             root = json.loads(Path(root["rerun_of"]).read_text())
         known = {(o["module"], o["line"], o["kind"], o["before"], o["after"]) for o in root["outcomes"]}
         mine = work

@@ -333,6 +333,22 @@ def test_joint_floor_with_three_blocks_hand_computed():
     fast_out = make_hw(d2h=1000, h2d=20)
     assert joint_floor(tr, 300, fast_out) == pytest.approx(6.5 + 16.5 / 0.09 / 20)
     assert analytic_floor(tr, 300, fast_out) == pytest.approx(22.0)
+    # h2d 40 B/s: the crossing moves into R's first piece (y below 100 B, T3 alone at 0.02 s/B):
+    # 6.5 + 0.02 (300 - x) = x/40, x = 12.5 / 0.045 = 277.8, floor 6.5 + 6.944 = 13.444. Gap 6's
+    # crossing, also in its first piece (T5 at 0.01): 6 + 0.01 (300 - x) = x/40, 7 + 9/0.035/40 = 13.43.
+    assert joint_floor(tr, 300, make_hw(d2h=1000, h2d=40)) == pytest.approx(6.5 + 12.5 / 0.045 / 40)
+
+
+def test_joint_floor_where_no_block_is_absent_is_r8s_term():
+    # T0 outside any block, blk.0 = T1 (anchor) and T2 (member, absent only in gap 3, where backward
+    # rebuilds it); 100 B each, 1 s gaps, step 6. Budget 100, d2h 10 B/s, h2d 1000 B/s. Gap 2 holds
+    # 300 B and no block member is absent there: swapping alone, max(2, 200/10) + max(4, 0.2) = 24,
+    # the after-gap compute binding on the way back. Gap 3 mixes (x >= 100 swapped):
+    # max(3, 10) + max(3 + 2, 0.1) = 15; gap 1: max(1, 10) + max(5, 0.1) = 15. Floor 24.
+    tr = make_trace([100] * 3, [("pack", 0, 1.0), ("pack", 1, 1.0), ("pack", 2, 1.0), ("unpack", 2, 1.0),
+                                ("unpack", 1, 1.0), ("unpack", 0, 1.0)], modules=["head", "blk.0.a", "blk.0.b"])
+    assert [(sg.anchor, sg.members, sg.at) for sg in tr.segments] == [(1, (2,), 3)]
+    assert joint_floor(tr, 100, make_hw(d2h=10, h2d=1000)) == pytest.approx(24.0)
 
 
 def test_floor_counts_hooks_tail_static_and_workspace(hw):
