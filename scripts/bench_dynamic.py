@@ -10,6 +10,8 @@ Cases (CPU backend, copies throttled to ``--bandwidth``):
   a collator padding each batch to its longest sequence makes them;
 - ``convnet``: a 6-block CNN on batches of 16 images whose side is drawn from {24, 32, 40}.
 
+Each budget is that percentage of the longest step's activation peak, given to the runtime in bytes.
+
 Per case and budget, the same length sequence is trained five ways in shuffled order each round,
 each beside a plain copy that checks the losses bit for bit: swapsched (``--policy``), plain
 training, ``torch.autograd.graph.save_on_cpu`` (a plain memcpy here, not the throttled link: its row
@@ -41,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import table, write  # noqa: E402
 
 from swapsched.agents.registry import get_policy  # noqa: E402
+from swapsched.budget import parse_budget  # noqa: E402
 from swapsched.deploy import SwapRuntime  # noqa: E402
 
 
@@ -158,6 +161,15 @@ def run_case(name: str, budget: str, steps: int, bandwidth: float, policy: str, 
     rng = random.Random(seed)
     lengths = [draw(rng) for _ in range(steps)]
     static_len = int(round(statistics.mean(lengths)))
+    # the budget in bytes for the whole run: the percentage of the longest step's activation peak
+    # (a relative budget given to the runtime is resolved against its first profiled step, whose
+    # length is a draw: at 50% a longer step could not fit it, and the runtime refuses it)
+    torch.manual_seed(0)
+    probe_model = cls()
+    with SwapRuntime(budget="100%", policy=None, backend="cpu", model=probe_model, profile_steps=1, retime_steps=0) as probe:
+        with probe.step():
+            probe_model(batch(max(lengths))).backward()
+        budget_bytes = parse_budget(budget, probe.trace)
     order = random.Random(seed + 1)
     per_round = []
     for _ in range(rounds):
@@ -168,7 +180,7 @@ def run_case(name: str, budget: str, steps: int, bandwidth: float, policy: str, 
                 timed = TimedPolicy(policy)
                 torch.manual_seed(0)
                 model = cls()
-                with SwapRuntime(budget=budget, policy=timed, backend="cpu", bandwidth=bandwidth, model=model,
+                with SwapRuntime(budget=budget_bytes, policy=timed, backend="cpu", bandwidth=bandwidth, model=model,
                                  audit=True, background_planning=background) as rt:
                     got[way] = _train(cls, batch, seq, runtime=rt, model=model)
                 policies[way] = timed
@@ -202,7 +214,7 @@ def run_case(name: str, budget: str, steps: int, bandwidth: float, policy: str, 
 
     over_static = [rd["ratio"] / rd["static"] for rd in per_round]
     return {
-        "case": name, "budget": budget, "steps": steps, "rounds": rounds, "distinct_lengths": len(set(lengths)),
+        "case": name, "budget": budget, "budget_bytes": budget_bytes, "longest": max(lengths), "steps": steps, "rounds": rounds, "distinct_lengths": len(set(lengths)),
         "mean_length": static_len,
         "executed_share": len(executed) / len(late),
         "predicted_share": sum(r.shape_predicted for r in executed) / len(late),

@@ -44,7 +44,7 @@ class ExecuteStep(StepExecution):
     __slots__ = ("layout", "trace", "budget", "room", "out_at", "prefetch_at", "tensor_bytes", "frees", "expected",
                  "work", "keys", "by_tid", "i", "outs", "waiting", "ins", "n_seen", "first_sight", "gaps", "hook_s",
                  "last_exit", "tail_s", "deaths", "alloc", "other", "marks_in", "marks_out", "mark_start", "mark_end",
-                 "scale", "profile", "started")
+                 "scale", "profile", "started", "untracked")
 
     def __init__(self, rt: PolicyRuntime):
         super().__init__(rt)
@@ -56,6 +56,10 @@ class ExecuteStep(StepExecution):
         # a step whose first saved tensor shows a shape no plan was made for is profiled instead
         # (it hands every hook call to this profiling step), and that shape is planned after it
         self.profile: ProfileStep | None = None
+        # storages of this step the trace does not track (the profiling found someone else holds
+        # them: the caller's batch), as (weak storage, bytes, key): a step that hands its hooks to
+        # a profiling step passes on the ones seen so far, whose bytes its trace counts as static
+        self.untracked: list[tuple[weakref.ref[Any], int, int]] = []
         self.started = time.perf_counter()
         # live storage key -> record. A resident record's handles keep its storage alive; an
         # evicted one gets a weakref.finalize as the runtime lets go of it, and a freed one is
@@ -127,7 +131,7 @@ class ExecuteStep(StepExecution):
             if self.marks_in is not None:
                 self.marks_in = [None] * self.trace.n_events
             return True
-        self.profile = ProfileStep(self.rt, since=(self.started, self.n_seen))
+        self.profile = ProfileStep(self.rt, since=(self.started, self.n_seen), carried=self.untracked)
         return False
 
     # ------------------------------------------------------------------ memory (R4, R6)
@@ -299,6 +303,8 @@ class ExecuteStep(StepExecution):
             if tid < 0:
                 self.keys[key] = UNTRACKED
                 self._on_death(st, self.keys.pop, key, None)
+                if i == 0:  # only before the first traced event can the step still hand over (below)
+                    self.untracked.append((weakref.ref(st), nbytes, key))
                 return Packed(None, t)
             rec = Record(tid, nbytes, key)
             self.keys[key] = rec

@@ -38,9 +38,10 @@ class ProfileStep(StepExecution):
 
     __slots__ = ("ids", "recorder", "trace", "moved", "device", "owners", "cast_keys", "cast_bytes", "released",
                  "freed", "unpacked", "devices", "param_keys", "passes", "modules", "checkpoint_packs", "recomputes",
-                 "new_shape", "seen_before")
+                 "new_shape", "seen_before", "carried")
 
-    def __init__(self, rt: PolicyRuntime, since: tuple[float, int] | None = None):
+    def __init__(self, rt: PolicyRuntime, since: tuple[float, int] | None = None,
+                 carried: list[tuple[weakref.ref[Any], int, int]] | None = None):
         super().__init__(rt)
         clock = self.backend.device_type  # the host clock, or events on the device's stream
         self.ids = StorageIds()  # live storage -> its record (R2)
@@ -62,6 +63,9 @@ class ProfileStep(StepExecution):
         self.recorder.start(since[0] if since else None)
         self.new_shape = since is not None
         self.seen_before = since[1] if since else 0
+        # the storages the handing step saw first and did not track (weak storage, bytes, key):
+        # counted as held by someone else if still alive at the end, as a whole profile judges them
+        self.carried = list(carried or ())
         self.trace: Trace | None = None
         self.moved = 0
         self.device = self.backend.device_type
@@ -163,9 +167,15 @@ class ProfileStep(StepExecution):
                 out[tid] = 0 if key in self.rt._static_keys else nbytes  # a buffer is static already
         return out
 
+    def carried_bytes(self) -> tuple[int, int]:
+        """(count, bytes) of the handed-over untracked storages still alive (buffers: 0 bytes)."""
+        alive = [(nbytes, key) for st, nbytes, key in self.carried if st() is not None]
+        return len(alive), sum(0 if key in self.rt._static_keys else nbytes for nbytes, key in alive)
+
     def finish(self) -> None:
         unowned = self.unowned()
-        static = self.rt.static_bytes + self.cast_bytes + sum(unowned.values())
+        carried, carried_bytes = self.carried_bytes()
+        static = self.rt.static_bytes + self.cast_bytes + sum(unowned.values()) + carried_bytes
         if "unpack" not in self.recorder.kinds:  # a step without backward: no trace to learn from
             self.abort()
             return
@@ -174,7 +184,7 @@ class ProfileStep(StepExecution):
                                           freed=dict(self.freed))
         self.trace = replace(self.trace, events=self._with_rebuilt(self.trace),
                              meta={**self.trace.meta, "unowned_bytes": static - self.rt.static_bytes,
-                                   "unowned_tensors": len(unowned), "backward_passes": len(self.passes)})
+                                   "unowned_tensors": len(unowned) + carried, "backward_passes": len(self.passes)})
         self.rt.first_sight = {k + self.seen_before: v for k, v in self.recorder.remap.items()}
         self.abort()
 
@@ -209,6 +219,7 @@ class ProfileStep(StepExecution):
         self.ids.clear()
         self.recorder.ids.clear()
         self.owners.clear()
+        self.carried.clear()
         self._drop_finalizers()
 
     def report(self, step_s: float) -> StepReport:

@@ -68,9 +68,11 @@ def nonnegative_fit(a: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def median_trace(traces: list[Trace]) -> Trace:
-    """The last trace, with each gap's median over the traces that saw the same events."""
+    """The last trace, with each gap's median over the traces that saw the same events with the
+    same bytes (a profiling step of another shape times other compute)."""
     last = traces[-1]
-    same = [t for t in traces if [(e.kind, e.tensor) for e in t.events] == [(e.kind, e.tensor) for e in last.events]]
+    shape = ([(e.kind, e.tensor) for e in last.events], last.tensor_bytes.tolist())
+    same = [t for t in traces if ([(e.kind, e.tensor) for e in t.events], t.tensor_bytes.tolist()) == shape]
     if len(same) < 2:
         return last
     return _median_timing(last, [t.gaps for t in same], [t.tail_compute_s for t in same], "median_of_steps")

@@ -500,6 +500,8 @@ class PolicyRuntime:
         self._budget_for(self.budget_spec, trace, resolved=self.budget_bytes)
         layout = self._layout(trace, self._borrowed(trace, kin), like.first_sight, predicted=True)
         self.layouts[s] = layout
+        if self.background_planning and self.policy is not None:
+            self._plan_later(layout)  # the policy's own plan for this size: a better donor for sizes near it
         return layout
 
     def _kin(self, trace: Trace, first_sight: dict[int, int]) -> list[PlanLayout]:

@@ -196,3 +196,31 @@ def test_new_shapes_run_a_borrowed_plan_at_once_and_the_policys_from_the_backgro
     for r in reports[3:]:
         if r.mode == "execute":
             assert r.peak_device_bytes <= r.budget_bytes and r.measured_peak_bytes <= r.budget_bytes
+
+
+def test_a_new_shape_whose_first_saved_tensor_is_the_callers_batch_counts_the_batch():
+    # The first conv saves the caller's batch, which the runtime does not own (static bytes, no trace
+    # id). A step of a new size hands its hooks to a profiling step at its first *traced* tensor,
+    # after the batch: the batch's bytes must still enter that shape's static bytes, or its plan
+    # runs over the budget by them (the audit meter counts the batch).
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+                        nn.Conv2d(8, 8, 3, padding=1))
+    gen = torch.Generator().manual_seed(1)
+    xs = {n: torch.randn(4, 3, n, n, generator=gen) for n in (16, 24)}
+    rt = SwapRuntime(budget="90%", policy="min", backend="cpu", model=net, audit=True, background_planning=False)
+    try:
+        reports = []
+        for n in (24, 24, 24, 16, 16):
+            with rt.step():
+                net(xs[n]).pow(2).mean().backward()
+            reports.append(rt.report())
+        assert [r.mode for r in reports] == ["profile"] * 4 + ["execute"] and reports[3].new_shape
+        for n in (16, 24):
+            trace = next(lay.trace for lay in rt.layouts.values() if lay.trace.tensors[lay.trace.events[0].tensor].shape[-1] == n)
+            assert trace.meta["unowned_bytes"] == xs[n].nbytes
+        last = reports[-1]
+        assert last.measured_peak_bytes <= last.budget_bytes and last.peak_device_bytes <= last.budget_bytes
+        assert abs(last.measured_peak_bytes - last.peak_device_bytes) < xs[16].nbytes // 4
+    finally:
+        rt.close()

@@ -1,0 +1,25 @@
+"""runtime/retime.py: a trace's timing from several steps, hand-computed."""
+
+from __future__ import annotations
+
+import pytest
+
+from swapsched.runtime.retime import median_trace
+from tests.conftest import make_trace
+
+
+def _step(gap: float, size: int = 100):
+    return make_trace([size, size], [("pack", 0, gap), ("pack", 1, gap), ("unpack", 1, gap), ("unpack", 0, gap)],
+                      tail=gap)
+
+
+def test_median_trace_takes_each_gap_over_the_steps_of_the_last_ones_shape():
+    # gaps 1, 3, 2 s for three steps of one shape: the median 2 everywhere, and in the tail
+    med = median_trace([_step(1.0), _step(3.0), _step(2.0)])
+    assert med.gaps.tolist() == [2.0] * 4 and med.tail_compute_s == 2.0 and med.meta["median_of_steps"] == 3
+    # a step of another size (same events, other bytes) times other compute: left out. The last
+    # step (200 B) has no other step of its shape: its own timing stands
+    mixed = median_trace([_step(1.0), _step(1.0), _step(5.0, size=200)])
+    assert mixed.gaps.tolist() == [5.0] * 4 and "median_of_steps" not in mixed.meta
+    two = median_trace([_step(1.0, size=200), _step(9.0), _step(3.0, size=200)])
+    assert two.gaps.tolist() == pytest.approx([2.0] * 4) and two.meta["median_of_steps"] == 2
