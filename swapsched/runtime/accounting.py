@@ -27,7 +27,7 @@ class StepExecution:
     # slots: the hooks read and write these at every saved-tensor event
     __slots__ = ("rt", "backend", "records", "static", "used", "peak", "stall_s", "evicted", "prefetched",
                  "on_demand", "copies", "waits", "guard", "diverged", "divergence", "audit", "alive", "alive_peak", "dead_bytes",
-                 "finalizers")
+                 "finalizers", "planning_s")
 
     def __init__(self, rt: PolicyRuntime):
         self.rt = rt
@@ -40,6 +40,7 @@ class StepExecution:
         self.evicted = self.prefetched = self.on_demand = 0
         self.copies = self.waits = 0
         self.guard = 0
+        self.planning_s = 0.0  # laying out a plan inside the step (a predicted shape, at its first tensor)
         self.diverged = False
         self.divergence: Divergence | None = None
         # every finalizer this step puts on a storage: detached when the step ends, so a storage

@@ -124,7 +124,9 @@ class ExecuteStep(StepExecution):
     def _first_tensor(self, nbytes: int) -> bool:
         """The step's first saved tensor has ``nbytes`` where this layout expects other bytes: take
         the plan of the shape that has them, or profile this step. False when profiling."""
-        layout = self.rt.layouts.get(nbytes) or self.rt._predicted_layout(self.layout, nbytes)
+        t0 = time.perf_counter()
+        layout = self.rt._layout_for(nbytes) or self.rt._predicted_layout(self.layout, nbytes)
+        self.planning_s += time.perf_counter() - t0
         # the same storage, in order of first sight, must be that shape's first event as well
         if layout is not None and layout.first_sight.get(self.n_seen, -1) == layout.trace.events[0].tensor:
             self._load(layout)

@@ -198,6 +198,10 @@ class StepReport:
     new_shape: bool = False  # mode "profile": a step whose shape no plan was made for, profiled as it ran
     shape_predicted: bool = False  # executed on a trace predicted from its family's sizes (runtime/shapes.py)
     plain_step_s: float | None = None  # executed: the step's trace's compute without swapping (its ideal)
+    # seconds the runtime spent planning on the training loop's thread for this step: laying out a
+    # predicted shape at its first saved tensor, and what it did after the step (the policy's plan,
+    # a re-layout); plans made on the planner thread are not in it
+    planning_s: float = 0.0
     run: RunSummary | None = None  # the whole run so far
 
     def __str__(self) -> str:

@@ -205,6 +205,8 @@ class PolicyRuntime:
         self.background_planning = bool(background_planning)
         self._planner: ThreadPoolExecutor | None = None
         self._pending: dict[int, _PendingPlan] = {}
+        # shape key -> (its layout, the report of its first executed step): re-timed on its next step
+        self._untimed: dict[int, tuple[PlanLayout, StepReport]] = {}
 
     # ------------------------------------------------------------------ the public surface
     @contextlib.contextmanager
@@ -237,8 +239,16 @@ class PolicyRuntime:
         step_s = time.perf_counter() - t0
         rep = ex.report(step_s)
         self._report = replace(rep, run=self._tally.add(rep, self))
+        t_after = time.perf_counter()
+        self._after_step(ex)
+        self._report = replace(self._report, planning_s=ex.planning_s + time.perf_counter() - t_after)
+
+    def _after_step(self, ex: StepExecution) -> None:
+        """The after-step work of the kind of step ``ex`` was (one method per kind)."""
         if isinstance(ex, ProfileStep):
             self._after_profile(ex)
+        elif not isinstance(ex, ExecuteStep):
+            internal_assert(False, f"a step of kind {type(ex).__name__}")
         elif ex.profile is not None:
             self._after_new_shape(ex.profile)
         elif ex.diverged:
@@ -310,8 +320,7 @@ class PolicyRuntime:
             self._plan_predicted(layout, rep)
         elif (rep.gaps_s is not None and len(rep.gaps_s) == layout.trace.n_events
               and "timed_by_execution" not in layout.trace.meta):
-            self.layouts[layout.shape_key] = self._layout(timed_by_execution(layout.trace, [rep]), layout.plan,
-                                                          layout.first_sight, predicted=layout.predicted)
+            self._untimed[layout.shape_key] = (layout, rep)  # re-timed when the shape comes again
 
     def _after_retime_step(self) -> None:
         """Every ``retime_steps`` executed steps: the trace's gaps from them (and the host's costs,
@@ -459,6 +468,7 @@ class PolicyRuntime:
         self.blocks.install(plan.recompute)
         self.layouts.clear()  # laid out for steps that did not checkpoint the blocks
         self._pending.clear()  # plans in the making are for those steps too: dropped when ready
+        self._untimed.clear()
         self.trace = self.plan = self.layout = None
         self.predicted_s = None
         self._profiled = 0
@@ -504,6 +514,19 @@ class PolicyRuntime:
             self._plan_later(layout)  # the policy's own plan for this size: a better donor for sizes near it
         return layout
 
+    def _layout_for(self, key: int) -> PlanLayout | None:
+        """The layout of the shape whose first saved tensor has ``key`` bytes, if any; a shape that
+        has run once is re-timed from that step as it comes again (not before: with lengths drawn
+        at random most shapes never come again, and re-timing one costs a simulation)."""
+        layout = self.layouts.get(key)
+        untimed = self._untimed.pop(key, None)
+        if layout is not None and untimed is not None and untimed[0] is layout:
+            rep = untimed[1]
+            layout = self._layout(timed_by_execution(layout.trace, [rep]), layout.plan, layout.first_sight,
+                                  predicted=layout.predicted)
+            self.layouts[key] = layout
+        return layout
+
     def _kin(self, trace: Trace, first_sight: dict[int, int]) -> list[PlanLayout]:
         """The layouts of ``trace``'s family: the same events, the same storages in order of first sight."""
         shape = structure(trace)
@@ -511,13 +534,14 @@ class PolicyRuntime:
 
     def _borrowed(self, trace: Trace, kin: list[PlanLayout]) -> SwapPlan:
         """For ``trace``, the plan of one of its family's sizes (the same events: its evictions
-        apply as they are, R7): of the nearest few and the nearest larger one (a larger size evicts
-        no less), the one the simulator times fastest on ``trace``."""
+        apply as they are, R7): of the nearest two and the nearest larger one (a larger size evicts
+        no less), the one the simulator times fastest on ``trace`` (each costs a simulation, inside
+        the step whose shape it is: a few, not all)."""
         s = first_bytes(trace)
-        near = sorted(kin, key=lambda lay: abs(lay.shape_key - s))[:4]
+        near = sorted(kin, key=lambda lay: abs(lay.shape_key - s))[:2]
         larger = [lay for lay in kin if lay.shape_key >= s]
-        if larger:
-            near.append(min(larger, key=lambda lay: lay.shape_key))
+        if larger and (bigger := min(larger, key=lambda lay: lay.shape_key)) not in near:
+            near.append(bigger)
         budget = present(self.budget_bytes, "the run's budget in bytes")
         timed = [(simulate(trace, lay.plan.evictions, self.hardware, budget, validate=False).iteration_s,
                   lay.shape_key, lay) for lay in near]

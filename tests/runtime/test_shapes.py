@@ -104,6 +104,9 @@ def test_steps_of_lengths_never_profiled_execute_predicted_plans_bit_identically
     # two lengths profiled (32 three times, 48 once as it ran); every other length is predicted
     assert modes == ["profile"] * 3 + ["execute", "profile"] + ["execute"] * 6
     assert [r.shape_predicted for r in reports[5:]] == [True] * 6
+    # the predicted layout was made inside step 5, at its first saved tensor; the policy planned
+    # after step 2 (the profiles are in) and after step 4 (48, profiled as it ran): their time is reported
+    assert reports[5].planning_s > 0 and reports[2].planning_s > 0 and reports[4].planning_s > 0
     for r in reports[3:]:
         if r.mode == "execute":  # the budget holds on every step, by the independent meter too
             assert r.peak_device_bytes <= r.budget_bytes and r.measured_peak_bytes <= r.budget_bytes
