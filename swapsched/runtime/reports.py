@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from swapsched.budget import format_bytes
 from swapsched.plan import SwapPlan
-from swapsched.runtime.shapes import first_bytes
+from swapsched.runtime.shapes import first_bytes, structure
 from swapsched.trace import Trace
 
 if TYPE_CHECKING:
@@ -48,14 +49,19 @@ class PlanLayout:
     expected_codes: list[int]
     work_at: list[bool]
     first_sight: dict[int, int]
-    # the trace was predicted from its family's profiled sizes (runtime/shapes.py), not profiled,
-    # and the plan borrowed from the nearest profiled size at least as large
+    # the trace was predicted from its family's profiled sizes (runtime/shapes.py), not profiled
+    # (its first plan borrowed from a size near it)
     predicted: bool = False
 
     @property
     def shape_key(self) -> int:
         """The bytes of the step's first saved tensor: what a step shows of its shape first."""
         return first_bytes(self.trace)
+
+    @cached_property
+    def family(self) -> tuple[tuple[bool, int], ...]:
+        """``shapes.structure`` of the trace, computed once: layouts of one family share it."""
+        return structure(self.trace)
 
 
 class DivergenceError(RuntimeError):

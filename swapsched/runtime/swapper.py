@@ -45,7 +45,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from swapsched.budget import BudgetError, check_budget, format_bytes, parse_budget, smallest_feasible
-from swapsched.env.simulator import event_tables, simulate
+from swapsched.env.simulator import SimResult, event_tables, simulate
 from swapsched.errors import UserError, internal_assert, present
 from swapsched.hardware import HOST_COSTS, Hardware, default_hardware, load_hardware
 from swapsched.plan import SwapPlan
@@ -298,7 +298,7 @@ class PolicyRuntime:
         self.trace, self._retimed = trace, False
         if self.blocks is None or not self.blocks.names:
             self._unwrapped_trace = trace
-        self._adopt(self._borrowed(trace, kin))
+        self._adopt(*self._borrowed(trace, kin))
         self._plan_later(self.layout)
 
     def _after_divergence(self, ex: ExecuteStep) -> None:
@@ -478,18 +478,21 @@ class PolicyRuntime:
         self._executed = []
         self._host_steps.clear()
 
-    def _adopt(self, plan: SwapPlan) -> None:
+    def _adopt(self, plan: SwapPlan, simulated: SimResult | None = None) -> None:
         """Check ``plan`` (R7), predict its step time, and lay it out per event for the hooks."""
         internal_assert(not plan.recompute, "a plan that recomputes goes through _recompute (R9's two stages)")
         trace = present(self.trace, "the trace a plan is adopted on")
         plan.validate(trace)
-        self.layout = self._layout(trace, plan, self.first_sight)
+        self.layout = self._layout(trace, plan, simulated, first_sight=self.first_sight)
         self.plan, self.predicted_s = plan, self.layout.predicted_s
         self.layouts[self.layout.shape_key] = self.layout
 
-    def _layout(self, trace: Trace, plan: SwapPlan, first_sight: dict[int, int], predicted: bool = False) -> PlanLayout:
-        """``plan`` on ``trace`` laid out for the hooks, with its predicted step time."""
-        res = simulate(trace, plan, self.hardware, present(self.budget_bytes, "the run's budget in bytes"), validate=False)
+    def _layout(self, trace: Trace, plan: SwapPlan, simulated: SimResult | None = None, *, first_sight: dict[int, int],
+                predicted: bool = False) -> PlanLayout:
+        """``plan`` on ``trace`` laid out for the hooks, with its predicted step time (``simulated``:
+        the simulator's result of ``plan`` on ``trace`` already at hand)."""
+        res = simulated or simulate(trace, plan, self.hardware, present(self.budget_bytes, "the run's budget in bytes"),
+                                    validate=False)
         out_at, prefetch_at = plan.by_event(trace.n_events)  # as the simulator lays it out
         tb = event_tables(trace)
         return PlanLayout(
@@ -510,7 +513,7 @@ class PolicyRuntime:
         if trace is None:
             return None
         self._budget_for(self.budget_spec, trace, resolved=self.budget_bytes)
-        layout = self._layout(trace, self._borrowed(trace, kin), like.first_sight, predicted=True)
+        layout = self._layout(trace, *self._borrowed(trace, kin), first_sight=like.first_sight, predicted=True)
         self.layouts[s] = layout
         if self.background_planning and self.policy is not None:
             self._plan_later(layout)  # the policy's own plan for this size: a better donor for sizes near it
@@ -524,7 +527,7 @@ class PolicyRuntime:
         untimed = self._untimed.pop(key, None)
         if layout is not None and untimed is not None and untimed[0] is layout:
             rep = untimed[1]
-            layout = self._layout(timed_by_execution(layout.trace, [rep]), layout.plan, layout.first_sight,
+            layout = self._layout(timed_by_execution(layout.trace, [rep]), layout.plan, first_sight=layout.first_sight,
                                   predicted=layout.predicted)
             self.layouts[key] = layout
         return layout
@@ -532,23 +535,23 @@ class PolicyRuntime:
     def _kin(self, trace: Trace, first_sight: dict[int, int]) -> list[PlanLayout]:
         """The layouts of ``trace``'s family: the same events, the same storages in order of first sight."""
         shape = structure(trace)
-        return [lay for lay in self.layouts.values() if lay.first_sight == first_sight and structure(lay.trace) == shape]
+        return [lay for lay in self.layouts.values() if lay.first_sight == first_sight and lay.family == shape]
 
-    def _borrowed(self, trace: Trace, kin: list[PlanLayout]) -> SwapPlan:
+    def _borrowed(self, trace: Trace, kin: list[PlanLayout]) -> tuple[SwapPlan, SimResult]:
         """For ``trace``, the plan of one of its family's sizes (the same events: its evictions
         apply as they are, R7): of the nearest two and the nearest larger one (a larger size evicts
         no less), the one the simulator times fastest on ``trace`` (each costs a simulation, inside
-        the step whose shape it is: a few, not all)."""
+        the step whose shape it is: a few, not all), with its simulated result."""
         s = first_bytes(trace)
         near = sorted(kin, key=lambda lay: abs(lay.shape_key - s))[:2]
         larger = [lay for lay in kin if lay.shape_key >= s]
         if larger and (bigger := min(larger, key=lambda lay: lay.shape_key)) not in near:
             near.append(bigger)
         budget = present(self.budget_bytes, "the run's budget in bytes")
-        timed = [(simulate(trace, lay.plan.evictions, self.hardware, budget, validate=False).iteration_s,
-                  lay.shape_key, lay) for lay in near]
-        donor = min(timed, key=lambda x: x[:2])[2]
-        return SwapPlan(trace.name, donor.plan.policy, donor.plan.evictions, {**donor.plan.meta, "borrowed_from": donor.trace.name})
+        timed = [(simulate(trace, lay.plan.evictions, self.hardware, budget, validate=False), lay) for lay in near]
+        res, donor = min(timed, key=lambda x: (x[0].iteration_s, x[1].shape_key))
+        plan = SwapPlan(trace.name, donor.plan.policy, donor.plan.evictions, {**donor.plan.meta, "borrowed_from": donor.trace.name})
+        return plan, res
 
     def _plan_predicted(self, layout: PlanLayout, rep: StepReport) -> None:
         """A predicted shape whose borrowed plan did not hold: the policy plans it, on the trace as
@@ -563,7 +566,7 @@ class PolicyRuntime:
         plan = policy.plan(self._planned_on(trace), present(self.budget_bytes, "the run's budget in bytes"), self.hardware)
         if plan.recompute:  # the blocks are chosen on profiled shapes (R9's two stages); here only swaps
             return
-        self.layouts[layout.shape_key] = self._layout(trace, self._without_small(plan, trace), layout.first_sight,
+        self.layouts[layout.shape_key] = self._layout(trace, self._without_small(plan, trace), first_sight=layout.first_sight,
                                                       predicted=True)
 
     # ------------------------------------------------------------------ planning in the background
@@ -591,7 +594,7 @@ class PolicyRuntime:
             if plan.recompute or self.layouts.get(key) is not pending.layout:
                 continue  # blocks are chosen on the first shape (R9's two stages); here only swaps
             old = pending.layout
-            layout = self._layout(pending.trace, self._without_small(plan, pending.trace), old.first_sight,
+            layout = self._layout(pending.trace, self._without_small(plan, pending.trace), first_sight=old.first_sight,
                                   predicted=old.predicted)
             self.layouts[key] = layout
             if self.layout is old:  # the current shape's: later steps of it follow the new plan
