@@ -79,9 +79,10 @@ class Phase(enum.Enum):
 
 @dataclass(frozen=True)
 class _PendingPlan:
-    """A plan the policy is making on the planner thread: for ``layout``'s shape, on ``trace``."""
+    """A plan the policy is making on the planner thread, laid out there: for ``layout``'s shape,
+    on ``trace`` (None when the policy recomputed: not for a shape after the first)."""
 
-    future: Future[SwapPlan]
+    future: Future[PlanLayout | None]
     layout: PlanLayout
     trace: Trace
 
@@ -572,32 +573,39 @@ class PolicyRuntime:
     # ------------------------------------------------------------------ planning in the background
     def _plan_later(self, layout: PlanLayout, trace: Trace | None = None) -> None:
         """Have the policy plan ``layout``'s shape (on ``trace``, default its own) on the planner
-        thread; :meth:`_install_plans` puts the plan in place of ``layout`` once it is ready. The
-        policy reads only its arguments (``plan(trace, budget, hardware)``), so it may run beside
-        the training step; on a machine with few cores it takes their time from the step."""
+        thread, and lay the plan out there too; :meth:`_install_plans` puts the new layout in place
+        of ``layout`` once it is ready. The policy reads only its arguments (``plan(trace, budget,
+        hardware)``) and the layout only the trace, the plan and these two, so both may run beside
+        the training step; on a machine with few cores they take their time from it."""
         trace = layout.trace if trace is None else trace
         if self._planner is None:
             self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swapsched-planner")
         policy = present(self.policy, "the policy that plans in the background")
         budget = present(self.budget_bytes, "the run's budget in bytes")
-        future = self._planner.submit(policy.plan, self._planned_on(trace), budget, self.hardware)
-        self._pending[layout.shape_key] = _PendingPlan(future, layout, trace)
+        hardware, first_sight, predicted = self.hardware, layout.first_sight, layout.predicted
+
+        def plan_and_lay_out() -> PlanLayout | None:
+            plan = policy.plan(self._planned_on(trace), budget, hardware)
+            if plan.recompute:  # blocks are chosen on the first shape (R9's two stages); here only swaps
+                return None
+            plan = self._without_small(plan, trace)
+            return self._layout(trace, plan, simulate(trace, plan, hardware, budget, validate=False),
+                                first_sight=first_sight, predicted=predicted)
+
+        self._pending[layout.shape_key] = _PendingPlan(self._planner.submit(plan_and_lay_out), layout, trace)
 
     def _install_plans(self, wait: bool = False) -> None:
-        """Lay out every background plan that is ready (all of them, with ``wait``) in place of the
+        """Put every background layout that is ready (all of them, with ``wait``) in place of the
         layout it was made for, unless that layout has gone since (a wrong prediction, new blocks)."""
         for key, pending in list(self._pending.items()):
             if not (wait or pending.future.done()):
                 continue
             del self._pending[key]
-            plan = pending.future.result()  # a policy's error surfaces here, in the training loop
-            if plan.recompute or self.layouts.get(key) is not pending.layout:
-                continue  # blocks are chosen on the first shape (R9's two stages); here only swaps
-            old = pending.layout
-            layout = self._layout(pending.trace, self._without_small(plan, pending.trace), first_sight=old.first_sight,
-                                  predicted=old.predicted)
+            layout = pending.future.result()  # a policy's error surfaces here, in the training loop
+            if layout is None or self.layouts.get(key) is not pending.layout:
+                continue
             self.layouts[key] = layout
-            if self.layout is old:  # the current shape's: later steps of it follow the new plan
+            if self.layout is pending.layout:  # the current shape's: later steps of it follow the new plan
                 self.layout, self.plan, self.predicted_s = layout, layout.plan, layout.predicted_s
                 self.trace = pending.trace
 
