@@ -337,6 +337,11 @@ def test_joint_floor_with_three_blocks_hand_computed():
     # 6.5 + 0.02 (300 - x) = x/40, x = 12.5 / 0.045 = 277.8, floor 6.5 + 6.944 = 13.444. Gap 6's
     # crossing, also in its first piece (T5 at 0.01): 6 + 0.01 (300 - x) = x/40, 7 + 9/0.035/40 = 13.43.
     assert joint_floor(tr, 300, make_hw(d2h=1000, h2d=40)) == pytest.approx(6.5 + 12.5 / 0.045 / 40)
+    # Budget 400, 20 B/s out, 1000 B/s in: gap 5 must free 200 B. The minimum is at the swap-out's
+    # knee, x = 6.5 * 20 = 130, inside R's first piece (y = 70 B of T3 at 0.02 s/B), where the
+    # after-gap term binds: 6.5 + 6.5 + 0.02 * 70 = 14.4. (Gap 6's knee, x = 140, y = 60 in T5's
+    # piece: 7 + 6 + 0.6 = 13.6; gaps 4 and 7, 100 B swapped in time: 13.)
+    assert joint_floor(tr, 400, make_hw(d2h=20, h2d=1000)) == pytest.approx(14.4)
 
 
 def test_joint_floor_where_no_block_is_absent_is_r8s_term():
