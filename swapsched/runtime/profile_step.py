@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from swapsched.env.simulator import HOST
+from swapsched.runtime.accounting import StepExecution
 from swapsched.runtime.profiler import ModulePath, StorageIds, TraceRecorder, is_cached_cast, storage_key
 from swapsched.runtime.reports import StepReport
 from swapsched.runtime.stash import Packed, Record, flat_bytes, rebuild
@@ -17,7 +18,6 @@ from swapsched.trace import Trace
 
 if TYPE_CHECKING:
     from swapsched.runtime.swapper import PolicyRuntime
-from swapsched.runtime.accounting import StepExecution
 
 __all__ = ["ProfileStep"]
 
