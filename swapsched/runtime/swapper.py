@@ -38,7 +38,7 @@ import contextlib
 import enum
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -79,12 +79,11 @@ class Phase(enum.Enum):
 
 @dataclass(frozen=True)
 class _PendingPlan:
-    """A plan the policy is making on the planner thread, laid out there: for ``layout``'s shape,
-    on ``trace`` (None when the policy recomputed: not for a shape after the first)."""
+    """A plan the policy is making on the planner thread, laid out there, to replace ``layout``
+    (None when the policy recomputed: not for a shape after the first)."""
 
     future: Future[PlanLayout | None]
     layout: PlanLayout
-    trace: Trace
 
 
 class PolicyRuntime:
@@ -287,18 +286,14 @@ class PolicyRuntime:
         shapes' plans."""
         if profiled.trace is None:
             return
-        self._executed = []
-        self._host_steps.clear()  # steps of another trace: their event counts differ
+        self._forget_executed()
         trace = profiled.trace
         kin = self._kin(trace, self.first_sight)
         if not (kin and self.background_planning and self.policy is not None):
             self._plan_from(trace)
             return
         # at once, the family's plan the simulator times fastest here; the policy's on a thread
-        self.budget_bytes = self._budget_for(self.budget_spec, trace, resolved=self.budget_bytes)
-        self.trace, self._retimed = trace, False
-        if self.blocks is None or not self.blocks.names:
-            self._unwrapped_trace = trace
+        self._take_trace(trace)
         self._adopt(*self._borrowed(trace, kin))
         self._plan_later(self.layout)
 
@@ -309,8 +304,7 @@ class PolicyRuntime:
         self.trace = self.plan = self.layout = None
         self._profiled = self.profile_steps - 1
         self._profiles = []
-        self._executed = []
-        self._host_steps.clear()  # steps of another trace: their event counts differ
+        self._forget_executed()
 
     def _after_other_shape(self, ex: ExecuteStep) -> None:
         """A step of another shape, under its own plan: it re-times nothing of the current one. A
@@ -433,12 +427,22 @@ class PolicyRuntime:
             return trace.with_segments(lambda sg: False)
         return self.blocks.executable(trace)
 
-    def _plan_from(self, trace: Trace, retimed: bool = False) -> None:
-        """Plan on ``trace`` (profiled, or ``retimed`` by executed steps) and adopt the plan."""
+    def _forget_executed(self) -> None:
+        """Drop the executed steps kept for re-timing: they ran another trace (their events differ)."""
+        self._executed = []
+        self._host_steps.clear()
+
+    def _take_trace(self, trace: Trace, retimed: bool = False) -> None:
+        """``trace`` (profiled, or ``retimed`` by executed steps) is the one plans are made on
+        from now, with the run's budget checked against it."""
         self.trace, self._retimed = trace, retimed
         if self.blocks is None or not self.blocks.names:
             self._unwrapped_trace = trace
         self.budget_bytes = self._budget_for(self.budget_spec, trace, resolved=self.budget_bytes)
+
+    def _plan_from(self, trace: Trace, retimed: bool = False) -> None:
+        """Plan on ``trace`` (profiled, or ``retimed`` by executed steps) and adopt the plan."""
+        self._take_trace(trace, retimed)
         planned_on = self._planned_on(trace)
         if self.policy is None:  # nothing plans: every tensor stays until use_plan()
             plan = SwapPlan.of(trace, "keep-all", [])
@@ -476,8 +480,7 @@ class PolicyRuntime:
         self.predicted_s = None
         self._profiled = 0
         self._profiles = []
-        self._executed = []
-        self._host_steps.clear()
+        self._forget_executed()
 
     def _adopt(self, plan: SwapPlan, simulated: SimResult | None = None) -> None:
         """Check ``plan`` (R7), predict its step time, and lay it out per event for the hooks."""
@@ -563,12 +566,9 @@ class PolicyRuntime:
         if self.background_planning:
             self._plan_later(layout, trace)
             return
-        policy = present(self.policy, "the policy that replans a predicted shape")
-        plan = policy.plan(self._planned_on(trace), present(self.budget_bytes, "the run's budget in bytes"), self.hardware)
-        if plan.recompute:  # the blocks are chosen on profiled shapes (R9's two stages); here only swaps
-            return
-        self.layouts[layout.shape_key] = self._layout(trace, self._without_small(plan, trace), first_sight=layout.first_sight,
-                                                      predicted=True)
+        replanned = self._policy_layout(layout, trace)()
+        if replanned is not None:
+            self.layouts[layout.shape_key] = replanned
 
     # ------------------------------------------------------------------ planning in the background
     def _plan_later(self, layout: PlanLayout, trace: Trace | None = None) -> None:
@@ -577,22 +577,29 @@ class PolicyRuntime:
         of ``layout`` once it is ready. The policy reads only its arguments (``plan(trace, budget,
         hardware)``) and the layout only the trace, the plan and these two, so both may run beside
         the training step; on a machine with few cores they take their time from it."""
-        trace = layout.trace if trace is None else trace
         if self._planner is None:
             self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swapsched-planner")
-        policy = present(self.policy, "the policy that plans in the background")
+        job = self._policy_layout(layout, layout.trace if trace is None else trace)
+        self._pending[layout.shape_key] = _PendingPlan(self._planner.submit(job), layout)
+
+    def _policy_layout(self, layout: PlanLayout, trace: Trace) -> Callable[[], PlanLayout | None]:
+        """The policy's plan for ``layout``'s shape on ``trace``, laid out: a job that reads only
+        what it is given here (the run's budget and hardware as they are now), so it may run on
+        the planner thread. None where the policy recomputes: blocks are chosen on the first shape
+        (R9's two stages), later shapes only swap."""
+        policy = present(self.policy, "the policy that plans a later shape")
         budget = present(self.budget_bytes, "the run's budget in bytes")
         hardware, first_sight, predicted = self.hardware, layout.first_sight, layout.predicted
 
         def plan_and_lay_out() -> PlanLayout | None:
             plan = policy.plan(self._planned_on(trace), budget, hardware)
-            if plan.recompute:  # blocks are chosen on the first shape (R9's two stages); here only swaps
+            if plan.recompute:
                 return None
             plan = self._without_small(plan, trace)
             return self._layout(trace, plan, simulate(trace, plan, hardware, budget, validate=False),
                                 first_sight=first_sight, predicted=predicted)
 
-        self._pending[layout.shape_key] = _PendingPlan(self._planner.submit(plan_and_lay_out), layout, trace)
+        return plan_and_lay_out
 
     def _install_plans(self, wait: bool = False) -> None:
         """Put every background layout that is ready (all of them, with ``wait``) in place of the
@@ -606,8 +613,7 @@ class PolicyRuntime:
                 continue
             self.layouts[key] = layout
             if self.layout is pending.layout:  # the current shape's: later steps of it follow the new plan
-                self.layout, self.plan, self.predicted_s = layout, layout.plan, layout.predicted_s
-                self.trace = pending.trace
+                self.layout, self.plan, self.predicted_s, self.trace = layout, layout.plan, layout.predicted_s, layout.trace
 
     def wait_for_plans(self) -> None:
         """Wait for the plans being made in the background, and use them from the next step on."""

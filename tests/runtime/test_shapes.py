@@ -84,16 +84,25 @@ def _batches(lengths):
     return {n: torch.randn(8, n, 32, generator=torch.Generator().manual_seed(n)) for n in set(lengths)}
 
 
-def test_steps_of_lengths_never_profiled_execute_predicted_plans_bit_identically_within_budget():
-    lengths = [32, 32, 32, 32, 48, 40, 64, 40, 56, 36, 64]
+#: three steps of 32 profiled, 48 profiled as it runs, then lengths never profiled (64 beyond both)
+LENGTHS = [32, 32, 32, 32, 48, 40, 64, 40, 56, 36, 64]
+
+
+def _step_of_length(lengths):
+    """``run(model, i)`` for ``train_together``: step ``i`` at ``lengths[i]``, its loss."""
     xs = _batches(lengths)
-    a, b = Net(), Net()
 
     def run(model, i):
         loss = model(xs[lengths[i]])
         loss.backward()
         return loss
 
+    return run
+
+
+def test_steps_of_lengths_never_profiled_execute_predicted_plans_bit_identically_within_budget():
+    lengths, run = LENGTHS, _step_of_length(LENGTHS)
+    a, b = Net(), Net()
     # planned between steps, so that which plan each step runs does not depend on a thread's timing
     rt = SwapRuntime(budget="60%", policy="min", backend="cpu", model=a, audit=True, background_planning=False)
     try:
@@ -168,15 +177,9 @@ def test_new_shapes_run_a_borrowed_plan_at_once_and_the_policys_from_the_backgro
     # test_steps_of_lengths_never_profiled...'s lengths, planned on the planner thread: the length
     # 48, profiled as it ran, starts on 32's plan (its only family member) and the policy's plan
     # replaces it once ready; so does 64's, replanned after its borrowed plan needed the guard.
-    lengths = [32, 32, 32, 32, 48, 40, 64, 40, 56, 36, 64]
-    xs = _batches(lengths)
+    lengths, run = LENGTHS, _step_of_length(LENGTHS)
     a, b = Net(), Net()
     waited = []
-
-    def run(model, i):
-        loss = model(xs[lengths[i]])
-        loss.backward()
-        return loss
 
     class Planned(SwapRuntime):  # waits for the background plans after each step (the test's clock, not the runtime's)
         @contextlib.contextmanager
