@@ -34,7 +34,9 @@ Formulation (indices are events; gap *j* is the compute before event *j*, R1):
   then away from the gap after their release through the gap of its recompute event ``at_s``, so
   the memory row at gap *j* counts ``avail_s(j) r_s`` too (the members' bytes absent there); and the
   recompute runs on the compute stream at event ``at_s``: ``S_{at_s+1} - S_{at_s} >= forward_s r_s``
-  (summed over the blocks recomputed at one event). The anchor's presence at ``at_s``, and the
+  (summed over the blocks recomputed at one event). A member is never also evicted:
+  ``e[k, j] + r_s <= 1`` (without it a member's bytes counted twice in a memory row, and the
+  block's recompute stall paid for the member's swap-in). The anchor's presence at ``at_s``, and the
   rebuilt members' room, are not constrained (relaxed).
 - Objective: minimize ``S_n``; the bound is ``G_n + tail + S_n``, and never below the floor (R8's,
   or over the joint space ``env.simulator.joint_floor``).
@@ -161,6 +163,10 @@ def lower_bound(trace: Trace, budget: int, hardware: Hardware, *, time_limit_s: 
             row([(col, c_in), (int(fu[k]) + 1, -1.0), (j, 1.0)], 0.0)
     for sg in segments:  # the recompute's own compute at its event: S_at - S_{at+1} + forward r <= 0
         row([(int(sg.at), 1.0), (int(sg.at) + 1, -1.0), (nR + sg.index, sg.forward_s)], 0.0)
+    block_of = {int(k): sg.index for sg in segments for k in sg.members}
+    for v, (k, _) in enumerate(pairs):  # a member is never also evicted (R9): e + r <= 1
+        if k in block_of:
+            row([(nS + v, 1.0), (nR + block_of[k], 1.0)], 1.0)
     for j, members in by_gap.items():
         ks = np.array([k for k, _ in members])
         cs = [c for _, c in members]

@@ -185,7 +185,7 @@ class Simulation:
         self.oom_event: int | None = None
         self.hook = hardware.hook_cost_s
         # host costs of the copies: owed as they arise (an admission may happen in a drain) and
-        # paid by the compute thread before its next gap
+        # paid by the compute thread before it next computes or waits
         self.issue = hardware.copy_issue_s
         self.resume = hardware.wait_resume_s
         self.per_byte = hardware.copy_host_s_per_byte
@@ -290,9 +290,7 @@ class Simulation:
             if not self.d2h_q:
                 self.oom_event = event
                 return False
-            c = self._complete_one_swapout()
-            if c > self.t:
-                self._stall(c - self.t, event)
+            self._wait_until(self._complete_one_swapout(), event)
         return True
 
     def _let_go(self, held: list[bool], k: int) -> None:
@@ -326,8 +324,7 @@ class Simulation:
             if not self._make_room(self.tb.bytes[k], event):
                 return False
             self._start_swapin(k, self.t)
-        if self.in_done[k] > self.t:
-            self._stall(self.in_done[k] - self.t, event)
+        self._wait_until(self.in_done[k], event)
         self.loc[k] = RESIDENT
         self._drain(self.t)
         return True
@@ -356,6 +353,15 @@ class Simulation:
         self.recompute_s += sg.forward_s
         self._drain(self.t)
         return True
+
+    def _wait_until(self, done: float, event: int) -> None:
+        """Compute waits for a copy that ends at ``done``. The host work it owes comes first: the
+        runtime issues its copies inside the hooks, so that work is spent before the thread blocks
+        and overlaps the wait."""
+        if self.host_debt:
+            self._pay_host()
+        if done > self.t:
+            self._stall(done - self.t, event)
 
     def _stall(self, dt: float, event: int) -> None:
         if self.record:

@@ -209,6 +209,22 @@ def test_two_blocks_each_with_its_own_recompute_variable():
     assert lower_bound(tr, 300, slow).bound_s == pytest.approx(17.0, rel=1e-6)
 
 
+def test_a_recomputed_member_is_not_also_counted_away_by_a_swap():
+    # blk.0 = anchor T0 (200 B), member T1 (100 B, forward 1 + 2 = 3 s, recomputed at e3); T2 200 B
+    # outside. Gaps 1, 2, 0.5, 2, 1, 1 (ideal 7.5 s); d2h 200 B/s, h2d 25 B/s. Budget 375: only
+    # gap 2 is over, by 125 B. T1's swap-in (4 s) would have to run between gap 2's start and the end
+    # of e3 (2.5 s): 1.5 s of stall, which the recompute's own 3 s at e3 would cover. Swapping T1
+    # (100 B) as well as recomputing it (100 B absent) counted its bytes twice and "fit" for
+    # 3 + 0.5 s: 11. A member is never also evicted (R9), so 125 B away needs T0 out, whose 8 s
+    # swap-in leaves 4.5 s of stall before e4 ends: 12. (The best plan, found by enumeration, is
+    # 20.5 s.)
+    tr = make_trace([200, 100, 200], [("pack", 0, 1.0), ("pack", 1, 2.0), ("pack", 2, 0.5), ("unpack", 1, 2.0),
+                                      ("unpack", 0, 1.0), ("unpack", 2, 1.0)], modules=["blk.0.a", "blk.0.b", "head"])
+    assert [(sg.anchor, sg.members, sg.at, sg.forward_s) for sg in tr.segments] == [(0, (1,), 3, 3.0)]
+    b = lower_bound(tr, 375, make_hw(d2h=200, h2d=25))
+    assert b.bound_s == pytest.approx(12.0, rel=1e-6) and b.status == "milp"
+
+
 def test_one_byte_over_budget_puts_a_whole_tensor_away():
     # test_latency_makes_the_bound_tighter_than_the_floor's case at budget 199: gap 1 is 1 B over, and
     # a tensor is away whole or not at all (e is binary), so T0's 1.5 s copy out still precedes gap

@@ -248,6 +248,70 @@ def test_an_unpack_of_a_tensor_still_waiting_for_room_goes_ahead_on_demand(hw):
     assert r.h2d_bytes == 300 and r.peak_bytes == 300
 
 
+def test_host_debt_is_paid_before_an_r4_wait_and_overlaps_it(two_tensors, hw):
+    # 0.5 s per copy, budget 100. T0 out at e0: d2h 1 -> 2, owes 0.5. e1's gap (from t=1) needs
+    # T1's 100 B, so R4 waits for T0's swap-out (done at 2). The hook issued that copy, so its 0.5 s
+    # is spent first (1 -> 1.5), then the wait (1.5 -> 2, a 0.5 s stall). e1 at 3, e2 at 5: the
+    # prefetch runs 5 -> 6 and owes 0.5, paid before e3's gap (5.5 -> 6.5); T0 is back at 6: no
+    # stall. Step 6.5. (Waiting first and paying after would stall 1 s and end at 7.)
+    r = simulate(two_tensors, [Eviction(0, 0, 2)], _with(hw, copy_issue_s=0.5), 100, record=True)
+    assert r.stall_fwd_s == pytest.approx(0.5) and r.stall_bwd_s == 0.0 and r.host_s == pytest.approx(1.0)
+    assert r.iteration_s == pytest.approx(6.5)
+    assert r.timeline.stalls == ((1.5, 2.0, 1),)
+
+
+def test_host_debt_after_the_anchors_wait_is_paid_before_the_recompute(hw):
+    # R9 with 0.5 s to resume after each wait; blk.0 = anchor T0, member T1; T2 in no block.
+    # T0 out at e0 (1 -> 2), T2 out at e2 (3 -> 4). e3 (t=4) is T1's first unpack: the anchor
+    # comes back on demand, 4 -> 5 (1 s stall, owes 0.5), the 0.5 is paid (5.5), then the block's
+    # forward runs 5.5 -> 7.5. T2's prefetch, issued at e3 then, runs 7.5 -> 8.5; e4's gap of
+    # 0.5 s ends at 8: 0.5 s stall (owes 0.5), paid before e5's gap: 9 -> 10. Step 10: stalls 1.5,
+    # host 1.0. (Paid after the forward instead, T2's prefetch would start at 7 and be in time: 9.)
+    tr = make_trace([100, 100, 100], [("pack", 0, 1), ("pack", 1, 1), ("pack", 2, 1), ("unpack", 1, 1),
+                                      ("unpack", 2, 0.5), ("unpack", 0, 1)], modules=["blk.0.a", "blk.0.b", "head"])
+    plan = SwapPlan.of(tr, "hand", [Eviction(0, 0, 3), Eviction(2, 2, 3)], recompute=["blk.0"])
+    r = simulate(tr, plan, _with(hw, wait_resume_s=0.5), 1000, record=True)
+    assert r.timeline.recompute == ((5.5, 7.5, 0),) and r.timeline.h2d == ((4.0, 5.0, 0), (7.5, 8.5, 2))
+    assert r.iteration_s == pytest.approx(10.0) and r.stall_bwd_s == pytest.approx(1.5) and r.host_s == pytest.approx(1.0)
+
+
+def test_a_late_free_admits_a_waiting_prefetch_before_an_on_demand_copy(hw):
+    # R2 + R6, budget 200; T0, T1 of 100 B, T2 of 200 B, freed only after e4's gap (freed_at 4).
+    # T0 out at e0 (1 -> 2), T1 out at e1 (2 -> 3); T2's 200 B (gap e2 from t=2) wait for T1's
+    # swap-out: 1 s forward stall, e2 at 4, e3 at 5. T0's prefetch issued at e3 finds no room
+    # (T2 still held). After e4's gap (t=6) T2 goes and the prefetch is admitted then: h2d 6 -> 7.
+    # e4 reads T1 (no prefetch: on demand), which queues behind it: 7 -> 8, a 2 s stall. e5 at 9.
+    # (Were the prefetch admitted only after that wait, T1 would run 6 -> 7 and T0 7 -> 8: step 8.)
+    from dataclasses import replace
+
+    tr = make_trace([100, 100, 200], [("pack", 0, 1), ("pack", 1, 1), ("pack", 2, 1), ("unpack", 2, 1),
+                                      ("unpack", 1, 1), ("unpack", 0, 1)])
+    tr = replace(tr, tensors=(*tr.tensors[:2], replace(tr.tensors[2], freed_at=4)))
+    r = simulate(tr, [Eviction(0, 0, 3), Eviction(1, 1, 4)], hw, 200, record=True)
+    assert r.timeline.h2d == ((6.0, 7.0, 0), (7.0, 8.0, 1))
+    assert r.stall_fwd_s == 1.0 and r.stall_bwd_s == 2.0 and r.iteration_s == 9.0
+
+
+def test_a_dropped_member_admits_a_waiting_prefetch_before_an_on_demand_copy(hw):
+    # R9 + R6, budget 300, 100 B each: T0 and T3 in no block, blk.0 = anchor T1 and member T2,
+    # which the program holds through e4's gap (released_at 4). T0 out at e0 (1 -> 2); T3 out at
+    # e3 (4 -> 5). T0's prefetch, issued at e3, finds no room (T1, T2, T3 = 300). After e4's gap of
+    # 0.5 s (t=4.5) the recomputed T2 is dropped and the prefetch admitted at once: h2d 4.5 -> 5.5.
+    # e4 reads T3 on demand: it waits for T3's swap-out (5), then queues behind T0: 5.5 -> 6.5, a
+    # 2 s stall. The forward runs again at e5 (7.5 -> 9.5), e6 at 10.5, e7 at 11.5.
+    # (Admitted only after that wait, T3 would run 5 -> 6 and T0 6 -> 7: 1.5 s stall, step 11.)
+    from dataclasses import replace
+
+    tr = make_trace([100, 100, 100, 100], [("pack", 0, 1), ("pack", 1, 1), ("pack", 2, 1), ("pack", 3, 1),
+                                           ("unpack", 3, 0.5), ("unpack", 2, 1), ("unpack", 1, 1), ("unpack", 0, 1)],
+                    modules=["head0", "blk.0.a", "blk.0.b", "head1"])
+    tr = replace(tr, tensors=(*tr.tensors[:2], replace(tr.tensors[2], released_at=4), tr.tensors[3]))
+    plan = SwapPlan.of(tr, "hand", [Eviction(0, 0, 3), Eviction(3, 3, 4)], recompute=["blk.0"])
+    r = simulate(tr, plan, hw, 300, record=True)
+    assert r.timeline.h2d == ((4.5, 5.5, 0), (5.5, 6.5, 3)) and r.timeline.recompute == ((7.5, 9.5, 0),)
+    assert r.stall_fwd_s == 0.0 and r.stall_bwd_s == 2.0 and r.iteration_s == 11.5
+
+
 def test_host_cost_per_byte_is_paid_by_compute(two_tensors, hw):
     # 0.002 s per byte: each 100 B copy owes 0.2 s, as the 0.2 s per copy in the test above.
     r = simulate(two_tensors, [Eviction(0, 0, 2)], _with(hw, copy_host_s_per_byte=0.002), 200)
