@@ -24,9 +24,9 @@ __all__ = [
 ]
 
 FORMAT = "swapsched.plan"
-#: 2 adds ``recompute`` (R9); version-1 files (swap only) still load.
-VERSION = 2
-READS = (1, 2)
+#: 2 adds ``recompute`` (R9), 3 ``selective`` (R9, selective); version-1 and -2 files still load.
+VERSION = 3
+READS = (1, 2, 3)
 
 
 class PlanError(UserError):
@@ -45,24 +45,31 @@ class Eviction:
 @dataclass(frozen=True)
 class SwapPlan:
     """The decision for one trace: per saved tensor keep (not listed), swap (an eviction) or
-    recompute (a member of a block named in ``recompute``, :attr:`Trace.segments`, R9)."""
+    recompute (a member of a block named in ``recompute``, :attr:`Trace.segments`, R9; or a
+    cheap member of a block named in ``selective``, which selective checkpointing rebuilds)."""
 
     trace: str
     policy: str
     evictions: tuple[Eviction, ...] = ()
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
     recompute: tuple[str, ...] = ()
+    selective: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, trace: Trace, policy: str, evictions: Iterable[Eviction], *, recompute: Iterable[str] = (),
-           **meta: Any) -> SwapPlan:
+           selective: Iterable[str] = (), **meta: Any) -> SwapPlan:
         return cls(trace=trace.name, policy=policy, evictions=tuple(sorted(evictions)), meta=dict(meta),
-                   recompute=tuple(sorted(set(recompute))))
+                   recompute=tuple(sorted(set(recompute))), selective=tuple(sorted(set(selective))))
 
     def recomputed(self, trace: Trace) -> list[int]:
-        """Indices into ``trace.segments`` of the blocks this plan recomputes."""
+        """Indices into ``trace.segments`` of the blocks this plan recomputes whole."""
         index = {s.name: s.index for s in trace.segments}
         return sorted(index[n] for n in self.recompute if n in index)
+
+    def recomputed_selectively(self, trace: Trace) -> list[int]:
+        """Indices into ``trace.segments`` of the blocks this plan checkpoints selectively."""
+        index = {s.name: s.index for s in trace.segments}
+        return sorted(index[n] for n in self.selective if n in index)
 
     @property
     def evicted(self) -> frozenset[int]:
@@ -112,6 +119,20 @@ class SwapPlan:
             if swapped:
                 raise PlanError(f"{source}: recompute[{k}]: block {name!r} is recomputed, so its tensor {swapped[0]} cannot "
                                 "also be evicted (R9: a member is rebuilt, not swapped; its anchor may be)")
+        for k, name in enumerate(self.selective):
+            sg = segments.get(name)
+            if sg is None or not sg.cheap:
+                raise PlanError(f"{source}: selective[{k}]: trace {trace.name!r} has no block {name!r} with members that "
+                                "selective checkpointing rebuilds (their ops are all saved ones: matmuls, convolutions, "
+                                "attention, views)")
+            if name in self.recompute:
+                raise PlanError(f"{source}: selective[{k}]: block {name!r} is also in recompute: recompute it whole or "
+                                "selectively, not both")
+            swapped = sorted(seen & set(sg.members))
+            if swapped:
+                raise PlanError(f"{source}: selective[{k}]: block {name!r} is checkpointed selectively, so its tensor "
+                                f"{swapped[0]} cannot also be evicted (R9: the checkpoint rebuilds its cheap members and "
+                                "holds the rest; its anchor may be swapped)")
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -125,6 +146,7 @@ class SwapPlan:
                 {"tensor": e.tensor, "swap_out_at": e.swap_out_at, "prefetch_at": e.prefetch_at} for e in self.evictions
             ],
             "recompute": list(self.recompute),
+            "selective": list(self.selective),
         }
 
     def save(self, path: str | Path) -> Path:
@@ -151,18 +173,19 @@ def plan_from_dict(data: Any, source: str = "<dict>") -> SwapPlan:
                 prefetch_at=f.number(e, "prefetch_at", f"{w}.prefetch_at", integer=True),
             )
         )
-    recompute = f.get(data, "recompute", "recompute", list, optional=True) if version == 2 else None
-    names = []
-    for k, name in enumerate(recompute or []):
-        if not isinstance(name, str) or not name:
-            raise PlanError(f"{source}: field recompute[{k}]: expected a block name (a string), got {name!r}")
-        names.append(name)
+    def block_names(key: str, since: int) -> list[str]:
+        names = f.get(data, key, key, list, optional=True) if version >= since else None
+        for k, name in enumerate(names or []):
+            if not isinstance(name, str) or not name:
+                raise PlanError(f"{source}: field {key}[{k}]: expected a block name (a string), got {name!r}")
+        return list(names or [])
     return SwapPlan(
         trace=f.get(data, "trace", "trace", str),
         policy=f.get(data, "policy", "policy", str),
         evictions=tuple(sorted(evs)),
         meta=f.get(data, "meta", "meta", dict, optional=True) or {},
-        recompute=tuple(sorted(set(names))),
+        recompute=tuple(sorted(set(block_names("recompute", 2)))),
+        selective=tuple(sorted(set(block_names("selective", 3)))),
     )
 
 

@@ -28,7 +28,7 @@ from swapsched.errors import UserError
 if TYPE_CHECKING:
     from swapsched.hardware import Hardware
 
-__all__ = ["TensorInfo", "Event", "Trace", "Segment", "segment_of", "TraceError", "load_trace", "save_trace", "open_json", "write_json", "plain_json"]
+__all__ = ["TensorInfo", "Event", "Trace", "Segment", "segment_of", "SELECTIVE_SAVE_OPS", "VIEW_OPS", "rebuilt_selectively", "TraceError", "load_trace", "save_trace", "open_json", "write_json", "plain_json"]
 
 FORMAT = "swapsched.trace"
 VERSION = 1
@@ -82,6 +82,27 @@ def segment_of(module: str) -> tuple[str, int] | None:
     return None
 
 
+#: Ops whose outputs selective activation checkpointing saves (the usual policy, as in torchtitan's
+#: ``_op_sac_save_list``): matrix products, convolutions and attention. Every other op is
+#: recomputed (R9, selective).
+SELECTIVE_SAVE_OPS = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_mm", "convolution", "_convolution",
+    "cudnn_convolution", "mkldnn_convolution", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward", "_efficient_attention_forward",
+})
+#: Ops whose output is a view of another op's storage: a saved view frees nothing when it is
+#: recomputed unless its storage's producer is, which a trace does not record, so it is counted kept.
+VIEW_OPS = frozenset({"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "slice", "select",
+                      "as_strided", "unsqueeze", "squeeze", "alias", "detach", "split", "chunk", "unbind"})
+
+
+def rebuilt_selectively(op: str) -> bool:
+    """Whether selective checkpointing recomputes (rather than saves) a saved tensor made by ``op``.
+    An unknown op (an empty name) is counted kept."""
+    return bool(op) and op not in SELECTIVE_SAVE_OPS and op not in VIEW_OPS
+
+
 @dataclass(frozen=True)
 class Segment:
     """A block that can be recomputed instead of kept or swapped (R9, DESIGN.md).
@@ -91,7 +112,11 @@ class Segment:
     which a recompute rebuilds. ``at`` is the event at which backward recomputes the block (the
     first unpack of a member); ``forward_s`` the block's forward compute, the gaps before its
     forward packs (R1), which the recompute spends again; ``flops`` the same from the events'
-    FLOPs where every one has them."""
+    FLOPs where every one has them.
+
+    Selective checkpointing (R9, selective) rebuilds only ``cheap``, the members made by ops it
+    does not save (:func:`rebuilt_selectively`), for ``cheap_forward_s``, the gaps before their
+    forward packs; the other members stay on the device, held by the checkpoint."""
 
     index: int
     name: str
@@ -101,6 +126,9 @@ class Segment:
     forward_s: float
     bytes: int
     flops: float | None = None
+    cheap: tuple[int, ...] = ()
+    cheap_forward_s: float = 0.0
+    cheap_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -253,9 +281,13 @@ class Trace:
             mine = set(ids)
             fwd = [i for i, e in enumerate(self.events[:bstart]) if e.kind == "pack" and e.tensor in mine]
             flops = [f for f in (self.events[i].flops for i in fwd) if f is not None]
+            cheap = tuple(k for k in members if rebuilt_selectively(self.tensors[k].op))
+            cheap_fwd = [i for i in fwd if self.events[i].tensor in cheap]
             out.append(Segment(len(out), name, anchor, members, at, float(sum(self.events[i].compute_s for i in fwd)),
                                int(sum(self.tensors[k].bytes for k in members)),
-                               float(sum(flops)) if fwd and len(flops) == len(fwd) else None))
+                               float(sum(flops)) if fwd and len(flops) == len(fwd) else None,
+                               cheap, float(sum(self.events[i].compute_s for i in cheap_fwd)),
+                               int(sum(self.tensors[k].bytes for k in cheap))))
         return tuple(out)
 
     def with_segments(self, keep: Callable[[Segment], bool]) -> Trace:

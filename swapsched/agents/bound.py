@@ -34,8 +34,9 @@ Formulation (indices are events; gap *j* is the compute before event *j*, R1):
   then away from the gap after their release through the gap of its recompute event ``at_s``, so
   the memory row at gap *j* counts ``avail_s(j) r_s`` too (the members' bytes absent there); and the
   recompute runs on the compute stream at event ``at_s``: ``S_{at_s+1} - S_{at_s} >= forward_s r_s``
-  (summed over the blocks recomputed at one event). A member is never also evicted:
-  ``e[k, j] + r_s <= 1`` (without it a member's bytes counted twice in a memory row, and the
+  (summed over the blocks recomputed at one event). Selective recompute has its own binary ``q_s``
+  with the cheap members' bytes and forward time (``r_s + q_s <= 1``). A member is never also
+  evicted: ``e[k, j] + r_s + q_s <= 1`` (without it a member's bytes counted twice in a memory row, and the
   block's recompute stall paid for the member's swap-in). The anchor's presence at ``at_s``, and the
   rebuilt members' room, are not constrained (relaxed).
 - Objective: minimize ``S_n``; the bound is ``G_n + tail + S_n``, and never below the floor (R8's,
@@ -122,20 +123,23 @@ def lower_bound(trace: Trace, budget: int, hardware: Hardware, *, time_limit_s: 
     d = hardware.copy_latency_s + b / hardware.d2h_bytes_per_s
     h = hardware.copy_latency_s + b / hardware.h2d_bytes_per_s
 
-    # variables: S_0..S_n, then e[k, j] for the eligible pairs, then r_s per block (R9)
+    # variables: S_0..S_n, then e[k, j] for the eligible pairs, then r_s and q_s per block (R9)
     pairs = [(int(k), int(j)) for j in checked for k in np.flatnonzero((rel < j) & (fu >= j) & (fp < j))]
     if not pairs:  # nothing can be away at a checked gap (nor recomputed: members absent there are pairs too)
         return Bound(floor, floor, "floor", time.perf_counter() - t0, int(checked.size), 0)
     nS = n + 1
     nR = nS + len(pairs)
-    nv = nR + len(segments)
+    nQ = nR + len(segments)  # then q_s per block: recomputed selectively (its cheap members only)
+    nv = nQ + len(segments)
     # bytes of block s absent during gap j if it is recomputed: members from their release to at_s
+    # (whole: r_s), or its cheap members only (selectively: q_s)
     absent: dict[int, list[tuple[int, float]]] = {}
     for sg in segments:
         for j in checked:
-            gone = sum(float(b[k]) for k in sg.members if rel[k] < j <= sg.at)
-            if gone > 0:
-                absent.setdefault(int(j), []).append((nR + sg.index, gone))
+            for col, ks in ((nR + sg.index, sg.members), (nQ + sg.index, sg.cheap)):
+                gone = sum(float(b[k]) for k in ks if rel[k] < j <= sg.at)
+                if gone > 0:
+                    absent.setdefault(int(j), []).append((col, gone))
     rows: list[int] = []
     cols: list[int] = []
     vals: list[float] = []
@@ -161,12 +165,14 @@ def lower_bound(trace: Trace, budget: int, hardware: Hardware, *, time_limit_s: 
         c_in = h[k] - (G[fu[k] + 1] - G[j])
         if c_in > 0:  # c_in e - S_{fu+1} + S_j <= 0
             row([(col, c_in), (int(fu[k]) + 1, -1.0), (j, 1.0)], 0.0)
-    for sg in segments:  # the recompute's own compute at its event: S_at - S_{at+1} + forward r <= 0
-        row([(int(sg.at), 1.0), (int(sg.at) + 1, -1.0), (nR + sg.index, sg.forward_s)], 0.0)
+    for sg in segments:  # the recompute's own compute at its event: S_at - S_{at+1} + forward r + cheap q <= 0
+        row([(int(sg.at), 1.0), (int(sg.at) + 1, -1.0), (nR + sg.index, sg.forward_s),
+             (nQ + sg.index, sg.cheap_forward_s)], 0.0)
+        row([(nR + sg.index, 1.0), (nQ + sg.index, 1.0)], 1.0)  # whole or selectively, not both
     block_of = {int(k): sg.index for sg in segments for k in sg.members}
-    for v, (k, _) in enumerate(pairs):  # a member is never also evicted (R9): e + r <= 1
+    for v, (k, _) in enumerate(pairs):  # a member is never also evicted (R9): e + r + q <= 1
         if k in block_of:
-            row([(nS + v, 1.0), (nR + block_of[k], 1.0)], 1.0)
+            row([(nS + v, 1.0), (nR + block_of[k], 1.0), (nQ + block_of[k], 1.0)], 1.0)
     for j, members in by_gap.items():
         ks = np.array([k for k, _ in members])
         cs = [c for _, c in members]
@@ -183,8 +189,8 @@ def lower_bound(trace: Trace, budget: int, hardware: Hardware, *, time_limit_s: 
     cost = np.zeros(nv)
     cost[n] = 1.0
     lo = np.zeros(nv)
-    hi = np.concatenate(([0.0], np.full(n, np.inf), np.ones(len(pairs) + len(segments))))
-    integral = np.concatenate((np.zeros(nS), np.ones(len(pairs) + len(segments)))) if integer else np.zeros(nv)
+    hi = np.concatenate(([0.0], np.full(n, np.inf), np.ones(len(pairs) + 2 * len(segments))))
+    integral = np.concatenate((np.zeros(nS), np.ones(len(pairs) + 2 * len(segments)))) if integer else np.zeros(nv)
     left = max(time_limit_s - (time.perf_counter() - t0), 0.5)
     res = milp(cost, constraints=LinearConstraint(a, -np.inf, np.array(rhs)), integrality=integral,
                bounds=Bounds(lo, hi), options={"time_limit": left, "presolve": True})

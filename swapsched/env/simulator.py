@@ -133,9 +133,12 @@ class EventTables:
         self.segments = trace.segments
         self.member_of = [-1] * trace.n_tensors
         self.recompute_at: list[list[int]] = [[] for _ in range(n)]
+        self.cheap = [False] * trace.n_tensors  # rebuilt by a selective recompute too
         for sg in self.segments:
             for k in sg.members:
                 self.member_of[k] = sg.index
+            for k in sg.cheap:
+                self.cheap[k] = True
             self.recompute_at[sg.at].append(sg.index)
 
 
@@ -166,6 +169,7 @@ class Simulation:
         self.out_at: list[list[int]] = [[] for _ in range(tb.n)]
         self.prefetch_at: list[list[int]] = [[] for _ in range(tb.n)]
         self.recomputed = [False] * len(tb.segments)  # R9: the plan's blocks to recompute
+        self.selective = [False] * len(tb.segments)  # R9, selective: of those, the ones that rebuild only `cheap`
         self.any_recompute = False
         self.recompute_s = 0.0
         self.d2h_q: deque[tuple[float, int]] = deque()  # swap-outs in flight: (done time, tensor), FIFO
@@ -210,10 +214,12 @@ class Simulation:
         self.out_at[swap_out_at].append(tensor)
         self.prefetch_at[prefetch_at].append(tensor)
 
-    def schedule_recompute(self, segment: int) -> None:
+    def schedule_recompute(self, segment: int, selective: bool = False) -> None:
         """Recompute block ``segment`` (an index into ``trace.segments``) instead of keeping its
-        members (R9). Before the simulation reaches the first of their releases."""
+        members (R9); ``selective``: only its cheap members, the rest held. Before the simulation
+        reaches the first of their releases."""
         self.recomputed[segment] = True
+        self.selective[segment] = selective
         self.any_recompute = True
 
     @property
@@ -338,6 +344,7 @@ class Simulation:
         if loc[sg.anchor] != RESIDENT and not self._bring_back(sg.anchor, event):
             return False
         rebuilt = [k for k in sg.members if loc[k] == DROPPED]
+        forward_s = sg.cheap_forward_s if self.selective[s] else sg.forward_s
         need = sum(b[k] for k in rebuilt)
         if not self._make_room(need, event):
             return False
@@ -348,9 +355,9 @@ class Simulation:
         if self.host_debt:
             self._pay_host()
         if self.record:
-            self._recomputes.append((self.t, self.t + sg.forward_s, s))
-        self.t += sg.forward_s
-        self.recompute_s += sg.forward_s
+            self._recomputes.append((self.t, self.t + forward_s, s))
+        self.t += forward_s
+        self.recompute_s += forward_s
         self._drain(self.t)
         return True
 
@@ -407,7 +414,7 @@ class Simulation:
                 self._let_go(self.held_after_copy, k)
                 if self.any_recompute:
                     s = tb.member_of[k]
-                    if s >= 0 and self.recomputed[s] and loc[k] == RESIDENT:
+                    if s >= 0 and self.recomputed[s] and loc[k] == RESIDENT and (not self.selective[s] or tb.cheap[k]):
                         # R9: a checkpointed block keeps no saved copy: it goes when the program lets go
                         loc[k] = DROPPED
                         self.used -= tb.bytes[k]
@@ -497,16 +504,18 @@ def simulate(trace: Trace, plan: SwapPlan | list[Eviction] | tuple[Eviction, ...
     """Simulate one step of ``trace`` executing ``plan`` under ``budget`` bytes on ``hardware``.
     ``recompute``: with a list of evictions, the blocks (indices into ``trace.segments``) to recompute."""
     if isinstance(plan, SwapPlan):
-        whole, blocks = plan, plan.recomputed(trace)
+        whole, blocks, selective = plan, plan.recomputed(trace), plan.recomputed_selectively(trace)
     else:
         whole = SwapPlan(trace.name, "?", tuple(plan), recompute=tuple(trace.segments[s].name for s in recompute))
-        blocks = list(recompute)
+        blocks, selective = list(recompute), []
     if validate:
         whole.validate(trace)
     sim = Simulation(trace, hardware, budget, record=record)
     sim.out_at, sim.prefetch_at = whole.by_event(trace.n_events)  # what schedule() builds one eviction at a time
     for s in blocks:
         sim.schedule_recompute(s)
+    for s in selective:
+        sim.schedule_recompute(s, selective=True)
     return sim.finish()
 
 
@@ -547,23 +556,32 @@ def joint_floor(trace: Trace, budget: int, hardware: Hardware) -> float:
     ``min over x of max(before_j, x / B_d2h) + max(after_j + R_j(must_j - x), x / B_h2d)``, a convex
     piecewise-linear function of ``x`` whose minimum lies at one of its breakpoints, all of which are
     evaluated. The floor is the largest over the gaps, and equals :func:`analytic_floor` where no
-    block can be recomputed."""
+    block can be recomputed. Selective recompute (a block's cheap members for its cheap forward
+    time) is one of the knapsack's items, so the floor holds for those plans too."""
     segments = trace.segments
     if not segments or trace.n_events == 0:
         return analytic_floor(trace, budget, hardware)
     gaps, before, after, must = _floor_terms(trace, budget, hardware)
     rel, b = trace.release, trace.tensor_bytes
     inv_d, inv_h = 1.0 / hardware.d2h_bytes_per_s, 1.0 / hardware.h2d_bytes_per_s
-    # bytes of each block absent during each gap if it is recomputed: members from release+1 to at
-    avail = np.zeros((len(segments), trace.n_events + 1), dtype=np.float64)
-    for sg in segments:
-        for k in sg.members:
+    # Knapsack items, two per block: its cheap members (what a selective recompute rebuilds, for
+    # its cheap forward time) and the rest (for the remaining forward time). A whole recompute
+    # takes both, a selective one the first; taking the second alone is no plan, but allowing it
+    # only lowers the floor. Each item's bytes are absent from the members' release+1 to at.
+    items = [(sg, [k for k in sg.members if k in cheap], cost)
+             for sg in segments
+             for cheap, cost in ((set(sg.cheap), sg.cheap_forward_s),
+                                 (set(sg.members) - set(sg.cheap), sg.forward_s - sg.cheap_forward_s))]
+    items = [(sg, ks, c) for sg, ks, c in items if ks]
+    avail = np.zeros((len(items), trace.n_events + 1), dtype=np.float64)
+    for row, (sg, ks, _) in enumerate(items):
+        for k in ks:
             lo = int(rel[k]) + 1
             if lo <= sg.at:
-                avail[sg.index, lo] += b[k]
-                avail[sg.index, sg.at + 1] -= b[k]
+                avail[row, lo] += b[k]
+                avail[row, sg.at + 1] -= b[k]
     avail = np.cumsum(avail, axis=1)[:, :-1]
-    cost = np.array([sg.forward_s for sg in segments])
+    cost = np.array([c for _, _, c in items])
     floor = float(gaps.sum() + trace.tail_compute_s)  # every gap with nothing to free: the compute
     for j in np.flatnonzero(must > 0):
         m, bj, aj = float(must[j]), float(before[j]), float(after[j])

@@ -16,7 +16,7 @@ from swapsched.agents.optimal import Optimal
 from swapsched.env.corpus import load_corpus
 from swapsched.env.simulator import analytic_floor, joint_floor, simulate
 from swapsched.hardware import load_hardware
-from swapsched.plan import Eviction
+from swapsched.plan import Eviction, SwapPlan
 from tests.agents.test_policies import small_cases
 from tests.conftest import make_hw, make_trace
 from tests.env.test_simulator import joint_cases
@@ -223,6 +223,23 @@ def test_a_recomputed_member_is_not_also_counted_away_by_a_swap():
     assert [(sg.anchor, sg.members, sg.at, sg.forward_s) for sg in tr.segments] == [(0, (1,), 3, 3.0)]
     b = lower_bound(tr, 375, make_hw(d2h=200, h2d=25))
     assert b.bound_s == pytest.approx(12.0, rel=1e-6) and b.status == "milp"
+
+
+def test_a_selective_recompute_has_its_own_variable():
+    # tests/env/test_simulator.py's selective case: blk.0 = anchor T0, members T1 (addmm, held by
+    # selective checkpointing) and T2 (gelu, rebuilt in 1 s; the whole block in 3 s); 100 B each,
+    # 1 s gaps (ideal 8 s), at 1 B/s a swap costs 100 s. Budget 300: 100 B away in gap 3. T2 rebuilt
+    # selectively frees them for 1 s at e5: 9, the simulated selective plan, so the bound is tight
+    # there. Without the selective variable the cheapest is the whole block, 3 s: 11.
+    tr = make_trace([100, 100, 100, 100], [*(("pack", k, 1.0) for k in range(4)), *(("unpack", k, 1.0) for k in (3, 2, 1, 0))],
+                    ops=["native_layer_norm", "addmm", "gelu", "addmm"], modules=["blk.0.ln", "blk.0.fc", "blk.0.act", "head"])
+    slow = make_hw(d2h=1, h2d=1)
+    b = lower_bound(tr, 300, slow)
+    assert b.bound_s == pytest.approx(9.0, rel=1e-6) and b.status == "milp"
+    assert simulate(tr, SwapPlan.of(tr, "hand", [], selective=["blk.0"]), slow, 300).iteration_s == 9.0
+    whole_only = replace(tr.segments[0], cheap=(), cheap_forward_s=0.0, cheap_bytes=0)
+    tr.__dict__["segments"] = (whole_only,)  # the cached property, as Trace.with_segments sets it
+    assert lower_bound(tr, 300, slow).bound_s == pytest.approx(11.0, rel=1e-6)
 
 
 def test_one_byte_over_budget_puts_a_whole_tensor_away():

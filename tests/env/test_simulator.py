@@ -318,6 +318,31 @@ def test_host_cost_per_byte_is_paid_by_compute(two_tensors, hw):
     assert r.iteration_s == pytest.approx(5.4) and r.host_s == pytest.approx(0.4)
 
 
+def test_a_selective_recompute_rebuilds_only_the_cheap_members(hw):
+    # R9, selective. blk.0: anchor T0 (layer norm), members T1 (addmm: saved by selective
+    # checkpointing, held) and T2 (gelu: rebuilt); T3 outside; 100 B each, 1 s gaps (ideal 8 s).
+    # The block is recomputed at e5 (T2's unpack); whole, its forward is e0-e2's gaps, 3 s;
+    # selectively, only T2's gap, 1 s. Budget 300: kept, gap 3 holds all four (400): OOM at e3.
+    # Selective: T2 goes after gap 2, gap 3 holds T0 T1 T3 = 300; T3 freed at e4 (200); at e5 (t=6)
+    # T2 is rebuilt, 6 -> 7 (300), e6 at 8, e7 at 9. Whole: 3 s at e5 instead: 11.
+    tr = make_trace([100, 100, 100, 100], [*(("pack", k, 1.0) for k in range(4)), *(("unpack", k, 1.0) for k in (3, 2, 1, 0))],
+                    ops=["native_layer_norm", "addmm", "gelu", "addmm"], modules=["blk.0.ln", "blk.0.fc", "blk.0.act", "head"])
+    (sg,) = tr.segments
+    assert (sg.members, sg.cheap, sg.at, sg.forward_s, sg.cheap_forward_s) == ((1, 2), (2,), 5, 3.0, 1.0)
+    assert simulate(tr, [], hw, 300).oom_event == 3
+    r = simulate(tr, SwapPlan.of(tr, "hand", [], selective=["blk.0"]), hw, 300, record=True)
+    assert not r.oom and r.iteration_s == 9.0 and r.recompute_s == 1.0 and r.stall_s == 0.0 and r.peak_bytes == 300
+    assert r.timeline.recompute == ((6.0, 7.0, 0),)
+    assert r.timeline.memory == ((0.0, 0), (0.0, 100), (1.0, 200), (2.0, 300), (3.0, 300), (5.0, 200), (6.0, 300),
+                                 (7.0, 200), (8.0, 100), (9.0, 0))
+    whole = simulate(tr, SwapPlan.of(tr, "hand", [], recompute=["blk.0"]), hw, 300)
+    assert whole.iteration_s == 11.0 and whole.recompute_s == 3.0
+    # the floor knows the cheaper option. At 1 B/s, 100 B must be away in gap 3 (3 s of compute
+    # before it, 5 s from it on): 3 B swapped out in those 3 s, the other 97 B by T2's recompute at
+    # 0.01 s/B: 3 + 5 + 0.97. (T2's block recomputed whole would cost 0.02 s/B for the same bytes.)
+    assert joint_floor(tr, 300, make_hw(d2h=1, h2d=1)) == pytest.approx(8.97)
+
+
 def test_the_block_is_found_with_its_anchor_members_event_and_forward_time(one_block):
     (sg,) = one_block.segments
     assert (sg.name, sg.anchor, sg.members, sg.at, sg.forward_s, sg.bytes) == ("blk.0", 0, (1,), 4, 2.0, 100)
@@ -538,8 +563,12 @@ def joint_cases(draw):
     fwd = [("pack", k, draw(gap)) for k in range(n)]
     bwd = [("unpack", k, draw(gap)) for k in draw(st.permutations(list(range(n))))]
     modules = [draw(st.sampled_from([f"blk.{k // 3}.op{k % 3}", "head"])) for k in range(n)]
-    tr = make_trace(sizes, fwd + bwd, tail=draw(gap), modules=modules)
-    blocks = [sg for sg in tr.segments if draw(st.booleans())]
+    # ops selective checkpointing saves (addmm), rebuilds (gelu) or counts kept (unknown)
+    ops = [draw(st.sampled_from(["", "addmm", "gelu"])) for _ in range(n)]
+    tr = make_trace(sizes, fwd + bwd, tail=draw(gap), modules=modules, ops=ops)
+    modes = {sg.name: draw(st.sampled_from(["keep", "whole", "selective"] if sg.cheap else ["keep", "whole"]))
+             for sg in tr.segments}
+    blocks = [sg for sg in tr.segments if modes[sg.name] != "keep"]
     rebuilt = {k for sg in blocks for k in sg.members}
     fp, fu = tr.first_pack, tr.first_unpack
     evs = []
@@ -550,7 +579,8 @@ def joint_cases(draw):
     # links from far too slow for the step (where recompute pays) to fast
     hw = make_hw(d2h=draw(st.floats(1, 1000)), h2d=draw(st.floats(1, 1000)), latency=draw(st.floats(0, 0.5)))
     budget = draw(st.integers(tr.min_feasible_bytes, tr.peak_bytes_no_swap + 100))
-    return tr, SwapPlan.of(tr, "random", evs, recompute=[sg.name for sg in blocks]), hw, budget
+    return tr, SwapPlan.of(tr, "random", evs, recompute=[n for n, m in modes.items() if m == "whole"],
+                           selective=[n for n, m in modes.items() if m == "selective"]), hw, budget
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -569,7 +599,8 @@ def test_properties_of_any_joint_plan(case):
         return
     assert r.peak_bytes <= budget
     assert r.iteration_s >= floor * (1 - 1e-9)
-    assert r.recompute_s == pytest.approx(sum(tr.segments[s].forward_s for s in plan.recomputed(tr)))
+    assert r.recompute_s == pytest.approx(sum(tr.segments[s].forward_s for s in plan.recomputed(tr))
+                                          + sum(tr.segments[s].cheap_forward_s for s in plan.recomputed_selectively(tr)))
     assert r.iteration_s == pytest.approx(r.ideal_s + r.stall_s + r.recompute_s, abs=1e-9)
     moved = sum(tr.tensors[e.tensor].bytes for e in plan.evictions)
     assert r.d2h_bytes == r.h2d_bytes == moved
@@ -611,10 +642,12 @@ def _joint_floor_on_a_grid(tr, budget, hw, points=2001):
         after = total - before
         if m > 0:
             items = []
-            for sg in tr.segments:
-                gone = sum(size[k] for k in sg.members if rel[k] < j <= sg.at)
-                if gone:
-                    items.append((sg.forward_s / gone, gone))
+            for sg in tr.segments:  # a selective recompute frees the cheap members, a whole one all
+                rest = [k for k in sg.members if k not in sg.cheap]
+                for ks, cost in ((sg.cheap, sg.cheap_forward_s), (rest, sg.forward_s - sg.cheap_forward_s)):
+                    gone = sum(size[k] for k in ks if rel[k] < j <= sg.at)
+                    if gone:
+                        items.append((cost / gone, gone))
             items.sort()
 
             def recompute(y, items=items, m=m):

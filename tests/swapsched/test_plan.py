@@ -7,7 +7,7 @@ import json
 import pytest
 
 from swapsched.plan import Eviction, PlanError, SwapPlan, lead_eviction, load_plan, prefetch_event
-from tests.conftest import make_hw
+from tests.conftest import make_trace, make_hw
 
 
 def test_round_trip_and_trace_check(tmp_path, two_tensors):
@@ -57,11 +57,11 @@ def test_prefetch_event_by_lead(two_tensors):
     assert lead_eviction(two_tensors, 0, 2, make_hw()) == Eviction(0, 0, 1)
 
 
-def test_a_recompute_plan_round_trips_as_version_2_and_a_version_1_file_still_loads(tmp_path, one_block):
+def test_a_recompute_plan_round_trips_as_version_3_and_version_1_and_2_files_still_load(tmp_path, one_block):
     plan = SwapPlan.of(one_block, "hand", [Eviction(0, 0, 4)], recompute=["blk.0"])
     p = plan.save(tmp_path / "p.json")
     data = json.loads(p.read_text())
-    assert data["version"] == 2 and data["recompute"] == ["blk.0"]
+    assert data["version"] == 3 and data["recompute"] == ["blk.0"] and data["selective"] == []
     back = load_plan(p, one_block)
     assert back == plan and back.recomputed(one_block) == [0]
     v1 = tmp_path / "v1.json"  # as swapsched wrote plans before recompute
@@ -69,10 +69,42 @@ def test_a_recompute_plan_round_trips_as_version_2_and_a_version_1_file_still_lo
                               "evictions": [{"tensor": 2, "swap_out_at": 2, "prefetch_at": 3}]}))
     old = load_plan(v1, one_block)
     assert old.recompute == () and old.evictions == (Eviction(2, 2, 3),)
-    v3 = tmp_path / "v3.json"
-    v3.write_text(json.dumps({**data, "version": 3}))
-    with pytest.raises(PlanError, match="reads versions 1, 2, got 3"):
-        load_plan(v3)
+    v2 = tmp_path / "v2.json"  # before selective checkpointing: a "selective" key there is not read
+    v2.write_text(json.dumps({**data, "version": 2, "selective": ["blk.0"]}))
+    assert load_plan(v2, one_block).recompute == ("blk.0",) and load_plan(v2).selective == ()
+    v4 = tmp_path / "v4.json"
+    v4.write_text(json.dumps({**data, "version": 4}))
+    with pytest.raises(PlanError, match="reads versions 1, 2, 3, got 4"):
+        load_plan(v4)
+
+
+def _selective_block():
+    # blk.0: anchor T0 (layer norm), members T1 (addmm, saved by selective checkpointing) and T2
+    # (gelu, rebuilt); T3 outside
+    return make_trace([100, 100, 100, 100], [*(("pack", k, 1.0) for k in range(4)), *(("unpack", k, 1.0) for k in (3, 2, 1, 0))],
+                      ops=["native_layer_norm", "addmm", "gelu", "addmm"], modules=["blk.0.ln", "blk.0.fc", "blk.0.act", "head"])
+
+
+def test_a_selective_plan_round_trips_and_is_validated(tmp_path):
+    tr = _selective_block()
+    (sg,) = tr.segments
+    assert (sg.members, sg.cheap, sg.cheap_bytes, sg.cheap_forward_s, sg.forward_s) == ((1, 2), (2,), 100, 1.0, 3.0)
+    plan = SwapPlan.of(tr, "hand", [Eviction(0, 0, 5)], selective=["blk.0"])
+    back = load_plan(plan.save(tmp_path / "s.json"), tr)
+    assert back == plan and back.recomputed_selectively(tr) == [0] and back.recomputed(tr) == []
+    with pytest.raises(PlanError, match=r"selective\[0\]: .* no block 'blk.9'"):
+        SwapPlan.of(tr, "bad", [], selective=["blk.9"]).validate(tr)
+    with pytest.raises(PlanError, match="also in recompute"):
+        SwapPlan.of(tr, "bad", [], recompute=["blk.0"], selective=["blk.0"]).validate(tr)
+    # a saved member (T1) is held by the checkpoint, a cheap one (T2) rebuilt: neither is swapped
+    for k in (1, 2):
+        with pytest.raises(PlanError, match=f"its tensor {k} cannot also be evicted"):
+            SwapPlan.of(tr, "bad", [Eviction(k, k, 4)], selective=["blk.0"]).validate(tr)
+    # a block whose members are all saved ops has nothing to rebuild selectively
+    saved = make_trace([100, 100], [("pack", 0, 1.0), ("pack", 1, 1.0), ("unpack", 1, 1.0), ("unpack", 0, 1.0)],
+                       ops=["addmm", "bmm"], modules=["blk.0.a", "blk.0.b"])
+    with pytest.raises(PlanError, match="no block 'blk.0' with members that selective checkpointing rebuilds"):
+        SwapPlan.of(saved, "bad", [], selective=["blk.0"]).validate(saved)
 
 
 def test_recompute_is_validated_against_the_trace(tmp_path, one_block):
@@ -102,7 +134,7 @@ def test_a_prefetch_at_its_own_swap_out_is_valid(two_tensors):
 @pytest.mark.parametrize("data, message", [
     ([], "expected a JSON object at the top level"),
     ({"format": "swapsched.trace", "version": 1}, "is this a swapsched plan"),
-    ({"format": "swapsched.plan", "version": 0}, "reads versions 1, 2, got 0"),
+    ({"format": "swapsched.plan", "version": 0}, "reads versions 1, 2, 3, got 0"),
 ])
 def test_a_file_that_is_not_a_plan_says_what_it_is(tmp_path, data, message):
     p = tmp_path / "p.json"
