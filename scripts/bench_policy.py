@@ -8,11 +8,11 @@ Cases: the corpus's held-out split (families the shipped policy never trained on
 saw) x budgets x hardware, plus one deep GPT profiled on meta (``--deep-layers`` blocks, over 2,000
 saved tensors). Per case: ``default`` (joint), ``default-swap`` (the same planner, swap only),
 ``default-greedy`` (the plan editor alone, swap only), ``local-search`` (swap only, the planning time
-``default-swap`` took), ``checkpoint-all``, ``capuchin`` (its hybrid) and ``capuchin-swap``, min,
+``default-swap`` took), ``checkpoint-all``, ``checkpoint-selective``, ``capuchin`` (its hybrid) and ``capuchin-swap``, min,
 vdnn-all, swapadvisor at 1 s, the joint floor and the proven joint bound (``agents/bound.py``).
 
 The reference is the best *technique* on each case: the best of the swap-only plans (min,
-capuchin-swap, vdnn-all, default-swap, local-search, swapadvisor), checkpoint-all and capuchin's
+capuchin-swap, vdnn-all, default-swap, local-search, swapadvisor), checkpoint-all, checkpoint-selective and capuchin's
 hybrid. Reported: each planner's step time over that reference (geometric mean, per budget band and
 per link kind, worst case), its OOMs and planning times; ``default`` against the bound; and the
 swap-only comparison ``default-swap`` / ``local-search`` and / swapadvisor. Run it alone on the
@@ -41,8 +41,9 @@ from swapsched.hardware import load_hardware  # noqa: E402
 from swapsched.trace import Trace  # noqa: E402
 
 SWAP_ONLY = ["min", "capuchin-swap", "vdnn-all", "default-swap", "local-search", "swapadvisor-1s"]
-TECHNIQUES = [*SWAP_ONLY, "checkpoint-all", "capuchin"]
-PLANNERS = ["default", "default-swap", "default-greedy", "local-search", "checkpoint-all", "capuchin", "capuchin-swap",
+TECHNIQUES = [*SWAP_ONLY, "checkpoint-all", "checkpoint-selective", "capuchin"]
+PLANNERS = ["default", "default-swap", "default-greedy", "local-search", "checkpoint-all", "checkpoint-selective", "capuchin",
+            "capuchin-swap",
             "min", "vdnn-all", "swapadvisor-1s"]
 
 
@@ -147,7 +148,7 @@ def main() -> int:
         entry["plan_s_max_gt2000"] = max(large) if large else math.nan
         summary.append(entry)
     print()
-    print(f"{len(rows)} cases; step time / the best technique on the case (best swap-only plan, checkpoint-all, "
+    print(f"{len(rows)} cases; step time / the best technique on the case (best swap-only plan, checkpoint-all, checkpoint-selective, "
           "capuchin's hybrid), geometric mean")
     print(table(["planner", *bands, "worst", "cases", "OOM", "plan s (mean)", "max <=500 t", "max >2000 t"],
                 [[s["planner"], *(f"{s[b]:.3f}" for b in bands), f"{s['worst']:.3f}", s["cases"], s["oom"],

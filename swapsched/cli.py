@@ -30,7 +30,7 @@ def _csv(value: str) -> list[str]:
 
 
 #: What ``compare`` runs by default: the single-pass heuristics and the shipped planner (under 1 s a case).
-FAST_POLICIES = ("swap-all", "vdnn-all", "min", "capuchin", "checkpoint-all", "default")
+FAST_POLICIES = ("swap-all", "vdnn-all", "min", "capuchin", "checkpoint-all", "checkpoint-selective", "default")
 
 
 def _budgets(value: str) -> list[str]:
@@ -333,8 +333,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         from swapsched.runtime.backends import resolve_backend
 
         # each planner once: the swap-only forms of joint planners are left to compare, and the
-        # checkpoint peer (plain torch.utils.checkpoint) stands for checkpoint-all
-        skip = {args.policy, "optimal", "swapadvisor", "default-swap", "capuchin-swap", "checkpoint-all"}
+        # checkpoint peer (plain torch.utils.checkpoint) stands for checkpoint-all; the runtime does
+        # not execute checkpoint-selective (compare simulates it)
+        skip = {args.policy, "optimal", "swapadvisor", "default-swap", "capuchin-swap", "checkpoint-all",
+                "checkpoint-selective"}
         others = args.compare_policies or [p for p in policy_names() if p not in skip]
         from tqdm import tqdm
 
@@ -498,8 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--hardware", type=_csv, default=[DEFAULT_GPU_HARDWARE],
                     help=f"comma list of names or YAML paths (default {DEFAULT_GPU_HARDWARE})")
     sp.add_argument("--policies", default=",".join(FAST_POLICIES),
-                    help="'all' or a comma list of: no-swap, swap-all, vdnn-all, vdnn-conv, min, capuchin, local-search, "
-                         "swapadvisor, optimal, optimal:SECONDSs, default, default-greedy, default-ppo, learned:PATH.zip, "
+                    help="'all' or a comma list of: no-swap, swap-all, vdnn-all, vdnn-conv, min, capuchin, capuchin-swap, "
+                         "checkpoint-all, checkpoint-selective, local-search, swapadvisor, optimal, optimal:SECONDSs, "
+                         "default, default-swap, default-greedy, default-ppo, learned:PATH.zip, "
                          f"learned-greedy:PATH.zip, learned-ppo:PATH.zip (default: {','.join(FAST_POLICIES)}; the searches "
                          "local-search, swapadvisor and optimal take 1-60 s per case)")
     sp.add_argument("--seed", type=int, default=0, help="seed of the randomized policies (default 0)")

@@ -39,4 +39,10 @@ class SwapRuntime(swapper.PolicyRuntime):
 
             raise UserError(f"policy {policy!r} recomputes blocks, which the runtime runs under torch.utils.checkpoint "
                             "on the model's own modules: give it the model (SwapRuntime(..., model=model))")
+        if policy == "checkpoint-selective":
+            from swapsched.errors import UserError
+
+            raise UserError("policy 'checkpoint-selective' is planned and simulated (swapsched compare), not executed by the "
+                            "runtime yet: torch keeps what selective checkpointing saves outside the hooks the budget is "
+                            "kept by; use 'checkpoint-all' or 'default' here")
         super().__init__(budget, resolve_policy(policy), *args, **kwargs)

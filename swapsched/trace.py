@@ -290,12 +290,15 @@ class Trace:
                                int(sum(self.tensors[k].bytes for k in cheap))))
         return tuple(out)
 
-    def with_segments(self, keep: Callable[[Segment], bool]) -> Trace:
+    def with_segments(self, keep: Callable[[Segment], bool], *, selective: bool = True) -> Trace:
         """A copy of this trace whose recomputable blocks are only those ``keep`` accepts
-        (re-indexed in order): what a planner may recompute where an executor cannot run them all."""
+        (re-indexed in order), and with ``selective=False`` none of them selectively: what a planner
+        may recompute where an executor cannot run it all."""
         out = replace(self)
+        blocks = [s if selective else replace(s, cheap=(), cheap_forward_s=0.0, cheap_bytes=0)
+                  for s in self.segments if keep(s)]
         # ``segments`` is a cached property: the copy's cache is set before anything reads it
-        out.__dict__["segments"] = tuple(replace(sg, index=i) for i, sg in enumerate(s for s in self.segments if keep(s)))
+        out.__dict__["segments"] = tuple(replace(sg, index=i) for i, sg in enumerate(blocks))
         return out
 
     @cached_property

@@ -122,11 +122,13 @@ class LearnedPolicy:
         start, _ = best_plan(trace, budget, hardware, cands)
         joint = self.recompute and bool(trace.segments)
         if joint:
-            from swapsched.agents.recompute import CheckpointAll, hybridize, with_all_recomputed
+            from swapsched.agents.recompute import CheckpointAll, CheckpointSelective, hybridize, with_all_recomputed
 
             # the best swap plan and capuchin's swap half, each made hybrid by Capuchin's step
             swaps = [start, *(p for p in heur if p.policy == "capuchin" and p is not start)]
             cands = [start, CheckpointAll().plan(trace, budget, hardware), with_all_recomputed(trace, start, "swap+checkpoint"),
+                     CheckpointSelective().plan(trace, budget, hardware),
+                     with_all_recomputed(trace, start, "swap+selective", selective=True),
                      *(hybridize(trace, budget, hardware, p, deadline=t0 + (0.55 + 0.2 * i) * total) for i, p in enumerate(swaps))]
             start, _ = best_plan(trace, budget, hardware, cands)
         left = total - (time.perf_counter() - t0)
@@ -134,7 +136,8 @@ class LearnedPolicy:
         floor = (joint_floor if joint else analytic_floor)(trace, budget, hardware)
         plan, _, evals = improve(trace, budget, hardware, start, seconds=max(left, 0.0), seed=self.seed, prior=prior,
                                  target=floor, recompute=joint)
-        return SwapPlan.of(trace, self.name, plan.evictions, recompute=plan.recompute, checkpoint=str(self.path),
+        return SwapPlan.of(trace, self.name, plan.evictions, recompute=plan.recompute, selective=plan.selective,
+                           checkpoint=str(self.path),
                            start=start.policy, search_evals=evals)
 
 

@@ -9,8 +9,8 @@ step (R1-R8, so every accepted plan is one the simulator, and hence the runtime,
   the link while something more urgent copies);
 - drop one eviction; add one (out at its last forward pack, prefetch one of the lead classes ahead);
 - replace one eviction by one of a kept tensor of the nearest size;
-- with ``recompute=True``, also recompute a block instead (its members' evictions go, R9), or stop
-  recomputing one.
+- with ``recompute=True``, also put a block in another of its states: kept, recomputed whole, or
+  selectively (its members' evictions go, R9).
 
 Moves are drawn at random, half of them aimed at the tensors whose unpack stalled in the current
 best plan (read from the simulator's recorded timeline). A move is kept when it lowers the step
@@ -108,7 +108,7 @@ class _SearchState:
     """The current plan, its simulated score and the evicted tensors whose unpack stalled in it."""
 
     def __init__(self, trace: Trace, budget: int, hardware: Hardware, plan: dict[int, tuple[int, int]],
-                 recompute: frozenset[int] = frozenset(), joint: bool = False):
+                 recompute: frozenset[int] = frozenset(), joint: bool = False, selective: frozenset[int] = frozenset()):
         self.trace, self.budget, self.hw = trace, budget, hardware
         self.joint = joint and bool(trace.segments)
         self.fu, self.lfp, self.b = trace.first_unpack, trace.last_forward_pack, trace.tensor_bytes
@@ -116,14 +116,16 @@ class _SearchState:
         self.by_size = np.argsort(self.b, kind="stable")
         self.rank = np.empty(trace.n_tensors, dtype=np.int64)
         self.rank[self.by_size] = np.arange(trace.n_tensors)
-        self.adopt(plan, recompute)
+        self.adopt(plan, recompute, selective)
 
-    def adopt(self, plan: dict[int, tuple[int, int]], recompute: frozenset[int] = frozenset()) -> None:
-        self.plan, self.recompute = plan, recompute
-        # members of recomputed blocks are rebuilt, never evicted (R9)
-        self.rebuilt = {k for s in recompute for k in self.trace.segments[s].members}
+    def adopt(self, plan: dict[int, tuple[int, int]], recompute: frozenset[int] = frozenset(),
+              selective: frozenset[int] = frozenset()) -> None:
+        self.plan, self.recompute, self.selective = plan, recompute, selective
+        # members of recomputed blocks are rebuilt (or, selectively, held), never evicted (R9)
+        self.rebuilt = {k for s in recompute | selective for k in self.trace.segments[s].members}
         evs = [Eviction(k, o, p) for k, (o, p) in plan.items()]
-        self.result = simulate(self.trace, evs, self.hw, self.budget, record=True, validate=False, recompute=sorted(recompute))
+        self.result = simulate(self.trace, evs, self.hw, self.budget, record=True, validate=False, recompute=sorted(recompute),
+                               selective=sorted(selective))
         self.score = plan_score(self.result, self.trace)
         stalled = {int(ev) for _, _, ev in (self.result.timeline.stalls if self.result.timeline else ())}
         self.hot = [k for k in plan if int(self.fu[k]) in stalled]  # evicted tensors whose unpack stalled
@@ -179,15 +181,23 @@ class _SearchState:
         so = int(self.lfp[k])
         return so, prefetch_event(self.trace, k, LEADS[lead_index] * float(self.h2d[k]), so)
 
-    def apply(self, m: Move) -> tuple[dict[int, tuple[int, int]], frozenset[int]]:
-        """The plan and the recomputed blocks after ``m``."""
+    def apply(self, m: Move, rng: np.random.Generator | None = None
+              ) -> tuple[dict[int, tuple[int, int]], frozenset[int], frozenset[int]]:
+        """The plan and the blocks recomputed whole and selectively after ``m``. A recompute move
+        puts its block in another of its states (kept, whole, selective), drawn by ``rng`` where
+        there are two others, else the next."""
         cand = dict(self.plan)
         if m.kind == "recompute":
-            if m.tensor in self.recompute:
-                return cand, self.recompute - {m.tensor}
-            for k in self.trace.segments[m.tensor].members:  # rebuilt, so no longer swapped
-                cand.pop(k, None)
-            return cand, self.recompute | {m.tensor}
+            s = m.tensor
+            states = ["keep", "whole"] + (["selective"] if self.trace.segments[s].cheap else [])
+            now = "whole" if s in self.recompute else "selective" if s in self.selective else "keep"
+            others = [x for x in states if x != now]
+            to = others[int(rng.integers(0, len(others)))] if rng is not None and len(others) > 1 else others[0]
+            whole, sel = self.recompute - {s}, self.selective - {s}
+            if to != "keep":
+                for k in self.trace.segments[s].members:  # rebuilt or held, so no longer swapped
+                    cand.pop(k, None)
+            return cand, whole | ({s} if to == "whole" else set()), sel | ({s} if to == "selective" else set())
         if m.kind == "drop":
             del cand[m.tensor]
         else:
@@ -195,7 +205,7 @@ class _SearchState:
                 del cand[m.removed]
             assert m.placement is not None
             cand[m.tensor] = m.placement
-        return cand, self.recompute
+        return cand, self.recompute, self.selective
 
 
 def _uniform_weights() -> np.ndarray:
@@ -230,7 +240,8 @@ def improve(trace: Trace, budget: int, hardware: Hardware, start: SwapPlan, *, s
     weights = UNIFORM if prior is None else prior.weights
     deadline = time.perf_counter() + seconds
     state = _SearchState(trace, budget, hardware, {e.tensor: (e.swap_out_at, e.prefetch_at) for e in start.evictions},
-                         frozenset(start.recomputed(trace)), joint=recompute)
+                         frozenset(start.recomputed(trace)), joint=recompute,
+                         selective=frozenset(start.recomputed_selectively(trace)))
     evals = 1
     eval_s, sims = 0.0, 0  # mean seconds per simulation: the search stops when the next would overrun
     while (time.perf_counter() + eval_s < deadline and (max_evals is None or evals < max_evals)
@@ -238,10 +249,10 @@ def improve(trace: Trace, budget: int, hardware: Hardware, start: SwapPlan, *, s
         c, m = state.propose(rng, weights)
         if m is None:
             continue
-        cand, cand_rc = state.apply(m)
+        cand, cand_rc, cand_sel = state.apply(m, rng)
         t_sim = time.perf_counter()
         r2 = simulate(trace, [Eviction(k, o, p) for k, (o, p) in cand.items()], hardware, budget, validate=False,
-                      recompute=sorted(cand_rc))
+                      recompute=sorted(cand_rc), selective=sorted(cand_sel))
         sims += 1
         eval_s += (time.perf_counter() - t_sim - eval_s) / sims
         evals += 1
@@ -250,9 +261,10 @@ def improve(trace: Trace, budget: int, hardware: Hardware, start: SwapPlan, *, s
         if log is not None and c >= 0:
             log.append((c, better))
         if better:
-            state.adopt(cand, cand_rc)
+            state.adopt(cand, cand_rc, cand_sel)
     plan = SwapPlan.of(trace, start.policy, [Eviction(k, o, p) for k, (o, p) in state.plan.items()],
-                       recompute=[trace.segments[s].name for s in state.recompute], **{**start.meta, "search_evals": evals})
+                       recompute=[trace.segments[s].name for s in state.recompute],
+                       selective=[trace.segments[s].name for s in state.selective], **{**start.meta, "search_evals": evals})
     return plan, state.score, evals
 
 

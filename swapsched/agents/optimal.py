@@ -2,14 +2,14 @@
 
 Over the joint space of keep / swap / recompute (R9):
 
-- **Small traces** (at most ``max_plans`` plans: each set of recomputed blocks, times R7's space
+- **Small traces** (at most ``max_plans`` plans: each block kept, recomputed whole or selectively, times R7's space
   with the swap-out at each tensor's last forward pack for the tensors left): every plan is
   simulated (R1-R9) and the fastest feasible one is returned. It is exact over that space, the one
   every other policy here plans in, and ``status`` is ``optimal``.
 - **Larger traces**: a proven lower bound on the step time of *any* plan (``agents/bound.py``: a
   mixed-integer relaxation of R1-R9 solved by HiGHS, documented there, never below the joint
   floor), and the best plan a simulator-scored search finds in the rest of the time limit: the
-  candidates are the heuristics' exact plans, checkpoint-all, ``default``'s joint plan and a
+  candidates are the heuristics' exact plans, checkpoint-all and -selective, ``default``'s joint plan and a
   SwapAdvisor run (a sixth of the time), so it is never worse than any of them; the best is
   improved by ``local_search.improve`` over the joint space, which stops early at the bound. The plan is scored on the simulator like every other; ``status`` is ``optimal`` when it
   meets the bound, else ``time-limit`` with the relative ``gap`` between the plan and the bound.
@@ -46,14 +46,16 @@ def _options(trace: Trace, rebuilt: frozenset[int] = frozenset()) -> list[list[E
     return out
 
 
-def _spaces(trace: Trace) -> list[tuple[tuple[int, ...], list[list[Eviction | None]]]]:
-    """Every set of recomputed blocks, with the eviction options of the tensors it leaves."""
+def _spaces(trace: Trace) -> list[tuple[tuple[int, ...], tuple[int, ...], list[list[Eviction | None]]]]:
+    """Every assignment of the blocks to kept, recomputed whole or selectively (R9), with the
+    eviction options of the tensors it leaves: (whole, selective, options)."""
     segs = trace.segments
     out = []
-    for chosen in itertools.product((False, True), repeat=len(segs)):
-        blocks = tuple(s.index for s, c in zip(segs, chosen, strict=True) if c)
-        rebuilt = frozenset(k for s in blocks for k in segs[s].members)
-        out.append((blocks, _options(trace, rebuilt)))
+    for states in itertools.product(*(("keep", "whole", "selective") if s.cheap else ("keep", "whole") for s in segs)):
+        whole = tuple(s.index for s, c in zip(segs, states, strict=True) if c == "whole")
+        selective = tuple(s.index for s, c in zip(segs, states, strict=True) if c == "selective")
+        rebuilt = frozenset(k for s in whole + selective for k in segs[s].members)
+        out.append((whole, selective, _options(trace, rebuilt)))
     return out
 
 
@@ -70,15 +72,16 @@ class Optimal:
         t0 = time.perf_counter()
         size = math.prod(len(o) for o in _options(trace))
         if len(trace.segments) <= 12:
-            size = sum(math.prod(len(o) for o in opts) for _, opts in _spaces(trace))
+            size = sum(math.prod(len(o) for o in opts) for _, _, opts in _spaces(trace))
             if size <= self.max_plans:
                 return self._enumerate(trace, budget, hardware, _spaces(trace), size)
         bound = lower_bound(trace, budget, hardware, time_limit_s=self.time_limit_s / 3)
         from swapsched.agents.learned import LearnedPolicy
-        from swapsched.agents.recompute import CheckpointAll
+        from swapsched.agents.recompute import CheckpointAll, CheckpointSelective
         from swapsched.agents.search import SwapAdvisor
 
         cands = [*heuristic_plans(trace, budget, hardware), CheckpointAll().plan(trace, budget, hardware),
+                 CheckpointSelective().plan(trace, budget, hardware),
                  LearnedPolicy("default", mode="search", seed=self.seed).plan(trace, budget, hardware),
                  SwapAdvisor(seed=self.seed, search_seconds=self.time_limit_s / 6).plan(trace, budget, hardware)]
         start, _ = best_plan(trace, budget, hardware, cands)
@@ -91,25 +94,27 @@ class Optimal:
         else:
             gap = max(res.iteration_s - bound.bound_s, 0.0) / res.iteration_s
             status = "optimal" if gap <= 1e-6 else "time-limit"
-        return SwapPlan.of(trace, self.name, plan.evictions, recompute=plan.recompute, bound_s=bound.bound_s,
+        return SwapPlan.of(trace, self.name, plan.evictions, recompute=plan.recompute, selective=plan.selective,
+                           bound_s=bound.bound_s,
                            status=status, gap=gap, bound_status=bound.status, search_evals=evals, start=start.policy)
 
     def _enumerate(self, trace: Trace, budget: int, hardware: Hardware,
-                   spaces: list[tuple[tuple[int, ...], list[list[Eviction | None]]]], size: int) -> SwapPlan:
+                   spaces: list[tuple[tuple[int, ...], tuple[int, ...], list[list[Eviction | None]]]], size: int) -> SwapPlan:
         best_key: tuple[float, float, int] | None = None
-        best: tuple[tuple[Eviction, ...], tuple[int, ...]] = ((), ())
-        for blocks, options in spaces:
+        best: tuple[tuple[Eviction, ...], tuple[int, ...], tuple[int, ...]] = ((), (), ())
+        for blocks, selective, options in spaces:
             for combo in itertools.product(*options):
                 evs = tuple(e for e in combo if e is not None)
-                r = simulate(trace, evs, hardware, budget, validate=False, recompute=blocks)
+                r = simulate(trace, evs, hardware, budget, validate=False, recompute=blocks, selective=selective)
                 if r.oom:
                     continue
                 # ties: less recompute, then fewer bytes moved, then the first in enumeration order
                 key = (r.iteration_s, r.recompute_s, r.d2h_bytes)
                 if best_key is None or key < best_key:
-                    best_key, best = key, (evs, blocks)
+                    best_key, best = key, (evs, blocks, selective)
         if best_key is None:  # no plan fits: say so the way every policy does, with an OOM in simulation
             return SwapPlan.of(trace, self.name, [], plans_searched=size, feasible=False, status="infeasible")
         return SwapPlan.of(trace, self.name, best[0], recompute=[trace.segments[s].name for s in best[1]],
+                           selective=[trace.segments[s].name for s in best[2]],
                            plans_searched=size, feasible=True, status="optimal", bound_s=best_key[0], gap=0.0,
                            bound_status="enumeration")

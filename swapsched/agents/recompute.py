@@ -3,6 +3,11 @@ that turns a swap plan into a keep / swap / recompute plan.
 
 - :class:`CheckpointAll` (``checkpoint-all``) is what users pick on PCIe GPUs today:
   ``torch.utils.checkpoint`` around every block, nothing swapped.
+- :class:`CheckpointSelective` (``checkpoint-selective``) is PyTorch's selective activation
+  checkpointing with the usual policy (torchtitan's, Megatron's in spirit; Korthikanti et al.,
+  MLSys 2023): every block checkpointed, the outputs of matmuls, convolutions and attention saved
+  (:data:`~swapsched.trace.SELECTIVE_SAVE_OPS`), the cheap pointwise and normalization ops
+  recomputed.
 - :func:`hybridize` is Capuchin's hybrid choice (Peng et al., ASPLOS 2020, section 4.3): rank the
   recomputable blocks by memory saved per second of recompute (its MSPS), and recompute each in
   turn instead of keeping or swapping its tensors where that makes the (simulated) step faster. Capuchin
@@ -21,7 +26,7 @@ from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.trace import Trace
 
-__all__ = ["CheckpointAll", "hybridize", "with_all_recomputed"]
+__all__ = ["CheckpointAll", "CheckpointSelective", "hybridize", "with_all_recomputed"]
 
 
 @dataclass(frozen=True)
@@ -34,12 +39,26 @@ class CheckpointAll:
         return SwapPlan.of(trace, self.name, [], recompute=[s.name for s in trace.segments])
 
 
-def with_all_recomputed(trace: Trace, plan: SwapPlan, name: str) -> SwapPlan:
-    """``plan`` with every block recomputed and the evictions of their members dropped (what is
-    left swapped: anchors and tensors outside any block)."""
-    rebuilt = {k for s in trace.segments for k in s.members}
+@dataclass(frozen=True)
+class CheckpointSelective:
+    """Checkpoint every block selectively (R9, selective), swap nothing. A block whose members are
+    all saved ops has nothing to rebuild and is left as it is, as the policy leaves it in training."""
+
+    name: str = "checkpoint-selective"
+
+    def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
+        return with_all_recomputed(trace, SwapPlan.of(trace, self.name, []), self.name, selective=True)
+
+
+def with_all_recomputed(trace: Trace, plan: SwapPlan, name: str, *, selective: bool = False) -> SwapPlan:
+    """``plan`` with every block recomputed (``selective``: every block with cheap members,
+    selectively) and the evictions of their members dropped (what is left swapped: anchors and
+    tensors outside those blocks)."""
+    blocks = [s for s in trace.segments if s.cheap or not selective]
+    rebuilt = {k for s in blocks for k in s.members}
+    names = [s.name for s in blocks]
     return SwapPlan.of(trace, name, [e for e in plan.evictions if e.tensor not in rebuilt],
-                       recompute=[s.name for s in trace.segments])
+                       recompute=[] if selective else names, selective=names if selective else [])
 
 
 def hybridize(trace: Trace, budget: int, hardware: Hardware, plan: SwapPlan, *, name: str | None = None,

@@ -500,14 +500,17 @@ class Simulation:
 
 
 def simulate(trace: Trace, plan: SwapPlan | list[Eviction] | tuple[Eviction, ...], hardware: Hardware, budget: int, *,
-             record: bool = False, validate: bool = True, recompute: Sequence[int] = ()) -> SimResult:
+             record: bool = False, validate: bool = True, recompute: Sequence[int] = (),
+             selective: Sequence[int] = ()) -> SimResult:
     """Simulate one step of ``trace`` executing ``plan`` under ``budget`` bytes on ``hardware``.
-    ``recompute``: with a list of evictions, the blocks (indices into ``trace.segments``) to recompute."""
+    ``recompute``/``selective``: with a list of evictions, the blocks (indices into
+    ``trace.segments``) to recompute whole or selectively."""
     if isinstance(plan, SwapPlan):
         whole, blocks, selective = plan, plan.recomputed(trace), plan.recomputed_selectively(trace)
     else:
-        whole = SwapPlan(trace.name, "?", tuple(plan), recompute=tuple(trace.segments[s].name for s in recompute))
-        blocks, selective = list(recompute), []
+        names = [trace.segments[s].name for s in recompute], [trace.segments[s].name for s in selective]
+        whole = SwapPlan(trace.name, "?", tuple(plan), recompute=tuple(names[0]), selective=tuple(names[1]))
+        blocks = list(recompute)
     if validate:
         whole.validate(trace)
     sim = Simulation(trace, hardware, budget, record=record)

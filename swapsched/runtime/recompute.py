@@ -95,8 +95,11 @@ class BlockCheckpoints:
         return tuple(self.installed)
 
     def executable(self, trace: Trace) -> Trace:
-        """``trace`` with only the blocks this model has as one module each."""
-        return trace.with_segments(lambda sg: self._module(sg.name) is not None)
+        """``trace`` with only the blocks this model has as one module each, recomputed whole:
+        selective checkpointing (R9, selective) is planned, not executed here. PyTorch's keeps the
+        outputs it saves in the checkpoint's own cache, outside the saved-tensor hooks, where the
+        runtime's accounting and the audit meter would not see them."""
+        return trace.with_segments(lambda sg: self._module(sg.name) is not None, selective=False)
 
     def _module(self, name: str) -> nn.Module | None:
         try:

@@ -358,6 +358,11 @@ class PolicyRuntime:
         if budget is not None:
             self.budget_bytes = self._budget_for(check_budget(budget), self.trace)
             self.budget_spec = budget  # a malformed budget fails here, not after profiling
+        if plan.selective:
+            raise UserError(f"plan {plan.policy!r} checkpoints {len(plan.selective)} block(s) selectively, which the runtime "
+                            "does not execute yet (torch keeps what selective checkpointing saves outside the hooks the "
+                            "budget is kept by): plan with checkpoint-all or default, or run the plan with "
+                            "torch.utils.checkpoint yourself")
         if plan.recompute:
             if plan.evictions:
                 raise UserError(f"plan {plan.policy!r} both recomputes and swaps: once its blocks run under checkpoint the "

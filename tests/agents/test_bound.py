@@ -141,7 +141,7 @@ def test_the_joint_bound_is_below_every_keep_swap_recompute_plan(case):
     tr, plan, hw, budget = case
     bound = lower_bound(tr, budget, hw)
     assert bound.bound_s >= joint_floor(tr, budget, hw) * (1 - 1e-9)
-    plans = [plan, *(get_policy(n, search_seconds=0.05).plan(tr, budget, hw) for n in ("checkpoint-all", "capuchin", "default"))]
+    plans = [plan, *(get_policy(n, search_seconds=0.05).plan(tr, budget, hw) for n in ("checkpoint-all", "checkpoint-selective", "capuchin", "default"))]
     for p in plans:
         r = simulate(tr, p, hw, budget)
         if not r.oom:

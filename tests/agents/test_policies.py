@@ -127,15 +127,18 @@ def test_local_search_improves_min_where_min_leaves_room():
 @given(joint_cases())
 def test_the_joint_planners_on_blocks(case):
     """R9: optimal enumerates keep / swap / recompute and is never beaten; default is never worse
-    than any of the techniques it competes with (the best swap heuristic, checkpoint-all, capuchin's
-    hybrid); checkpoint-all recomputes every block and swaps nothing."""
+    than any of the techniques it competes with (the best swap heuristic, checkpoint-all and
+    -selective, capuchin's hybrid); checkpoint-all recomputes every block and swaps nothing,
+    checkpoint-selective every block with cheap members, selectively."""
     tr, _, hw, budget = case
     if len(tr.first_pack) > 4:
         return
     runs = {n: simulate(tr, get_policy(n, search_seconds=0.05).plan(tr, budget, hw), hw, budget)
-            for n in ("min", "capuchin-swap", "capuchin", "checkpoint-all", "default")}
+            for n in ("min", "capuchin-swap", "capuchin", "checkpoint-all", "checkpoint-selective", "default")}
     ck = get_policy("checkpoint-all").plan(tr, budget, hw)
     assert not ck.evictions and len(ck.recompute) == len(tr.segments)
+    sel = get_policy("checkpoint-selective").plan(tr, budget, hw)
+    assert not sel.evictions and not sel.recompute and sel.selective == tuple(s.name for s in tr.segments if s.cheap)
     opt = simulate(tr, Optimal().plan(tr, budget, hw), hw, budget)
     best_other = min((r.iteration_s for n, r in runs.items() if n != "default" and not r.oom), default=None)
     if best_other is not None:

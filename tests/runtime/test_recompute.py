@@ -4,6 +4,8 @@ swaps of what stays planned on the steps as they then run."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn as nn
@@ -132,6 +134,27 @@ def test_runs_of_single_layers_are_planned_offline_but_not_recomputed_live():
         assert rt._planned_on(rt.trace).segments == () and rt.report().recomputed_blocks == ()
     finally:
         rt.close()
+
+
+def test_selective_checkpointing_is_planned_but_refused_live():
+    # the Blocks' members include cheap ops (layer norm, gelu, dropout): offline they can be
+    # checkpointed selectively, but the runtime plans without that state and refuses such a plan
+    a = Blocks(seed=3)
+    rt = SwapRuntime(budget="100%", policy="min", backend="cpu", model=a, profile_steps=1, retime_steps=0)
+    try:
+        with rt.step():
+            _step(a, 0)
+        # the runtime's profile does not name ops; where a trace does (gelu: rebuilt selectively),
+        # the runtime's planning trace still has no selective state
+        named = replace(rt.trace, tensors=tuple(replace(t, op="gelu") for t in rt.trace.tensors))
+        assert all(sg.cheap for sg in named.segments)
+        assert rt._planned_on(named).segments and not any(sg.cheap for sg in rt._planned_on(named).segments)
+        with pytest.raises(UserError, match="checkpoints 1 block\\(s\\) selectively, which the runtime does not execute"):
+            rt.use_plan(SwapPlan.of(named, "hand", [], selective=["blocks.0"]))
+    finally:
+        rt.close()
+    with pytest.raises(UserError, match="'checkpoint-selective' is planned and simulated"):
+        SwapRuntime(budget="60%", policy="checkpoint-selective", backend="cpu", model=Blocks())
 
 
 def test_a_policy_that_only_recomputes_needs_the_model():
