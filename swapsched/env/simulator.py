@@ -586,7 +586,13 @@ def joint_floor(trace: Trace, budget: int, hardware: Hardware) -> float:
     avail = np.cumsum(avail, axis=1)[:, :-1]
     cost = np.array([c for _, _, c in items])
     floor = float(gaps.sum() + trace.tail_compute_s)  # every gap with nothing to free: the compute
-    for j in np.flatnonzero(must > 0):
+    # swapping all must_j (x = must_j, nothing recomputed) is one candidate, so R8's term bounds
+    # each gap's value from above: gaps in decreasing order of it, until none can raise the floor
+    over = np.flatnonzero(must > 0)
+    swap_only = np.maximum(before[over], must[over] * inv_d) + np.maximum(after[over], must[over] * inv_h)
+    for j, top in zip(over[np.argsort(-swap_only, kind="stable")], np.sort(swap_only)[::-1], strict=True):
+        if top <= floor:
+            break
         m, bj, aj = float(must[j]), float(before[j]), float(after[j])
         have = avail[:, j] > 0
         if not have.any():  # only swapping frees bytes here: R8's term
@@ -597,22 +603,18 @@ def joint_floor(trace: Trace, budget: int, hardware: Hardware) -> float:
         rates = rates[order]
         cum_y = np.concatenate(([0.0], np.cumsum(avail[have, j][order])))  # R_j's breakpoints, bytes freed
         cum_r = np.concatenate(([0.0], np.cumsum(cost[have][order])))  # and seconds spent
-
-        def recompute_cost(y: float, cum_y: np.ndarray = cum_y, cum_r: np.ndarray = cum_r, rates: np.ndarray = rates) -> float:
-            if y <= 0:
-                return 0.0
-            if y > cum_y[-1] * (1 + 1e-12):
-                return math.inf  # recompute cannot free that much here
-            p = min(max(int(np.searchsorted(cum_y, y, side="left")) - 1, 0), len(rates) - 1)
-            return float(cum_r[p] + rates[p] * (y - cum_y[p]))
-
-        cands = {0.0, m, min(bj / inv_d, m)}  # the ends, and where the swap-out starts to bind
-        for p in range(len(rates)):  # each linear piece of R_j, in x = m - y
-            x_hi, x_lo = m - cum_y[p], m - cum_y[p + 1]
-            cands.update(x for x in (x_hi, x_lo) if 0.0 <= x <= m)
-            x = (aj + cum_r[p] + rates[p] * (m - cum_y[p])) / (inv_h + rates[p])  # after_j + R_j = x / B_h2d
-            if max(x_lo, 0.0) <= x <= min(x_hi, m):
-                cands.add(x)
-        lb = min(max(bj, x * inv_d) + max(aj + recompute_cost(m - x), x * inv_h) for x in cands)
+        # the candidates x (bytes swapped): the ends, where the swap-out starts to bind, each linear
+        # piece of R_j's ends in x = m - y, and where after_j + R_j = x / B_h2d inside a piece
+        x_hi, x_lo = m - cum_y[:-1], m - cum_y[1:]
+        cross = (aj + cum_r[:-1] + rates * x_hi) / (inv_h + rates)
+        inside = (cross >= np.maximum(x_lo, 0.0)) & (cross <= np.minimum(x_hi, m))
+        ends = np.concatenate((x_hi, x_lo))
+        x = np.concatenate(([0.0, m, min(bj / inv_d, m)], ends[(ends >= 0.0) & (ends <= m)], cross[inside]))
+        # R_j(m - x): the fractional knapsack, cheapest seconds per byte first; 0 where nothing is
+        # left to free, inf where recompute cannot free that much here
+        y = m - x
+        p = np.clip(np.searchsorted(cum_y, y, side="left") - 1, 0, len(rates) - 1)
+        r = np.where(y <= 0, 0.0, np.where(y > cum_y[-1] * (1 + 1e-12), np.inf, cum_r[p] + rates[p] * (y - cum_y[p])))
+        lb = float(np.min(np.maximum(bj, x * inv_d) + np.maximum(aj + r, x * inv_h)))
         floor = max(floor, lb)
     return floor
