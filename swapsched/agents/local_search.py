@@ -95,13 +95,16 @@ MOVE_CLASSES: tuple[tuple[str, int, bool], ...] = (
 
 @dataclass(frozen=True)
 class Move:
-    """One change to a plan: ``kind`` (the first field of ``MOVE_CLASSES``), the tensor it acts on, its new placement
-    (``None`` for a drop) and the tensor it replaces (``replace`` only)."""
+    """One change to a plan: ``kind`` (the first field of ``MOVE_CLASSES``, or ``recompute``), the
+    tensor it acts on (a block for ``recompute``), its new placement (``None`` for a drop), the
+    tensor it replaces (``replace`` only) and the block's new state (``recompute`` only: ``keep``,
+    ``whole`` or ``selective``)."""
 
     kind: str
     tensor: int
     placement: tuple[int, int] | None
     removed: int = -1
+    state: str = ""
 
 
 class _SearchState:
@@ -135,7 +138,10 @@ class _SearchState:
         has no move here; the class index either way. In a joint search a share of the moves
         toggles a block's recompute instead (class -1: outside the classes a prior weights)."""
         if self.joint and rng.random() < RECOMPUTE_SHARE:
-            return -1, Move("recompute", int(rng.integers(0, len(self.trace.segments))), None)
+            s = int(rng.integers(0, len(self.trace.segments)))
+            now = "whole" if s in self.recompute else "selective" if s in self.selective else "keep"
+            others = [x for x in ("keep", "whole", "selective") if x != now and (x != "selective" or self.trace.segments[s].cheap)]
+            return -1, Move("recompute", s, None, state=others[int(rng.integers(0, len(others)))])
         c = int(rng.choice(len(MOVE_CLASSES), p=weights))
         kind, d, aimed = MOVE_CLASSES[c]
         cur, fu = self.plan, self.fu
@@ -181,23 +187,16 @@ class _SearchState:
         so = int(self.lfp[k])
         return so, prefetch_event(self.trace, k, LEADS[lead_index] * float(self.h2d[k]), so)
 
-    def apply(self, m: Move, rng: np.random.Generator | None = None
-              ) -> tuple[dict[int, tuple[int, int]], frozenset[int], frozenset[int]]:
-        """The plan and the blocks recomputed whole and selectively after ``m``. A recompute move
-        puts its block in another of its states (kept, whole, selective), drawn by ``rng`` where
-        there are two others, else the next."""
+    def apply(self, m: Move) -> tuple[dict[int, tuple[int, int]], frozenset[int], frozenset[int]]:
+        """The plan and the blocks recomputed whole and selectively after ``m``."""
         cand = dict(self.plan)
         if m.kind == "recompute":
             s = m.tensor
-            states = ["keep", "whole"] + (["selective"] if self.trace.segments[s].cheap else [])
-            now = "whole" if s in self.recompute else "selective" if s in self.selective else "keep"
-            others = [x for x in states if x != now]
-            to = others[int(rng.integers(0, len(others)))] if rng is not None and len(others) > 1 else others[0]
-            whole, sel = self.recompute - {s}, self.selective - {s}
-            if to != "keep":
+            if m.state != "keep":
                 for k in self.trace.segments[s].members:  # rebuilt or held, so no longer swapped
                     cand.pop(k, None)
-            return cand, whole | ({s} if to == "whole" else set()), sel | ({s} if to == "selective" else set())
+            return (cand, self.recompute - {s} | ({s} if m.state == "whole" else set()),
+                    self.selective - {s} | ({s} if m.state == "selective" else set()))
         if m.kind == "drop":
             del cand[m.tensor]
         else:
@@ -249,7 +248,7 @@ def improve(trace: Trace, budget: int, hardware: Hardware, start: SwapPlan, *, s
         c, m = state.propose(rng, weights)
         if m is None:
             continue
-        cand, cand_rc, cand_sel = state.apply(m, rng)
+        cand, cand_rc, cand_sel = state.apply(m)
         t_sim = time.perf_counter()
         r2 = simulate(trace, [Eviction(k, o, p) for k, (o, p) in cand.items()], hardware, budget, validate=False,
                       recompute=sorted(cand_rc), selective=sorted(cand_sel))
