@@ -48,11 +48,15 @@ class _RecomputeMeter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         known, watch = self.owner.known, self.owner.watch
+        # a view of an input is no new memory, whoever owns the input: under FSDP2 the parameters
+        # a block reads are storages FSDP all-gathered for backward, which nothing here counts
+        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 st = t.untyped_storage()
                 key = st._cdata
-                if key in self.seen or (known is not None and known(key)):
+                if key in self.seen or key in inputs or (known is not None and known(key)):
                     continue
                 self.seen.add(key)
                 n = st.nbytes()

@@ -61,3 +61,54 @@ def test_ddp_gradients_equal_single_process_reference(tmp_path):
     # both ranks hold the same all-reduced gradients, bit for bit
     r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     assert all(torch.equal(r0[n], r1[n]) for n in r0)
+
+
+def _recompute_worker(rank: int, world: int, port: int, out: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from swapsched.deploy import SwapRuntime
+    from tests.runtime.test_recompute import X, Blocks
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    base = Blocks(seed=4)
+    model = DDP(base)
+    # a slow link: the joint planner recomputes blocks (R9), run under torch.utils.checkpoint inside DDP
+    rt = SwapRuntime(budget="50%", policy="default", backend="cpu", bandwidth=1e6, model=base, profile_steps=2)
+    grads = []
+    for i in range(6):
+        model.zero_grad()
+        torch.manual_seed(1000 * rank + i)  # each rank its own dropout masks; the checkpoint replays them
+        with rt.step():
+            model(X * (1 + rank)).backward()
+        grads.append({n: p.grad.clone() for n, p in base.named_parameters()})
+    report = rt.report()
+    assert report.mode == "execute" and report.recomputed_blocks and report.plan_followed
+    torch.save(grads, f"{out}/rank{rank}.pt")
+    rt.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_ddp_with_recomputed_blocks_matches_the_single_process_reference(tmp_path):
+    from tests.runtime.test_recompute import X, Blocks
+
+    mp.start_processes(_recompute_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    # reference: one process without swapsched, each step the mean of both ranks' gradients, with
+    # the same dropout masks (the same seeds before each forward)
+    ref = Blocks(seed=4)
+    want = []
+    for i in range(6):
+        per_rank = []
+        for rank in range(2):
+            ref.zero_grad()
+            torch.manual_seed(1000 * rank + i)
+            ref(X * (1 + rank)).backward()
+            per_rank.append({n: p.grad.clone() for n, p in ref.named_parameters()})
+        want.append({n: (per_rank[0][n] + per_rank[1][n]) / 2 for n in per_rank[0]})
+    r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    for step, (g0, g1, w) in enumerate(zip(r0, r1, want, strict=True)):
+        for n in w:
+            assert torch.equal(g0[n], g1[n]), (step, n)  # the all-reduce gives both ranks the same
+            torch.testing.assert_close(g0[n], w[n], rtol=1e-6, atol=1e-7)
