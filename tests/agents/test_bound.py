@@ -242,6 +242,35 @@ def test_a_selective_recompute_has_its_own_variable():
     assert lower_bound(tr, 300, slow).bound_s == pytest.approx(11.0, rel=1e-6)
 
 
+def test_two_selective_blocks_each_with_their_own_variables():
+    # blk.0 = anchor T0, members T1 (addmm, held), T2 (gelu, cheap: 1 s); blk.1 likewise with T3,
+    # T4, T5 (cheap: 0.5 s; the whole block 2.5 s); T6 outside. 100 B each, ideal 13.5 s; at 1 B/s
+    # swapping costs 100 s a tensor. Gap 6 holds all 700 B. Budget 600: 100 B away, blk.1's cheap
+    # member for 0.5 s: 14. 500: both blocks selectively, 1.5 s: 15. 400: 300 B, blk.1 whole
+    # (200 B, 2.5 s) and blk.0 selectively (1 s): 17.
+    gaps = [1, 1, 1, 1, 1, 0.5, 1]
+    tr = make_trace([100] * 7, [*(("pack", k, gaps[k]) for k in range(7)), *(("unpack", k, 1.0) for k in reversed(range(7)))],
+                    ops=["native_layer_norm", "addmm", "gelu"] * 2 + ["addmm"],
+                    modules=["blk.0.ln", "blk.0.fc", "blk.0.act", "blk.1.ln", "blk.1.fc", "blk.1.act", "head"])
+    assert [(sg.cheap, sg.forward_s, sg.cheap_forward_s) for sg in tr.segments] == [((2,), 3.0, 1.0), ((5,), 2.5, 0.5)]
+    slow = make_hw(d2h=1, h2d=1)
+    for budget, want in ((600, 14.0), (500, 15.0), (400, 17.0)):
+        assert lower_bound(tr, budget, slow).bound_s == pytest.approx(want, rel=1e-6), budget
+
+
+def test_a_block_is_not_recomputed_whole_and_selectively_at_once():
+    # The selective case's trace with T0 (the anchor) held through gap 3, where T3 is made: only
+    # blk.0's members can be away there, 200 B of the 250 B that budget 150 needs. No plan fits, so
+    # the relaxation is infeasible and the bound is the floor (8 s: the floor lets any 250 B be
+    # swapped in the 3 s before gap 3). Recomputing the block whole and selectively at once would
+    # "free" 300 B for 3 + 1 s: 12, above the floor, from a combination no plan has.
+    tr = make_trace([100, 100, 100, 100], [*(("pack", k, 1.0) for k in range(4)), *(("unpack", k, 1.0) for k in (3, 2, 1, 0))],
+                    ops=["native_layer_norm", "addmm", "gelu", "addmm"], modules=["blk.0.ln", "blk.0.fc", "blk.0.act", "head"])
+    tr = replace(tr, tensors=(replace(tr.tensors[0], released_at=3), *tr.tensors[1:]))
+    b = lower_bound(tr, 150, make_hw())
+    assert b.status == "floor" and b.bound_s == b.floor_s == pytest.approx(8.0)
+
+
 def test_one_byte_over_budget_puts_a_whole_tensor_away():
     # test_latency_makes_the_bound_tighter_than_the_floor's case at budget 199: gap 1 is 1 B over, and
     # a tensor is away whole or not at all (e is binary), so T0's 1.5 s copy out still precedes gap
