@@ -35,8 +35,8 @@ Formulation (indices are events; gap *j* is the compute before event *j*, R1):
   the memory row at gap *j* counts ``avail_s(j) r_s`` too (the members' bytes absent there); and the
   recompute runs on the compute stream at event ``at_s``: ``S_{at_s+1} - S_{at_s} >= forward_s r_s``
   (summed over the blocks recomputed at one event). Selective recompute has its own binary ``q_s``
-  with the cheap members' bytes and forward time (``r_s + q_s <= 1``). A member is never also
-  evicted: ``e[k, j] + r_s + q_s <= 1`` (without it a member's bytes counted twice in a memory row, and the
+  with the cheap members' bytes and forward time. A member is never also evicted:
+  ``e[k, j] + r_s + q_s <= 1``, which also keeps a block from being recomputed both ways (without it a member's bytes counted twice in a memory row, and the
   block's recompute stall paid for the member's swap-in). The anchor's presence at ``at_s``, and the
   rebuilt members' room, are not constrained (relaxed).
 - Objective: minimize ``S_n``; the bound is ``G_n + tail + S_n``, and never below the floor (R8's,
@@ -168,9 +168,11 @@ def lower_bound(trace: Trace, budget: int, hardware: Hardware, *, time_limit_s: 
     for sg in segments:  # the recompute's own compute at its event: S_at - S_{at+1} + forward r + cheap q <= 0
         row([(int(sg.at), 1.0), (int(sg.at) + 1, -1.0), (nR + sg.index, sg.forward_s),
              (nQ + sg.index, sg.cheap_forward_s)], 0.0)
-        row([(nR + sg.index, 1.0), (nQ + sg.index, 1.0)], 1.0)  # whole or selectively, not both
     block_of = {int(k): sg.index for sg in segments for k in sg.members}
-    for v, (k, _) in enumerate(pairs):  # a member is never also evicted (R9): e + r + q <= 1
+    # a member is never also evicted (R9): e + r + q <= 1. This also keeps a block from being
+    # recomputed whole and selectively at once wherever that could matter: a member absent at a
+    # checked gap is eligible to be away there, so it has a pair and this row
+    for v, (k, _) in enumerate(pairs):
         if k in block_of:
             row([(nS + v, 1.0), (nR + block_of[k], 1.0), (nQ + block_of[k], 1.0)], 1.0)
     for j, members in by_gap.items():

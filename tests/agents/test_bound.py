@@ -263,7 +263,8 @@ def test_a_block_is_not_recomputed_whole_and_selectively_at_once():
     # blk.0's members can be away there, 200 B of the 250 B that budget 150 needs. No plan fits, so
     # the relaxation is infeasible and the bound is the floor (8 s: the floor lets any 250 B be
     # swapped in the 3 s before gap 3). Recomputing the block whole and selectively at once would
-    # "free" 300 B for 3 + 1 s: 12, above the floor, from a combination no plan has.
+    # "free" 300 B for 3 + 1 s: 12, above the floor, from a combination no plan has. (The rows
+    # that keep a member from being both evicted and recomputed forbid it: e + r + q <= 1.)
     tr = make_trace([100, 100, 100, 100], [*(("pack", k, 1.0) for k in range(4)), *(("unpack", k, 1.0) for k in (3, 2, 1, 0))],
                     ops=["native_layer_norm", "addmm", "gelu", "addmm"], modules=["blk.0.ln", "blk.0.fc", "blk.0.act", "head"])
     tr = replace(tr, tensors=(replace(tr.tensors[0], released_at=3), *tr.tensors[1:]))
