@@ -205,7 +205,7 @@ def _print_result(r: dict[str, Any]) -> None:
         print(f"OOM at event {r['oom_event']}: the plan does not fit {format_bytes(r['budget_bytes'])}")
     else:
         print(f"step {1e3 * r['iteration_s']:.3f} ms   ideal {1e3 * r['ideal_s']:.3f} ms   overhead {round(100 * r['overhead'], 2) + 0.0:+.2f}%"
-              f"   stall {1e3 * r['stall_s']:.3f} ms")
+              f"   stall {1e3 * r['stall_s']:.3f} ms" + (f"   recompute {1e3 * r['recompute_s']:.3f} ms" if r.get("recompute_s") else ""))
     print(f"peak {format_bytes(r['peak_bytes'])} of budget {format_bytes(r['budget_bytes'])}   "
           f"moved d2h {format_bytes(r['d2h_bytes'])}  h2d {format_bytes(r['h2d_bytes'])}")
     if r.get("bound_s") is not None:
@@ -241,7 +241,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     policy = get_policy(args.policy, seed=args.seed, search_seconds=args.search_seconds)
     plan, res, plan_s = run_policy(policy, trace, budget, hw)
     plan.save(args.out)
-    print(f"{policy.name}: {len(plan.evictions)} of {trace.n_tensors} tensors evicted, planned in {plan_s:.3f} s"
+    blocks = [f"{len(names)} block(s) recomputed {how}" for names, how in ((plan.recompute, "whole"),
+                                                                         (plan.selective, "selectively")) if names]
+    print(f"{policy.name}: {len(plan.evictions)} of {trace.n_tensors} tensors evicted"
+          + "".join(f", {b}" for b in blocks) + f", planned in {plan_s:.3f} s"
           + (f"; status {plan.meta['status']}" if "status" in plan.meta else ""))
     d = res.to_dict()
     if "bound_s" in plan.meta and not res.oom:

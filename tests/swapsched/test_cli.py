@@ -46,6 +46,19 @@ def test_plan_simulate_and_plot(tmp_path, capsys):
     assert d["peak_bytes"] <= d["budget_bytes"] and png.stat().st_size > 10_000
 
 
+def test_plan_says_which_blocks_it_recomputes_and_how(tmp_path, capsys):
+    from swapsched._paths import corpus_dir
+
+    trace = corpus_dir() / "bert-base-b16-h100-pcie5.json.gz"
+    assert main(["plan", "--trace", str(trace), "--policy", "checkpoint-selective", "--hardware", "h100-pcie5",
+                 "--budget", "70%", "--out", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert "0 of 189 tensors evicted, 12 block(s) recomputed selectively" in out and "recompute " in out
+    assert main(["plan", "--trace", str(trace), "--policy", "checkpoint-all", "--hardware", "h100-pcie5",
+                 "--budget", "70%", "--out", str(tmp_path / "q.json")]) == 0
+    assert "12 block(s) recomputed whole" in capsys.readouterr().out
+
+
 def test_compare_table_json_and_plot(tmp_path, capsys):
     trace = tmp_path / "t.json"
     assert main(["profile", "vgg", "--size", "tiny", "--out", str(trace)]) == 0
