@@ -67,7 +67,7 @@ def _recompute_worker(rank: int, world: int, port: int, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from swapsched.deploy import SwapRuntime
-    from tests.runtime.test_recompute import X, Blocks
+    from tests.runtime.test_recompute import Blocks, X
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -92,7 +92,7 @@ def _recompute_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_ddp_with_recomputed_blocks_matches_the_single_process_reference(tmp_path):
-    from tests.runtime.test_recompute import X, Blocks
+    from tests.runtime.test_recompute import Blocks, X
 
     mp.start_processes(_recompute_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
     # reference: one process without swapsched, each step the mean of both ranks' gradients, with

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from swapsched.plan import Eviction, PlanError, SwapPlan, lead_eviction, load_plan, prefetch_event
-from tests.conftest import make_trace, make_hw
+from tests.conftest import make_hw, make_trace
 
 
 def test_round_trip_and_trace_check(tmp_path, two_tensors):
