@@ -343,6 +343,19 @@ def test_a_selective_recompute_rebuilds_only_the_cheap_members(hw):
     assert joint_floor(tr, 300, make_hw(d2h=1, h2d=1)) == pytest.approx(8.97)
 
 
+def test_the_joint_floor_prices_a_whole_recompute_as_its_cheap_part_plus_the_rest():
+    # Two blocks as tests/agents/test_bound.py's selective pair: blk.0's cheap member T2 costs 1 s,
+    # its other member T1 the remaining 2 s; blk.1's T5 0.5 s, T4 2 s. At 1 B/s with budget 400,
+    # 300 B must be away in gap 6 (5.5 s of compute before it, 8 s from it on): 5.5 B swapped in
+    # those 5.5 s, and of the other 294.5 B the knapsack takes T5 (0.005 s/B), T2 (0.01 s/B), then
+    # 94.5 B at 0.02 s/B: 0.5 + 1 + 1.89 = 3.39 s. Floor 5.5 + 8 + 3.39 = 16.89.
+    gaps = [1, 1, 1, 1, 1, 0.5, 1]
+    tr = make_trace([100] * 7, [*(("pack", k, gaps[k]) for k in range(7)), *(("unpack", k, 1.0) for k in reversed(range(7)))],
+                    ops=["native_layer_norm", "addmm", "gelu"] * 2 + ["addmm"],
+                    modules=["blk.0.ln", "blk.0.fc", "blk.0.act", "blk.1.ln", "blk.1.fc", "blk.1.act", "head"])
+    assert joint_floor(tr, 400, make_hw(d2h=1, h2d=1)) == pytest.approx(16.89)
+
+
 def test_the_block_is_found_with_its_anchor_members_event_and_forward_time(one_block):
     (sg,) = one_block.segments
     assert (sg.name, sg.anchor, sg.members, sg.at, sg.forward_s, sg.bytes) == ("blk.0", 0, (1,), 4, 2.0, 100)
