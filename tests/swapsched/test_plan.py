@@ -105,6 +105,12 @@ def test_a_selective_plan_round_trips_and_is_validated(tmp_path):
                        ops=["addmm", "bmm"], modules=["blk.0.a", "blk.0.b"])
     with pytest.raises(PlanError, match="no block 'blk.0' with members that selective checkpointing rebuilds"):
         SwapPlan.of(saved, "bad", [], selective=["blk.0"]).validate(saved)
+    # where a plan breaks several rules, the user hears of them in the plan's order: recompute
+    # first, then selective; for a block there, whether it can be selective before the clash
+    with pytest.raises(PlanError, match=r"^<plan>: recompute\[0\]"):
+        SwapPlan.of(tr, "bad", [], recompute=["blk.9"], selective=["blk.8"]).validate(tr)
+    with pytest.raises(PlanError, match="with members that selective checkpointing rebuilds"):
+        SwapPlan.of(saved, "bad", [], recompute=["blk.0"], selective=["blk.0"]).validate(saved)
 
 
 def test_recompute_is_validated_against_the_trace(tmp_path, one_block):
