@@ -44,14 +44,22 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         lb = torch.nn.functional.cross_entropy(b.model(x), y)
         lb.backward()
         equal &= torch.equal(la, lb)
-        equal &= all(torch.equal(p.grad.to_local(), q.grad.to_local())
-                     for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True))
+        equal &= _same_grads(a.model, b.model)
+    _save_and_close(rt, bool(equal), f"{out}/rank{rank}.pt")
+
+
+def _same_grads(a, b) -> bool:
+    return all(torch.equal(p.grad.to_local(), q.grad.to_local()) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def _save_and_close(rt, equal: bool, path: str) -> None:
+    """What the test reads of this rank's run, then the runtime and the process group torn down."""
     rep = rt.report()
-    torch.save({"equal": bool(equal), "mode": rep.mode, "evicted": rep.evicted_bytes, "peak": rep.peak_device_bytes,
-                "measured": rep.measured_peak_bytes, "budget": rep.budget_bytes, "followed": rep.plan_followed},
-               f"{out}/rank{rank}.pt")
+    torch.save({"equal": equal, "mode": rep.mode, "evicted": rep.evicted_bytes, "blocks": rep.recomputed_blocks,
+                "peak": rep.peak_device_bytes, "measured": rep.measured_peak_bytes, "budget": rep.budget_bytes,
+                "followed": rep.plan_followed}, path)
     rt.close()
-    dist.barrier()
+    dist.barrier()  # both ranks saved their results before either tears down
     dist.destroy_process_group()
 
 
@@ -99,14 +107,8 @@ def _recompute_worker(rank: int, world: int, port: int, out: str) -> None:
         lb = b(X * (1 + rank))
         lb.backward()
         equal &= torch.equal(la, lb)
-        equal &= all(torch.equal(p.grad.to_local(), q.grad.to_local()) for p, q in zip(a.parameters(), b.parameters(), strict=True))
-    rep = rt.report()
-    torch.save({"equal": bool(equal), "mode": rep.mode, "blocks": rep.recomputed_blocks, "peak": rep.peak_device_bytes,
-                "measured": rep.measured_peak_bytes, "budget": rep.budget_bytes, "followed": rep.plan_followed},
-               f"{out}/rank{rank}.pt")
-    rt.close()
-    dist.barrier()
-    dist.destroy_process_group()
+        equal &= _same_grads(a, b)
+    _save_and_close(rt, bool(equal), f"{out}/rank{rank}.pt")
 
 
 def test_fsdp2_with_recomputed_blocks_is_bit_identical_and_within_budget(tmp_path):
