@@ -53,6 +53,7 @@ TARGETS = {
         "test_a_block_member_the_program_still_holds_is_not_freed_by_recomputing",
         "test_where_the_solver_proves_nothing_the_bound_is_the_floor",
         "test_a_recomputed_member_is_not_also_counted_away_by_a_swap",
+        "test_a_member_of_a_later_block_is_not_also_counted_away_by_a_swap",
         "test_a_selective_recompute_has_its_own_variable",
         "test_two_selective_blocks_each_with_their_own_variables",
         "test_a_block_is_not_recomputed_whole_and_selectively_at_once",

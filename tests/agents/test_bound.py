@@ -225,6 +225,24 @@ def test_a_recomputed_member_is_not_also_counted_away_by_a_swap():
     assert b.bound_s == pytest.approx(12.0, rel=1e-6) and b.status == "milp"
 
 
+def test_a_member_of_a_later_block_is_not_also_counted_away_by_a_swap():
+    # The case above as blk.1, after a blk.0 of two 1 B tensors (U3 anchor, U4 member) packed first;
+    # ids: T0 200 B (blk.1's anchor), T1 100 B (its member, recomputed at e5 in 1 + 2 = 3 s), T2
+    # 200 B outside, U3, U4. Gaps 1, 1, 1, 2, 0.5, 2, 1, 1, 1, 1: ideal 11.5 s. Budget 377: gap 4 is
+    # 502 B, 125 over. Without T0, at most T1's 100 B and the U's 2 B can be away, so T0 goes out
+    # (1 s, in gap 3) and its 8 s swap-in runs from gap 4's start to e6's end: 0.5 + 2 + 1 = 3.5 s
+    # and the 3 s of any recompute at e5 in between, 4.5 s of stall either way: 16. Counting T1
+    # swapped and recomputed at once would free 200 B for 3 s of recompute and 0.5 s of T1's copy
+    # out (it is made in gap 3, needed away in gap 4): 15. Each block has its own exclusion rows.
+    tr = make_trace([200, 100, 200, 1, 1], [("pack", 3, 1.0), ("pack", 4, 1.0), ("pack", 0, 1.0), ("pack", 1, 2.0),
+                                            ("pack", 2, 0.5), ("unpack", 1, 2.0), ("unpack", 0, 1.0), ("unpack", 2, 1.0),
+                                            ("unpack", 4, 1.0), ("unpack", 3, 1.0)],
+                    modules=["blk.1.a", "blk.1.b", "head", "blk.0.a", "blk.0.b"])
+    assert [(sg.index, sg.anchor, sg.members, sg.at) for sg in tr.segments] == [(0, 3, (4,), 8), (1, 0, (1,), 5)]
+    b = lower_bound(tr, 377, make_hw(d2h=200, h2d=25))
+    assert b.bound_s == pytest.approx(16.0, rel=1e-6) and b.status == "milp"
+
+
 def test_a_selective_recompute_has_its_own_variable():
     # tests/env/test_simulator.py's selective case: blk.0 = anchor T0, members T1 (addmm, held by
     # selective checkpointing) and T2 (gelu, rebuilt in 1 s; the whole block in 3 s); 100 B each,
