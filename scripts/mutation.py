@@ -300,7 +300,9 @@ def main() -> int:
         root = data
         while root.get("rerun_of"):  # a rerun holds only its survivors' outcomes: the full run has them all
             root = json.loads(Path(root["rerun_of"]).read_text())
-        known = {(o["module"], o["line"], o["kind"], o["before"], o["after"]) for o in root["outcomes"]}
+        # a rerun may take a subset of the earlier run's modules
+        known = {(o["module"], o["line"], o["kind"], o["before"], o["after"]) for o in root["outcomes"]
+                 if o["module"] in modules}
         mine = work
         # the same mutants, line for line, or the source changed since and the earlier kills say nothing
         if {(mut.module, mut.line, mut.kind, mut.before, mut.after) for _, mut, _ in mine} != known:
