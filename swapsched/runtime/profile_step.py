@@ -38,7 +38,7 @@ class ProfileStep(StepExecution):
 
     __slots__ = ("ids", "recorder", "trace", "moved", "device", "owners", "cast_keys", "cast_bytes", "released",
                  "freed", "unpacked", "devices", "param_keys", "passes", "modules", "checkpoint_packs", "recomputes",
-                 "new_shape", "seen_before", "carried")
+                 "new_shape", "seen_before", "carried", "carried_keys")
 
     def __init__(self, rt: PolicyRuntime, since: tuple[float, int] | None = None,
                  carried: list[tuple[weakref.ref[Any], int, int]] | None = None):
@@ -66,6 +66,7 @@ class ProfileStep(StepExecution):
         # the storages the handing step saw first and did not track (weak storage, bytes, key):
         # counted as held by someone else if still alive at the end, as a whole profile judges them
         self.carried = list(carried or ())
+        self.carried_keys = {key: st for st, _, key in self.carried}
         self.trace: Trace | None = None
         self.moved = 0
         self.device = self.backend.device_type
@@ -88,7 +89,13 @@ class ProfileStep(StepExecution):
         # a storage first seen as a parameter's stays one, whatever view of it comes later (a
         # double backward saves a transpose of an unpacked, detached weight): the executed steps
         # tell parameters by their storage too
-        tid = None if t.untyped_storage()._cdata in self.param_keys else self.recorder.pack(t)
+        key = t.untyped_storage()._cdata
+        if key in self.carried_keys and self.carried_keys[key]() is not None:
+            # a storage the handing step saw first (and did not track) is no new sight here
+            # either: an executing step of this shape keeps it untracked, so its order of first
+            # sight must not count it twice (a view of the caller's batch, saved again later)
+            return Packed(None, t, profiled=True)
+        tid = None if key in self.param_keys else self.recorder.pack(t)
         if tid is None:
             self.param_keys.add(t.untyped_storage()._cdata)
             if is_cached_cast(t):  # stays like its parameter; its bytes are counted once, as static
@@ -220,6 +227,7 @@ class ProfileStep(StepExecution):
         self.recorder.ids.clear()
         self.owners.clear()
         self.carried.clear()
+        self.carried_keys.clear()
         self._drop_finalizers()
 
     def report(self, step_s: float) -> StepReport:

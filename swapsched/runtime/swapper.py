@@ -160,7 +160,7 @@ class PolicyRuntime:
             raise UserError(f"profile_steps must be at least 1, got {profile_steps}")
         self.profile_steps = int(profile_steps)
         self._profiled = 0
-        self._profiles: list[Trace] = []
+        self._profiles: list[tuple[Trace, dict[int, int]]] = []  # (trace, its order of first sight)
         if retime_steps < 0:
             raise UserError(f"retime_steps must be 0 (off) or more, got {retime_steps}")
         self.retime_steps = int(retime_steps)
@@ -275,10 +275,31 @@ class PolicyRuntime:
         if ex.trace is None:  # nothing was unpacked (no backward): nothing learned, profile again
             return
         self._profiled += 1
-        self._profiles.append(ex.trace)
+        self._profiles.append((ex.trace, dict(self.first_sight)))
         if self._profiled >= self.profile_steps:
-            self._plan_from(median_trace(self._profiles))
-            self._profiles = []
+            profiled, self._profiles = self._profiles, []
+            self._plan_from(median_trace([trace for trace, _ in profiled]))
+            self._keep_other_sizes(profiled[:-1])
+
+    def _keep_other_sizes(self, profiled: list[tuple[Trace, dict[int, int]]]) -> None:
+        """The profiling steps of sizes other than the one planned (a padded batch's first steps):
+        each of the planned family's sizes gets a layout of its own, as a new shape profiled as it
+        ran does, so that the family predicts from all of them. Other structures are left out."""
+        if self.layout is None:  # R9's first stage: the steps are profiled again, with the blocks checkpointed
+            return
+        planned = self.layout
+        budget = present(self.budget_bytes, "the run's budget in bytes")
+        for trace, first_sight in reversed(profiled):  # the latest step of each size
+            key = first_bytes(trace)
+            if (key in self.layouts or first_sight != planned.first_sight or structure(trace) != planned.family
+                    or trace.min_feasible_bytes > budget):  # a size no plan fits is refused when it comes again
+                continue
+            layout = self._layout(trace, *self._borrowed(trace, self._kin(trace, first_sight)), first_sight=first_sight)
+            self.layouts[key] = layout
+            if self.background_planning and self.policy is not None:
+                self._plan_later(layout)
+            elif self.policy is not None and (replanned := self._policy_layout(layout, trace)()) is not None:
+                self.layouts[key] = replanned
 
     def _after_new_shape(self, profiled: ProfileStep) -> None:
         """A shape no plan was made for, profiled in the step that showed it: planned now, from

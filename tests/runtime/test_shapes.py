@@ -230,3 +230,57 @@ def test_a_new_shape_whose_first_saved_tensor_is_the_callers_batch_counts_the_ba
         assert abs(last.measured_peak_bytes - last.peak_device_bytes) < xs[16].nbytes // 4
     finally:
         rt.close()
+
+
+def test_a_new_shape_profiled_from_its_first_traced_tensor_numbers_the_callers_batch_as_a_whole_profile_does():
+    # The embedding saves the caller's tokens (not the runtime's: no trace id), and cross_entropy
+    # saves a view of them again at the end, then its 4 B total weight. A step of a new length hands
+    # its hooks to a profiling step after the tokens; seeing them again there is no new storage,
+    # as it is to a whole profile and to an executing step. Counted as new, it shifted the total
+    # weight's place in the order of first sight, and every later step of that length diverged.
+    torch.manual_seed(0)
+
+    class Tokens(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.mid, self.head = nn.Embedding(50, 16), nn.Linear(16, 16), nn.Linear(16, 50)
+
+        def forward(self, tokens):
+            return nn.functional.cross_entropy(self.head(torch.relu(self.mid(self.emb(tokens)))).flatten(0, 1),
+                                               tokens.flatten())
+
+    net = Tokens()
+    xs = {n: torch.randint(0, 50, (4, n), generator=torch.Generator().manual_seed(n)) for n in (16, 24)}
+    rt = SwapRuntime(budget="90%", policy="min", backend="cpu", model=net, audit=True, background_planning=False)
+    try:
+        reports = []
+        for n in (24, 24, 24, 16, 16, 16):
+            with rt.step():
+                net(xs[n]).backward()
+            reports.append(rt.report())
+        assert [r.mode for r in reports] == ["profile"] * 4 + ["execute"] * 2 and reports[3].new_shape
+        assert all(r.divergence is None and r.plan_followed for r in reports[4:])
+        sixteen, twenty_four = (rt.layouts[4 * n * 16 * 4].first_sight for n in (16, 24))
+        assert sixteen == twenty_four
+    finally:
+        rt.close()
+
+
+def test_profiling_steps_of_several_lengths_each_join_the_family():
+    # A padded run's first steps have other lengths: 32, 48 and 40 are the three profiling steps.
+    # The plan is made for 40 (the last); 32 and 48 each get a layout of their own, borrowed from
+    # it, so the step of 48 executes and so does a length never seen (56: predicted from the three)
+    # instead of being profiled as it runs.
+    lengths = [32, 48, 40, 48, 56, 32]
+    run = _step_of_length(lengths)
+    a, b = Net(), Net()
+    rt = SwapRuntime(budget="60%", policy="min", backend="cpu", model=a, audit=True, background_planning=False)
+    try:
+        reports = train_together(a, b, rt, len(lengths), run)
+        assert [r.mode for r in reports] == ["profile"] * 3 + ["execute"] * 3
+        assert [r.shape_predicted for r in reports[3:]] == [False, True, False]
+        assert sorted(k // (8 * 4 * 32) for k, lay in rt.layouts.items() if not lay.predicted) == [32, 40, 48]
+        for r in reports[3:]:
+            assert r.peak_device_bytes <= r.budget_bytes and r.measured_peak_bytes <= r.budget_bytes
+    finally:
+        rt.close()
