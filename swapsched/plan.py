@@ -75,15 +75,16 @@ class SwapPlan:
     def evicted(self) -> frozenset[int]:
         return frozenset(e.tensor for e in self.evictions)
 
-    def by_event(self, n_events: int) -> tuple[list[list[int]], list[list[int]]]:
+    def by_event(self, n_events: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
         """The plan laid out per event, as the simulator and the runtime both execute it: the
         tensors whose swap-out is issued after each event, and those whose prefetch is (in the
-        plan's order within an event, R6)."""
-        out_at: list[list[int]] = [[] for _ in range(n_events)]
-        prefetch_at: list[list[int]] = [[] for _ in range(n_events)]
+        plan's order within an event, R6). Tuples, the empty one shared: a layout keeps these for
+        the run, and the garbage collector scans every list."""
+        out_at: list[tuple[int, ...]] = [()] * n_events
+        prefetch_at: list[tuple[int, ...]] = [()] * n_events
         for e in self.evictions:
-            out_at[e.swap_out_at].append(e.tensor)
-            prefetch_at[e.prefetch_at].append(e.tensor)
+            out_at[e.swap_out_at] += (e.tensor,)
+            prefetch_at[e.prefetch_at] += (e.tensor,)
         return out_at, prefetch_at
 
     def validate(self, trace: Trace, source: str = "<plan>") -> SwapPlan:

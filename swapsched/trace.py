@@ -131,6 +131,12 @@ class Segment:
     cheap_bytes: int = 0
 
 
+#: Trace's cached tables that depend only on its structure (the events' kinds and tensors, the
+#: tensors' modules, ops and R2 fields), not on bytes or times: Trace.resized shares them
+_STRUCTURAL = ("event_kind_is_unpack", "event_tensor", "first_pack", "first_unpack", "last_unpack",
+               "last_forward_pack", "release", "freed", "backward_start", "_segment_structure")
+
+
 @dataclass(frozen=True)
 class Trace:
     """One training step: tensors, events and static memory (DESIGN.md "Trace")."""
@@ -244,6 +250,21 @@ class Trace:
         """The recomputable blocks (R9), in forward order. A block qualifies when a recompute can
         stand in for its members: each is packed only before ``at`` (nothing saves it again after
         backward starts on it), and the anchor is still needed at ``at`` (so a checkpoint holds it)."""
+        out: list[Segment] = []
+        for name, anchor, members, at, fwd, cheap, cheap_fwd in self._segment_structure:
+            flops = [f for f in (self.events[i].flops for i in fwd) if f is not None]
+            out.append(Segment(len(out), name, anchor, members, at, float(sum(self.events[i].compute_s for i in fwd)),
+                               int(sum(self.tensors[k].bytes for k in members)),
+                               float(sum(flops)) if fwd and len(flops) == len(fwd) else None,
+                               cheap, float(sum(self.events[i].compute_s for i in cheap_fwd)),
+                               int(sum(self.tensors[k].bytes for k in cheap))))
+        return tuple(out)
+
+    @cached_property
+    def _segment_structure(self) -> tuple[tuple[str, int, tuple[int, ...], int, list[int], tuple[int, ...], list[int]], ...]:
+        """Per block of :attr:`segments`: its name, anchor, members, ``at``, the events of its
+        forward packs, its cheap members and their forward packs. Structure only (no bytes, no
+        times): a resized trace shares it."""
         # container -> element index -> its tensors
         elements: dict[str, dict[int, list[int]]] = {}
         for t in self.tensors:
@@ -268,7 +289,7 @@ class Trace:
         for i, e in enumerate(self.events):
             if e.kind == "pack":
                 last_pack[e.tensor] = i
-        out: list[Segment] = []
+        out = []
         bstart = self.backward_start
         for name, ids in sorted(groups.items(), key=lambda kv: min(int(self.first_pack[k]) for k in kv[1])):
             ids.sort(key=lambda k: (int(self.first_pack[k]), k))
@@ -280,14 +301,8 @@ class Trace:
                 continue
             mine = set(ids)
             fwd = [i for i, e in enumerate(self.events[:bstart]) if e.kind == "pack" and e.tensor in mine]
-            flops = [f for f in (self.events[i].flops for i in fwd) if f is not None]
             cheap = tuple(k for k in members if rebuilt_selectively(self.tensors[k].op))
-            cheap_fwd = [i for i in fwd if self.events[i].tensor in cheap]
-            out.append(Segment(len(out), name, anchor, members, at, float(sum(self.events[i].compute_s for i in fwd)),
-                               int(sum(self.tensors[k].bytes for k in members)),
-                               float(sum(flops)) if fwd and len(flops) == len(fwd) else None,
-                               cheap, float(sum(self.events[i].compute_s for i in cheap_fwd)),
-                               int(sum(self.tensors[k].bytes for k in cheap))))
+            out.append((name, anchor, members, at, fwd, cheap, [i for i in fwd if self.events[i].tensor in cheap]))
         return tuple(out)
 
     def with_segments(self, keep: Callable[[Segment], bool], *, selective: bool = True) -> Trace:
@@ -299,6 +314,22 @@ class Trace:
                   for s in self.segments if keep(s)]
         # ``segments`` is a cached property: the copy's cache is set before anything reads it
         out.__dict__["segments"] = tuple(replace(sg, index=i) for i, sg in enumerate(blocks))
+        return out
+
+    def resized(self, tensor_bytes: Sequence[int], gaps: Sequence[float], other_bytes: Sequence[int | None], *,
+                tail_compute_s: float, static_bytes: int, name: str, meta: dict[str, Any]) -> Trace:
+        """This trace's structure (the same events of the same tensors, with their shapes, ops,
+        modules and R2 fields) at other sizes and times: a member of its family
+        (runtime/shapes.py). The tables that depend on the structure alone are shared, not
+        computed again, so a run that meets a new size every step pays only for the sizes."""
+        tensors = tuple(TensorInfo(t.id, int(b), t.shape, t.dtype, t.op, t.module, t.released_at, t.freed_at)
+                        for t, b in zip(self.tensors, tensor_bytes, strict=True))
+        events = tuple(Event(e.kind, e.tensor, float(g), e.flops, o)
+                       for e, g, o in zip(self.events, gaps, other_bytes, strict=True))
+        out = Trace(name, self.timing, self.device, int(static_bytes), float(tail_compute_s), tensors, events, meta)
+        for key in _STRUCTURAL:
+            if key in self.__dict__:
+                out.__dict__[key] = self.__dict__[key]
         return out
 
     @cached_property

@@ -111,35 +111,39 @@ class EventTables:
         self.is_unpack = trace.event_kind_is_unpack.tolist()
         self.tensor = trace.event_tensor.tolist()
         self.backward_start = trace.backward_start
-        self.alloc: list[list[int]] = [[] for _ in range(n)]
-        self.free: list[list[int]] = [[] for _ in range(n)]
-        for k, (fp, lu) in enumerate(zip(trace.first_pack.tolist(), trace.last_unpack.tolist(), strict=False)):
-            self.alloc[fp].append(k)
-            self.free[lu].append(k)
+        # per event, the tensors each rule acts on there: tuples, the empty one shared, since a
+        # layout per shape keeps its tables for the run and a list per event per table made the
+        # cyclic garbage collector's full passes, which stall the training loop, come often
+        fp, lu = trace.first_pack.tolist(), trace.last_unpack.tolist()
+        self.alloc = _by_event(n, fp)
+        self.free = _by_event(n, lu)
         self.alloc_bytes = [sum(self.bytes[k] for k in ks) for ks in self.alloc]
         # R2: the event after whose gap the program no longer holds each tensor
-        self.release: list[list[int]] = [[] for _ in range(n)]
-        for k, r in enumerate(trace.release.tolist()):
-            self.release[r].append(k)
+        self.release = _by_event(n, trace.release.tolist())
         # R2: tensors whose memory outlives their last unpack (the node that read them still runs)
         # are freed after the gap of this event instead
-        self.freed_late: list[list[int]] = [[] for _ in range(n)]
-        self.late = [False] * trace.n_tensors
-        for k, (f, lu) in enumerate(zip(trace.freed.tolist(), trace.last_unpack.tolist(), strict=False)):
-            if f > lu:
-                self.freed_late[f].append(k)
-                self.late[k] = True
+        freed = trace.freed.tolist()
+        self.late = [f > u for f, u in zip(freed, lu, strict=True)]
+        self.freed_late = _by_event(n, [f if late else -1 for f, late in zip(freed, self.late, strict=True)])
         # R9: the block each tensor is a member of (-1: none), and the blocks recomputed at each event
         self.segments = trace.segments
         self.member_of = [-1] * trace.n_tensors
-        self.recompute_at: list[list[int]] = [[] for _ in range(n)]
         self.cheap = [False] * trace.n_tensors  # rebuilt by a selective recompute too
         for sg in self.segments:
             for k in sg.members:
                 self.member_of[k] = sg.index
             for k in sg.cheap:
                 self.cheap[k] = True
-            self.recompute_at[sg.at].append(sg.index)
+        self.recompute_at = _by_event(n, [sg.at for sg in self.segments])
+
+
+def _by_event(n: int, event_of: Sequence[int]) -> list[tuple[int, ...]]:
+    """Per event ``i`` < ``n``, the indices ``k`` (ascending) with ``event_of[k] == i`` (-1: none)."""
+    out: list[tuple[int, ...]] = [()] * n
+    for k, i in enumerate(event_of):
+        if i >= 0:
+            out[i] += (k,)
+    return out
 
 
 def event_tables(trace: Trace) -> EventTables:
@@ -166,8 +170,8 @@ class Simulation:
         self.out_done = [0.0] * nt
         self.in_done = [0.0] * nt
         self.issue_time = [0.0] * nt
-        self.out_at: list[list[int]] = [[] for _ in range(tb.n)]
-        self.prefetch_at: list[list[int]] = [[] for _ in range(tb.n)]
+        self.out_at: list[tuple[int, ...]] = [()] * tb.n
+        self.prefetch_at: list[tuple[int, ...]] = [()] * tb.n
         self.recomputed = [False] * len(tb.segments)  # R9: the plan's blocks to recompute
         self.selective = [False] * len(tb.segments)  # R9, selective: of those, the ones that rebuild only `cheap`
         self.any_recompute = False
@@ -211,8 +215,8 @@ class Simulation:
     def schedule(self, tensor: int, swap_out_at: int, prefetch_at: int) -> None:
         """Add an eviction (R7). Its swap-out must not be in the past of the simulation."""
         assert swap_out_at >= self.next_event, "eviction scheduled in the simulated past"
-        self.out_at[swap_out_at].append(tensor)
-        self.prefetch_at[prefetch_at].append(tensor)
+        self.out_at[swap_out_at] += (tensor,)
+        self.prefetch_at[prefetch_at] += (tensor,)
 
     def schedule_recompute(self, segment: int, selective: bool = False) -> None:
         """Recompute block ``segment`` (an index into ``trace.segments``) instead of keeping its

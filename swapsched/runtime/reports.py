@@ -44,8 +44,8 @@ class PlanLayout:
     trace: Trace
     plan: SwapPlan
     predicted_s: float | None
-    out_at: list[list[int]]
-    prefetch_at: list[list[int]]
+    out_at: list[tuple[int, ...]]
+    prefetch_at: list[tuple[int, ...]]
     expected_codes: list[int]
     work_at: list[bool]
     first_sight: dict[int, int]

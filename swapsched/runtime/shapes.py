@@ -17,13 +17,12 @@ leaves it where it is wrong, as it leaves any trace.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 import numpy as np
 
-from swapsched.trace import Event, Trace
+from swapsched.trace import Trace
 
-__all__ = ["structure", "first_bytes", "predicted_trace"]
+__all__ = ["structure", "first_bytes", "FamilyFit", "predicted_trace"]
 
 
 def structure(trace: Trace) -> tuple[tuple[bool, int], ...]:
@@ -36,14 +35,19 @@ def first_bytes(trace: Trace) -> int:
     return int(trace.tensor_bytes[trace.events[0].tensor])
 
 
-def _fit(s: np.ndarray, y: np.ndarray, at: int, degree: int) -> np.ndarray:
+def _coef(s: np.ndarray, y: np.ndarray, degree: int) -> tuple[float, np.ndarray]:
     """Per column of ``y`` (one row per trace), the polynomial in ``s`` of ``degree`` through the
-    rows, evaluated at ``at``. ``s`` is rescaled first: byte counts squared overflow nothing but
-    make the least-squares system ill-conditioned."""
+    rows (least squares), as (scale, coefficients) for :func:`_eval`. ``s`` is rescaled first:
+    byte counts squared overflow nothing but make the system ill-conditioned."""
     scale = float(s.max())
-    v = np.vander(s / scale, degree + 1)
-    coef, *_ = np.linalg.lstsq(v, y, rcond=None)
-    return np.vander(np.array([at / scale]), degree + 1) @ coef
+    coef, *_ = np.linalg.lstsq(np.vander(s / scale, degree + 1), y, rcond=None)
+    return scale, coef
+
+
+def _eval(fit: tuple[float, np.ndarray], at: float) -> np.ndarray:
+    """The polynomials of :func:`_coef` at ``at``, one value per column."""
+    scale, coef = fit
+    return (np.vander(np.array([at / scale]), coef.shape[0]) @ coef)[0]
 
 
 def _timed(s: np.ndarray, y: np.ndarray, at: int) -> np.ndarray:
@@ -58,37 +62,55 @@ def _timed(s: np.ndarray, y: np.ndarray, at: int) -> np.ndarray:
     return np.maximum((1.0 - w) * y[above - 1] + w * y[above], 0.0)
 
 
-def predicted_trace(family: Sequence[Trace], s: int) -> Trace | None:
-    """The trace of the family's step whose first saved tensor has ``s`` bytes, or None where the
-    family cannot say: fewer than two sizes profiled, ``s`` beyond twice the largest, or bytes that
-    the fit does not reproduce on the profiled traces themselves (sizes that are no polynomial of
-    ``s`` of the degree the sizes allow: 1 with two traces, 2 from three on)."""
-    sizes = sorted({first_bytes(t): t for t in family}.items())
-    if len(sizes) < 2 or s > 2 * sizes[-1][0] or s <= 0:
-        return None
-    xs = np.array([k for k, _ in sizes], dtype=np.float64)
-    traces = [t for _, t in sizes]
-    degree = min(2, len(traces) - 1)
-    nbytes = np.array([t.tensor_bytes for t in traces], dtype=np.float64)
-    if len(traces) > degree + 1:  # more traces than the degree needs: the fit must reproduce them
-        back = np.vstack([_fit(xs, nbytes, int(x), degree) for x in xs])
-        if np.abs(back - nbytes).max() > 0.5:
+class FamilyFit:
+    """A family's profiled traces fitted once, to predict the trace at any size ``s`` (:meth:`at`):
+    the least-squares fits do not depend on ``s``, so a run that meets a new size every step pays
+    for them once per set of profiled sizes, not once per step."""
+
+    def __init__(self, family: Sequence[Trace]):
+        sizes = sorted({first_bytes(t): t for t in family}.items())
+        self.traces = [t for _, t in sizes]
+        self.xs = np.array([k for k, _ in sizes], dtype=np.float64)
+        self.largest = int(self.xs[-1]) if len(sizes) else 0
+        self.ok = len(sizes) >= 2
+        if not self.ok:
+            return
+        xs, traces = self.xs, self.traces
+        degree = min(2, len(traces) - 1)
+        nbytes = np.array([t.tensor_bytes for t in traces], dtype=np.float64)
+        self.bytes_coef = _coef(xs, nbytes, degree)
+        if len(traces) > degree + 1:  # more traces than the degree needs: the fit must reproduce them
+            back = np.vstack([_eval(self.bytes_coef, float(x)) for x in xs])
+            if np.abs(back - nbytes).max() > 0.5:
+                self.ok = False
+                return
+        self.other_coef = _coef(xs, np.array([t.other_bytes for t in traces], dtype=np.float64), degree)
+        self.gaps = np.array([t.gaps for t in traces], dtype=np.float64)
+        self.scalars = np.array([[t.tail_compute_s, t.static_bytes] for t in traces], dtype=np.float64)
+
+    def at(self, s: int) -> Trace | None:
+        """The trace of the family's step whose first saved tensor has ``s`` bytes, or None where
+        the family cannot say: fewer than two sizes profiled, ``s`` beyond twice the largest, or
+        bytes that the fit does not reproduce on the profiled traces themselves (sizes that are no
+        polynomial of ``s`` of the degree the sizes allow: 1 with two traces, 2 from three on)."""
+        if not self.ok or s > 2 * self.largest or s <= 0:
             return None
-    pred = np.rint(_fit(xs, nbytes, s, degree)[0]).astype(np.int64)
-    if (pred < 0).any() or int(pred[traces[0].events[0].tensor]) != s:
-        return None
-    gaps = np.array([t.gaps for t in traces], dtype=np.float64)
-    other = np.array([t.other_bytes for t in traces], dtype=np.float64)
-    scalars = np.array([[t.tail_compute_s, t.static_bytes] for t in traces], dtype=np.float64)
-    near = np.argsort(np.abs(xs - s), kind="stable")[:2]
-    g = _timed(xs, gaps, s)
-    o = np.maximum(np.rint(_fit(xs, other, s, degree)[0]), 0).astype(np.int64)
-    tail = float(_timed(xs, scalars[:, :1], s)[0])
-    static = _fit(xs[near], scalars[near, 1:], s, 1)[0][0]  # bytes: exact where linear (the batch)
-    template = traces[int(near[0])]
-    tensors = tuple(replace(t, bytes=int(b)) for t, b in zip(template.tensors, pred, strict=True))
-    events = tuple(Event(e.kind, e.tensor, float(gi), e.flops, int(oi) if (e.other_bytes is not None or oi) else None)
-                   for e, gi, oi in zip(template.events, g, o, strict=True))
-    return replace(template, name=f"{template.name}@{s}B", tensors=tensors, events=events,
-                   tail_compute_s=max(float(tail), 0.0), static_bytes=max(int(round(static)), 0),
-                   meta={**template.meta, "predicted_from": [t.name for t in traces], "first_bytes": s})
+        xs, traces = self.xs, self.traces
+        pred = np.rint(_eval(self.bytes_coef, s)).astype(np.int64)
+        if (pred < 0).any() or int(pred[traces[0].events[0].tensor]) != s:
+            return None
+        near = np.argsort(np.abs(xs - s), kind="stable")[:2]
+        g = _timed(xs, self.gaps, s)
+        o = np.maximum(np.rint(_eval(self.other_coef, s)), 0).astype(np.int64)
+        tail = float(_timed(xs, self.scalars[:, :1], s)[0])
+        static = _eval(_coef(xs[near], self.scalars[near, 1:], 1), s)[0]  # bytes: exact where linear (the batch)
+        template = traces[int(near[0])]
+        other = [oi if (e.other_bytes is not None or oi) else None for e, oi in zip(template.events, o.tolist(), strict=True)]
+        return template.resized(pred.tolist(), g.tolist(), other, tail_compute_s=max(float(tail), 0.0),
+                                static_bytes=max(int(round(static)), 0), name=f"{template.name}@{s}B",
+                                meta={**template.meta, "predicted_from": [t.name for t in traces], "first_bytes": s})
+
+
+def predicted_trace(family: Sequence[Trace], s: int) -> Trace | None:
+    """The family's trace at ``s`` (see :meth:`FamilyFit.at`), fitted for this one call."""
+    return FamilyFit(family).at(s)

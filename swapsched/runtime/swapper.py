@@ -45,7 +45,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from swapsched.budget import BudgetError, check_budget, format_bytes, parse_budget, smallest_feasible
-from swapsched.env.simulator import SimResult, event_tables, simulate
+from swapsched.env.simulator import SimResult, analytic_floor, event_tables, simulate
 from swapsched.errors import UserError, internal_assert, present
 from swapsched.hardware import HOST_COSTS, Hardware, default_hardware, load_hardware
 from swapsched.plan import SwapPlan
@@ -58,7 +58,7 @@ from swapsched.runtime.profiler import static_bytes_of, storage_key
 from swapsched.runtime.recompute import BlockCheckpoints
 from swapsched.runtime.reports import Divergence, DivergenceError, PlanLayout, RunSummary, RunTally, StepReport
 from swapsched.runtime.retime import fitted_host_costs, median_trace, timed_by_execution
-from swapsched.runtime.shapes import first_bytes, predicted_trace, structure
+from swapsched.runtime.shapes import FamilyFit, first_bytes, structure
 from swapsched.trace import Trace
 
 __all__ = ["PolicyRuntime", "Phase", "StepReport", "RunSummary", "Divergence", "DivergenceError"]
@@ -205,6 +205,7 @@ class PolicyRuntime:
         self.background_planning = bool(background_planning)
         self._planner: ThreadPoolExecutor | None = None
         self._pending: dict[int, _PendingPlan] = {}
+        self._fits: dict[tuple[int, ...], FamilyFit] = {}  # ids of a family's profiled traces -> their fit
         # shape key -> (its layout, the report of its first executed step): re-timed on its next step
         self._untimed: dict[int, tuple[PlanLayout, StepReport]] = {}
 
@@ -539,15 +540,29 @@ class PolicyRuntime:
         predict it. A size that no plan can fit in the run's bytes is refused here, at the step's
         first saved tensor, before its memory is spent."""
         kin = self._kin(like.trace, like.first_sight)
-        trace = predicted_trace([lay.trace for lay in kin if not lay.predicted], s)
+        trace = self._family_fit([lay.trace for lay in kin if not lay.predicted]).at(s)
         if trace is None:
             return None
-        self._budget_for(self.budget_spec, trace, resolved=self.budget_bytes)
+        budget = self._budget_for(self.budget_spec, trace, resolved=self.budget_bytes)
         layout = self._layout(trace, *self._borrowed(trace, kin), first_sight=like.first_sight, predicted=True)
         self.layouts[s] = layout
-        if self.background_planning and self.policy is not None:
-            self._plan_later(layout)  # the policy's own plan for this size: a better donor for sizes near it
+        # the policy's own plan for this size, a better donor for sizes near it, unless the borrowed
+        # one already meets R8's floor here (a size that fits needs no plan): no plan is faster
+        at_floor = (layout.predicted_s is not None
+                    and layout.predicted_s <= analytic_floor(trace, budget, self.hardware) * (1 + 1e-9))
+        if self.background_planning and self.policy is not None and not at_floor:
+            self._plan_later(layout)
         return layout
+
+    def _family_fit(self, profiled: list[Trace]) -> FamilyFit:
+        """The fit of these profiled traces, made once while they stay the family's (see FamilyFit)."""
+        key = tuple(id(t) for t in profiled)
+        fit = self._fits.get(key)
+        if fit is None:
+            if len(self._fits) >= 8:  # the families' members changed (re-timed, profiled again)
+                self._fits.clear()
+            fit = self._fits[key] = FamilyFit(profiled)  # it holds the traces: their ids stay theirs
+        return fit
 
     def _layout_for(self, key: int) -> PlanLayout | None:
         """The layout of the shape whose first saved tensor has ``key`` bytes, if any; a shape that
@@ -569,17 +584,23 @@ class PolicyRuntime:
 
     def _borrowed(self, trace: Trace, kin: list[PlanLayout]) -> tuple[SwapPlan, SimResult]:
         """For ``trace``, the plan of one of its family's sizes (the same events: its evictions
-        apply as they are, R7): of the nearest two and the nearest larger one (a larger size evicts
-        no less), the one the simulator times fastest on ``trace`` (each costs a simulation, inside
-        the step whose shape it is: a few, not all), with its simulated result."""
+        apply as they are, R7), with its simulated result: the nearest larger size's, which evicts
+        no less, so its plan fits here as a rule; where the simulator finds it does not, the
+        nearest two sizes' in turn, and the fastest of those tried. Each try is a simulation
+        inside the step whose shape it is: one as a rule."""
         s = first_bytes(trace)
         near = sorted(kin, key=lambda lay: abs(lay.shape_key - s))[:2]
         larger = [lay for lay in kin if lay.shape_key >= s]
         if larger and (bigger := min(larger, key=lambda lay: lay.shape_key)) not in near:
             near.append(bigger)
         budget = present(self.budget_bytes, "the run's budget in bytes")
-        timed = [(simulate(trace, lay.plan.evictions, self.hardware, budget, validate=False), lay) for lay in near]
-        res, donor = min(timed, key=lambda x: (x[0].iteration_s, x[1].shape_key))
+        near.sort(key=lambda lay: (lay.shape_key < s, abs(lay.shape_key - s)))  # larger ones first, nearest first
+        timed = []
+        for lay in near:
+            timed.append((simulate(trace, lay.plan.evictions, self.hardware, budget, validate=False), lay))
+            if not timed[-1][0].oom:
+                break
+        res, donor = min(timed, key=lambda x: (x[0].oom, x[0].iteration_s, x[1].shape_key))
         plan = SwapPlan(trace.name, donor.plan.policy, donor.plan.evictions, {**donor.plan.meta, "borrowed_from": donor.trace.name})
         return plan, res
 

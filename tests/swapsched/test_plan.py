@@ -130,7 +130,10 @@ def test_recompute_is_validated_against_the_trace(tmp_path, one_block):
 def test_by_event_lays_the_plan_out_per_event(two_tensors):
     plan = SwapPlan.of(two_tensors, "hand", [Eviction(0, 0, 2), Eviction(1, 1, 1)])
     out_at, prefetch_at = plan.by_event(4)
-    assert out_at == [[0], [1], [], []] and prefetch_at == [[], [1], [0], []]
+    assert out_at == [(0,), (1,), (), ()] and prefetch_at == [(), (1,), (0,), ()]
+    # two at one event keep the plan's order (R6: prefetches are issued in it)
+    both = SwapPlan(two_tensors.name, "hand", (Eviction(1, 1, 2), Eviction(0, 1, 2)))
+    assert both.by_event(4) == ([(), (1, 0), (), ()], [(), (), (1, 0), ()])
 
 
 def test_a_prefetch_at_its_own_swap_out_is_valid(two_tensors):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from dataclasses import fields
 
 import pytest
 
@@ -152,3 +153,28 @@ def test_blocks_are_container_elements_or_runs_of_single_layers():
     again = make_trace([100, 100], [("pack", 0, 1.0), ("pack", 1, 1.0), ("unpack", 1, 1.0), ("pack", 1, 1.0),
                                     ("unpack", 1, 1.0), ("unpack", 0, 1.0)], modules=["b.0.x", "b.0.y"])
     assert again.segments == ()
+
+
+def test_resized_keeps_the_structure_and_shares_its_tables():
+    # blk.0 = T0 (anchor) and T1 (member, a gelu: cheap); T2 outside; T0 held by the program
+    # through e1 (released_at). Resized to other bytes and gaps: the same events and R2 fields,
+    # the block's numbers from the new ones (T1 80 B; forward = the gaps before e0 and e1, 2 + 3).
+    tr = make_trace([100, 40, 60], [("pack", 0, 1.0), ("pack", 1, 1.0), ("pack", 2, 1.0), ("unpack", 2, 1.0),
+                                    ("unpack", 1, 1.0), ("unpack", 0, 1.0)],
+                    ops=["native_layer_norm", "gelu", "addmm"], modules=["blk.0.ln", "blk.0.act", "head"])
+    tr = Trace(tr.name, tr.timing, tr.device, tr.static_bytes, tr.tail_compute_s,
+               (TensorInfo(0, 100, (25,), "float32", "native_layer_norm", "blk.0.ln", released_at=1), *tr.tensors[1:]), tr.events)
+    assert tr.segments and tr.release.tolist() == [1, 1, 2]  # cached before resizing: these are shared
+    big = tr.resized([200, 80, 120], [2.0, 3.0, 1.0, 1.0, 1.0, 1.0], [None, 7, None, None, None, None],
+                     tail_compute_s=0.5, static_bytes=9, name="big", meta={"k": 1})
+    assert big.tensor_bytes.tolist() == [200, 80, 120] and big.gaps.tolist() == [2.0, 3.0, 1.0, 1.0, 1.0, 1.0]
+    assert big.other_bytes.tolist()[1] == 7 and (big.tail_compute_s, big.static_bytes, big.name, big.meta) == (0.5, 9, "big", {"k": 1})
+    assert [(e.kind, e.tensor) for e in big.events] == [(e.kind, e.tensor) for e in tr.events]
+    assert [(t.shape, t.op, t.module, t.released_at, t.freed_at) for t in big.tensors] == \
+        [(t.shape, t.op, t.module, t.released_at, t.freed_at) for t in tr.tensors]
+    assert big.release is tr.release and big.release.tolist() == [1, 1, 2]
+    (sg,) = big.segments
+    assert (sg.anchor, sg.members, sg.at, sg.cheap) == (0, (1,), 4, (1,))
+    assert (sg.forward_s, sg.bytes, sg.cheap_forward_s, sg.cheap_bytes) == (5.0, 80, 3.0, 80)
+    # a field added to TensorInfo must be carried by resized too
+    assert [f.name for f in fields(TensorInfo)] == ["id", "bytes", "shape", "dtype", "op", "module", "released_at", "freed_at"]
