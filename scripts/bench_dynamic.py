@@ -12,18 +12,23 @@ Cases (CPU backend, copies throttled to ``--bandwidth``):
 
 Each budget is that percentage of the longest step's activation peak, given to the runtime in bytes.
 
-Per case and budget, the same length sequence is trained five ways in shuffled order each round,
-each beside a plain copy that checks the losses bit for bit: swapsched (``--policy``), plain
-training, ``torch.autograd.graph.save_on_cpu`` (a plain memcpy here, not the throttled link: its row
-is not comparable on time), and swapsched and plain training on static shapes at the mean length.
+Per case and budget, the length sequence is trained three ways in shuffled order each round:
+swapsched (``--policy``), swapsched on static shapes at the mean length, and
+``torch.autograd.graph.save_on_cpu`` (a plain memcpy here, not the throttled link: its row is not
+comparable on time). Every step of each is timed beside the same step of a plain copy, in
+alternating order, which also checks the losses bit for bit: each ratio pairs a step with plain
+training at the same step, same length and same moment, since this machine's noise moves a step's
+time by more than the effects measured.
 Reported: the share of steps after the first five that executed a plan (predicted shapes counted
-apart), the median step over plain training's at the same length (the median of per-step ratios),
-the same for the static run, their ratio (dynamic over static: what variable shapes cost beyond
-swapping itself), the most any step's peak exceeded the budget by the runtime's audit meter, and
-the seconds the runtime planned on the training loop's thread (the critical path: ``planning_s`` of
-its reports, the policy's plans there and its own layouts of new and predicted shapes; a new
-shape's policy plan is made on the runtime's planner thread unless ``--no-background``) with their
-share of training, over the whole run and after the first five steps.
+apart), the median step over plain training's (the median of per-step ratios) and the total time
+over plain's, the same for the static run, their ratios (dynamic over static), the share of steps
+that copied anything in each (at one budget in bytes the mean length may need no swap where the
+long steps do, and dynamic over static then prices that too), the most any step's peak exceeded
+the budget by the runtime's audit meter, and the seconds the runtime planned on the training
+loop's thread (the critical path: ``planning_s`` of its reports, the policy's plans there and its
+own layouts of new and predicted shapes; a new shape's policy plan is made on the runtime's planner
+thread unless ``--no-background``) with their share of training, over the whole run and after the
+first five steps.
 Run it alone: the machine is shared and noisy.
 """
 
@@ -118,41 +123,57 @@ class TimedPolicy:
 
 def _train(cls, batch, lengths, wrap=None, runtime=None, model=None):
     """Train a copy (``model``, else a fresh one) inside ``wrap()`` or ``runtime.step()`` beside a
-    plain copy: per step (seconds, the runtime's report or None); raises if a loss differs. The
-    seconds of a runtime step include what the runtime does after it (planning, re-timing)."""
+    plain copy, step by step, the two in alternating order: per step (seconds, the plain copy's
+    seconds at the same step, the runtime's report or None); raises if a loss differs. Timing
+    both in the same step pairs each ratio against the same machine state: this machine's noise
+    moves a step's time by more than the effects measured. The seconds of a runtime step include
+    what the runtime does after it (planning, re-timing)."""
     torch.manual_seed(0)
     a = model if model is not None else cls()
     torch.manual_seed(0)
     b = cls()
     opts = [torch.optim.SGD(m.parameters(), lr=1e-3) for m in (a, b)]
     out = []
-    for n in lengths:
+    for i, n in enumerate(lengths):
         x = batch(n)
-        ctx = runtime.step() if runtime is not None else (wrap() if wrap else torch.enable_grad())
-        t0 = time.perf_counter()
-        with ctx:
-            la = a(x)
-            la.backward()
-        dt = time.perf_counter() - t0
-        lb = b(x)
-        lb.backward()
-        if not torch.equal(la, lb):
+        times = {}
+        for who in (("way", "plain") if i % 2 == 0 else ("plain", "way")):
+            ctx = (runtime.step() if runtime is not None else (wrap() if wrap else torch.enable_grad())) \
+                if who == "way" else torch.enable_grad()
+            t0 = time.perf_counter()
+            with ctx:
+                loss = (a if who == "way" else b)(x)
+                loss.backward()
+            times[who] = (time.perf_counter() - t0, loss)
+        if not torch.equal(times["way"][1], times["plain"][1]):
             raise SystemExit(f"losses differ at length {n}")
         for o in opts:
             o.step()
             o.zero_grad(set_to_none=True)
-        out.append((dt, runtime.report() if runtime is not None else None))
+        out.append((times["way"][0], times["plain"][0], runtime.report() if runtime is not None else None))
     return out
 
 
-WAYS = ("plain", "plain-static", "runtime", "runtime-static", "save_on_cpu")
+WAYS = ("runtime", "runtime-static", "save_on_cpu")
+WARMUP = 5  # steps left out of every ratio and share
+
+
+def _median_ratio(steps: list) -> float:
+    """The median over the steps after the warm-up of each one's time over the plain step beside it."""
+    return statistics.median(dt / plain for dt, plain, _ in steps[WARMUP:])
+
+
+def _total_ratio(steps: list) -> float:
+    """The time of the steps after the warm-up over the plain steps' beside them."""
+    late = steps[WARMUP:]
+    return sum(dt for dt, _, _ in late) / sum(plain for _, plain, _ in late)
 
 
 def run_case(name: str, budget: str, steps: int, bandwidth: float, policy: str, seed: int, rounds: int,
              background: bool) -> dict:
-    """The five ways of training ``name``'s length sequence, in shuffled order each round; ratios
-    per round (each step over plain training at its length, median over the steps after the first
-    five), then their median and range over the rounds."""
+    """The three ways of training ``name``'s length sequence, in shuffled order each round, each
+    step timed beside plain training; ratios per round (median over the steps after the warm-up,
+    and total time over total time), then their median and range over the rounds."""
     cls, batch, draw = CASES[name]
     rng = random.Random(seed)
     lengths = [draw(rng) for _ in range(steps)]
@@ -180,31 +201,25 @@ def run_case(name: str, budget: str, steps: int, bandwidth: float, policy: str, 
                                  audit=True, background_planning=background) as rt:
                     got[way] = _train(cls, batch, seq, runtime=rt, model=model)
                 policies[way] = timed
-            elif way == "save_on_cpu":
-                got[way] = _train(cls, batch, seq, wrap=lambda: torch.autograd.graph.save_on_cpu(pin_memory=False))
             else:
-                got[way] = _train(cls, batch, seq)
-        plain_at = {}
-        for n, (dt, _) in zip(lengths, got["plain"], strict=True):
-            plain_at.setdefault(n, []).append(dt)
-        plain_static = statistics.median(d for d, _ in got["plain-static"][5:])
-        late = list(zip(lengths, got["runtime"], strict=True))[5:]
-        plain_late = sum(statistics.median(plain_at[n]) for n, _ in late)
+                got[way] = _train(cls, batch, seq, wrap=lambda: torch.autograd.graph.save_on_cpu(pin_memory=False))
+
+        late = list(zip(lengths, got["runtime"], strict=True))[WARMUP:]
         per_round.append({
-            # the mean step (total time) over plain training's at the same lengths; the median of
-            # per-step ratios weighs every step alike, so the short steps, where the hooks' fixed
-            # cost is largest, decide it
-            "total": sum(dt for _, (dt, _) in late) / plain_late,
-            "static_total": sum(dt for dt, _ in got["runtime-static"][5:]) / (plain_static * (steps - 5)),
-            "ratio": statistics.median(dt / statistics.median(plain_at[n]) for n, (dt, _) in late),
-            "static": statistics.median(dt / plain_static for dt, _ in got["runtime-static"][5:]),
-            "soc": statistics.median(dt / statistics.median(plain_at[n])
-                                     for n, (dt, _) in list(zip(lengths, got["save_on_cpu"], strict=True))[5:]),
-            "late": late, "timed": policies["runtime"],
-            "train_s": sum(dt for dt, _ in got["runtime"]),
-            "train_late_s": sum(dt for dt, _ in got["runtime"][5:]),
-            "plan_s": sum(r.planning_s for _, r in got["runtime"]),
-            "plan_late_s": sum(r.planning_s for _, r in got["runtime"][5:]),
+            # the median weighs every step alike, so the short steps, where the hooks' fixed cost
+            # is largest, decide it; the total ratio weighs them by their time
+            "ratio": _median_ratio(got["runtime"]), "total": _total_ratio(got["runtime"]),
+            "static": _median_ratio(got["runtime-static"]), "static_total": _total_ratio(got["runtime-static"]),
+            "soc": _median_ratio(got["save_on_cpu"]),
+            # steps that copied at all: at one budget in bytes, long steps swap and the mean
+            # length may not, so dynamic over static also prices the long steps' swapping
+            "swapped": sum(r.copies > 0 for _, _, r in got["runtime"][WARMUP:]) / (steps - WARMUP),
+            "static_swapped": sum(r.copies > 0 for _, _, r in got["runtime-static"][WARMUP:]) / (steps - WARMUP),
+            "late": [(n, (dt, rep)) for n, (dt, _, rep) in late], "timed": policies["runtime"],
+            "train_s": sum(dt for dt, _, _ in got["runtime"]),
+            "train_late_s": sum(dt for dt, _, _ in got["runtime"][WARMUP:]),
+            "plan_s": sum(r.planning_s for _, _, r in got["runtime"]),
+            "plan_late_s": sum(r.planning_s for _, _, r in got["runtime"][WARMUP:]),
         })
     first = per_round[0]
     late, timed = first["late"], first["timed"]
@@ -231,6 +246,7 @@ def run_case(name: str, budget: str, steps: int, bandwidth: float, policy: str, 
         "mean_over_static": {"median": statistics.median(total_over_static), "min": min(total_over_static),
                              "max": max(total_over_static)},
         "save_on_cpu_over_plain": spread("soc"),
+        "swapped_share": spread("swapped"), "static_swapped_share": spread("static_swapped"),
         "worst_over_budget": over,
         # on the path: what the runtime's reports say it spent planning on the loop's thread (the
         # policy there, and its own layouts of new and predicted shapes)
@@ -252,7 +268,7 @@ def main() -> int:
     ap.add_argument("--policy", default="min")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rounds", type=int, default=2, help="rounds of the five ways, each round in shuffled order")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of the three ways, each round in shuffled order")
     ap.add_argument("--no-background", action="store_true", help="plan new shapes between steps, not on a thread")
     ap.add_argument("--out", default="bench_results/dynamic.json")
     args = ap.parse_args()
@@ -274,18 +290,19 @@ def main() -> int:
         return f"{x['median']:.2f} ({x['min']:.2f}-{x['max']:.2f})"
 
     print(table(["case", "budget", "lengths", "executed", "of which predicted", "profiled", "diverged", "step/plain",
-                 "static/plain", "dynamic/static", "mean step: dynamic/static", "save_on_cpu/plain*",
+                 "static/plain", "dynamic/static", "total: dynamic/static", "swapped steps (static)", "save_on_cpu/plain*",
                  "worst over budget", "planning on path", "after step 5"],
                 [[r["case"], r["budget"], r["distinct_lengths"], f"{100 * r['executed_share']:.0f}%",
                   f"{100 * r['predicted_share']:.0f}%", r["profiled_after_warmup"], r["diverged"],
                   rng(r["step_over_plain"]), rng(r["static_over_plain"]), rng(r["over_static"]),
                   rng(r["mean_over_static"]),
+                  f"{100 * r['swapped_share']['median']:.0f}% ({100 * r['static_swapped_share']['median']:.0f}%)",
                   rng(r["save_on_cpu_over_plain"]), f"{100 * r['worst_over_budget']:+.1f}%",
                   f"{r['planning_on_path_s']:.2f} s ({100 * r['planning_share']:.1f}%)",
                   f"{r['planning_after_warmup_s']:.2f} s ({100 * r['planning_share_after_warmup']:.1f}%)"] for r in rows]))
     print("* save_on_cpu copies by plain memcpy here, not over the throttled link: not comparable on time")
-    print("ratios: median over steps after the first five, then median (range) over the rounds; mean step: total time "
-          "after the first five over plain training's at the same lengths, dynamic over static")
+    print("ratios: each step over the plain step beside it; median over the steps after the first five, then median "
+          "(range) over the rounds; total: time after the first five over plain's, dynamic over static")
     write(args.out, {"args": vars(args), "runs": rows})
     return 0
 
