@@ -71,6 +71,8 @@ class SimResult:
     host_s: float = 0.0
     # R9: compute spent recomputing blocks in backward; already in iteration_s
     recompute_s: float = 0.0
+    # R4, guard (simulate(guard=True)): tensors evicted on the spot where the plan left no room
+    guard_evictions: int = 0
 
     @property
     def overhead(self) -> float:
@@ -95,6 +97,7 @@ class SimResult:
             "h2d_bytes": self.h2d_bytes,
             "host_s": num(self.host_s),
             "recompute_s": self.recompute_s,
+            "guard_evictions": self.guard_evictions,
         }
 
 
@@ -158,8 +161,13 @@ class Simulation:
     """Incremental simulation of one step. Events are processed in order; evictions may be added
     until the simulation reaches their swap-out event."""
 
-    def __init__(self, trace: Trace, hardware: Hardware, budget: int, *, record: bool = False):
+    def __init__(self, trace: Trace, hardware: Hardware, budget: int, *, record: bool = False, guard: bool = False):
         self.trace, self.hw, self.budget = trace, hardware, int(budget)
+        # R4, guard: where the plan leaves no room and no swap-out is in flight, evict on the spot
+        # what the runtime's guard would (MIN) instead of stopping at OOM; for predicting a step
+        # the runtime executes, never for judging a plan
+        self.guard = guard
+        self.guard_evictions = 0
         tb = self.tb = event_tables(trace)
         nt = trace.n_tensors
         self.loc = [NOT_YET] * nt
@@ -293,15 +301,52 @@ class Simulation:
             room -= b
             self._start_swapin(k, max(now, self.issue_time[k]))
 
-    def _make_room(self, need: int, event: int) -> bool:
+    def _make_room(self, need: int, event: int, keep: int = -1) -> bool:
         """Compute needs ``need`` more bytes now: wait for in-flight swap-outs (R4). False on OOM."""
         limit = self.budget - self.static - self.cur_other
         while self.used + need > limit:
-            if not self.d2h_q:
+            if self.d2h_q:
+                self._wait_until(self._complete_one_swapout(), event)
+            elif not (self.guard and self._guard_evict(event, keep)):
                 self.oom_event = event
                 return False
-            self._wait_until(self._complete_one_swapout(), event)
         return True
+
+    def _guard_evict(self, event: int, keep: int) -> bool:
+        """R4, guard, as the runtime's: of the tensors on the device (resident, or swapped in
+        ahead of use) other than ``keep``, the one whose first unpack is farthest after ``event``
+        (MIN) goes. A resident one is swapped out (its bytes go once the program lets go too,
+        R2); a prefetch is taken back: its copy lands, then its buffer goes, the host copy being
+        whole. Either comes back on demand (R5a). False where there is none."""
+        fu, loc = self.trace.first_unpack, self.loc
+        best, far = -1, event
+        for k in range(len(loc)):
+            if (loc[k] == RESIDENT or loc[k] == IN) and k != keep and fu[k] > far:
+                best, far = k, int(fu[k])
+        if best < 0:
+            return False
+        self.guard_evictions += 1
+        if loc[best] == IN:
+            self._wait_until(self.in_done[best], event)
+            loc[best] = HOST
+            self.used -= self.tb.bytes[best]
+        else:
+            self._issue_swapout(best)
+        return True
+
+    def _issue_swapout(self, k: int) -> None:
+        """R6: ``k``'s swap-out, queued on the device-to-host engine behind the ones in flight."""
+        b = self.tb.bytes[k]
+        start = self.t if self.t > self.d2h_free else self.d2h_free
+        end = start + self.lat + b * self.inv_d2h
+        self.d2h_free = end
+        self.out_done[k] = end
+        self.loc[k] = OUT
+        self.host_debt += self.issue + b * self.per_byte
+        self.d2h_q.append((end, k))
+        self.d2h_bytes += b
+        if self.record:
+            self._d2h.append((start, end, k))
 
     def _let_go(self, held: list[bool], k: int) -> None:
         """R2: whoever held ``k`` past the point its bytes would otherwise go lets go now."""
@@ -350,7 +395,7 @@ class Simulation:
         rebuilt = [k for k in sg.members if loc[k] == DROPPED]
         forward_s = sg.cheap_forward_s if self.selective[s] else sg.forward_s
         need = sum(b[k] for k in rebuilt)
-        if not self._make_room(need, event):
+        if not self._make_room(need, event, keep=sg.anchor):  # the recompute reads the anchor
             return False
         for k in rebuilt:
             loc[k] = RESIDENT
@@ -447,18 +492,10 @@ class Simulation:
                     self._admit(self.t)
             # -- (c) swap-outs planned at i
             for k in self.out_at[i]:
+                if self.guard_evictions and loc[k] != RESIDENT:
+                    continue  # the guard evicted it already (R4, guard): the runtime skips it too
                 assert loc[k] == RESIDENT, "swap-out of a tensor that is not resident (plan breaks R7)"
-                b = tb.bytes[k]
-                start = self.t if self.t > self.d2h_free else self.d2h_free
-                end = start + self.lat + b * self.inv_d2h
-                self.d2h_free = end
-                self.out_done[k] = end
-                loc[k] = OUT
-                self.host_debt += self.issue + b * self.per_byte
-                self.d2h_q.append((end, k))
-                self.d2h_bytes += b
-                if self.record:
-                    self._d2h.append((start, end, k))
+                self._issue_swapout(k)
             # -- (d) prefetches planned at i
             pf = self.prefetch_at[i]
             if pf:
@@ -500,15 +537,18 @@ class Simulation:
             timeline=timeline,
             host_s=math.inf if oom else self.host_s,
             recompute_s=self.recompute_s,
+            guard_evictions=self.guard_evictions,
         )
 
 
 def simulate(trace: Trace, plan: SwapPlan | list[Eviction] | tuple[Eviction, ...], hardware: Hardware, budget: int, *,
              record: bool = False, validate: bool = True, recompute: Sequence[int] = (),
-             selective: Sequence[int] = ()) -> SimResult:
+             selective: Sequence[int] = (), guard: bool = False) -> SimResult:
     """Simulate one step of ``trace`` executing ``plan`` under ``budget`` bytes on ``hardware``.
     ``recompute``/``selective``: with a list of evictions, the blocks (indices into
-    ``trace.segments``) to recompute whole or selectively."""
+    ``trace.segments``) to recompute whole or selectively. ``guard``: where the plan leaves no
+    room, evict as the live runtime's guard does (R4, guard) instead of stopping at OOM: the step
+    the runtime would execute, not a judgement of the plan."""
     if isinstance(plan, SwapPlan):
         whole, blocks, selective = plan, plan.recomputed(trace), plan.recomputed_selectively(trace)
     else:
@@ -517,7 +557,7 @@ def simulate(trace: Trace, plan: SwapPlan | list[Eviction] | tuple[Eviction, ...
         blocks = list(recompute)
     if validate:
         whole.validate(trace)
-    sim = Simulation(trace, hardware, budget, record=record)
+    sim = Simulation(trace, hardware, budget, record=record, guard=guard)
     sim.out_at, sim.prefetch_at = whole.by_event(trace.n_events)  # what schedule() builds one eviction at a time
     for s in blocks:
         sim.schedule_recompute(s)

@@ -521,9 +521,10 @@ class PolicyRuntime:
     def _layout(self, trace: Trace, plan: SwapPlan, simulated: SimResult | None = None, *, first_sight: dict[int, int],
                 predicted: bool = False) -> PlanLayout:
         """``plan`` on ``trace`` laid out for the hooks, with its predicted step time (``simulated``:
-        the simulator's result of ``plan`` on ``trace`` already at hand)."""
+        the simulator's result of ``plan`` on ``trace`` already at hand). Predictions simulate the
+        runtime's guard too (R4, guard): a plan that leaves no room runs with the guard's evictions."""
         res = simulated or simulate(trace, plan, self.hardware, present(self.budget_bytes, "the run's budget in bytes"),
-                                    validate=False)
+                                    validate=False, guard=True)
         out_at, prefetch_at = plan.by_event(trace.n_events)  # as the simulator lays it out
         tb = event_tables(trace)
         return PlanLayout(
@@ -585,8 +586,8 @@ class PolicyRuntime:
     def _borrowed(self, trace: Trace, kin: list[PlanLayout]) -> tuple[SwapPlan, SimResult]:
         """For ``trace``, the plan of one of its family's sizes (the same events: its evictions
         apply as they are, R7), with its simulated result: the nearest larger size's, which evicts
-        no less, so its plan fits here as a rule; where the simulator finds it does not, the
-        nearest two sizes' in turn, and the fastest of those tried. Each try is a simulation
+        no less, so its plan fits here as a rule; where the simulator finds it needs the guard,
+        the nearest two sizes' in turn, and the fastest of those tried. Each try is a simulation
         inside the step whose shape it is: one as a rule."""
         s = first_bytes(trace)
         near = sorted(kin, key=lambda lay: abs(lay.shape_key - s))[:2]
@@ -597,10 +598,10 @@ class PolicyRuntime:
         near.sort(key=lambda lay: (lay.shape_key < s, abs(lay.shape_key - s)))  # larger ones first, nearest first
         timed = []
         for lay in near:
-            timed.append((simulate(trace, lay.plan.evictions, self.hardware, budget, validate=False), lay))
-            if not timed[-1][0].oom:
+            timed.append((simulate(trace, lay.plan.evictions, self.hardware, budget, validate=False, guard=True), lay))
+            if not timed[-1][0].guard_evictions:
                 break
-        res, donor = min(timed, key=lambda x: (x[0].oom, x[0].iteration_s, x[1].shape_key))
+        res, donor = min(timed, key=lambda x: (x[0].oom, x[0].guard_evictions > 0, x[0].iteration_s, x[1].shape_key))
         plan = SwapPlan(trace.name, donor.plan.policy, donor.plan.evictions, {**donor.plan.meta, "borrowed_from": donor.trace.name})
         return plan, res
 
@@ -643,7 +644,7 @@ class PolicyRuntime:
             if plan.recompute:
                 return None
             plan = self._without_small(plan, trace)
-            return self._layout(trace, plan, simulate(trace, plan, hardware, budget, validate=False),
+            return self._layout(trace, plan, simulate(trace, plan, hardware, budget, validate=False, guard=True),
                                 first_sight=first_sight, predicted=predicted)
 
         return plan_and_lay_out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -689,3 +690,63 @@ def test_the_joint_floor_is_the_minimum_over_every_mix_of_swap_and_recompute(cas
     grid, slack = _joint_floor_on_a_grid(tr, budget, hw)
     got = joint_floor(tr, budget, hw)
     assert grid - slack - 1e-9 <= got <= grid + 1e-9 * max(grid, 1.0)
+
+
+# ---------------------------------------------------------------------------- R4, guard
+
+
+def test_the_guard_evicts_what_the_plan_left_and_brings_it_back_on_demand(two_tensors, hw):
+    # Budget 150, nothing planned: T1's 100 B at e1 has no room with T0 resident and no swap-out in
+    # flight. Without the guard that is OOM. With it, T0 (released after gap 0, first unpack at e3,
+    # the farthest) goes out at t=1 (1 s at 100 B/s), compute waits for it: stall 1, t=2. Gap 1
+    # (t=3), e1; gap 2 (t=5), e2 frees T1; gap 3 (t=6), e3 needs T0: on demand, 1 s: 7.
+    assert simulate(two_tensors, [], hw, 150).oom
+    r = simulate(two_tensors, [], hw, 150, guard=True)
+    assert (r.iteration_s, r.stall_s, r.guard_evictions, r.d2h_bytes, r.h2d_bytes) == (7.0, 2.0, 1, 100, 100)
+    assert r.peak_bytes <= 150 and not r.oom
+
+
+def test_a_planned_swap_out_the_guard_made_already_is_skipped_and_its_prefetch_stands(two_tensors, hw):
+    # T0 planned out after e1 (too late for e1's allocation) and prefetched after e2. The guard
+    # evicts T0 before gap 1 (out 1-2, t=2, gap 1 to t=3); e1's planned swap-out finds it gone. At
+    # e2 (t=5) T1 is freed and the prefetch starts at once: in 5-6, done as e3 needs it (t=6): 6.
+    plan = SwapPlan.of(two_tensors, "late", [Eviction(0, 1, 2)])
+    assert simulate(two_tensors, plan, hw, 150).oom
+    r = simulate(two_tensors, plan, hw, 150, guard=True)
+    assert (r.iteration_s, r.guard_evictions, r.d2h_bytes, r.h2d_bytes) == (6.0, 1, 100, 100)
+
+
+def test_a_tensor_the_program_still_holds_frees_nothing_when_the_guard_copies_it(two_tensors, hw):
+    # T0 held by the program through gap 1 (released_at 1): the guard copies it out (as the
+    # runtime's does), but its bytes stay until the program lets go, after e1's allocation, and
+    # nothing else is on the device: over budget there, OOM (the runtime reports the overshoot).
+    held = replace(two_tensors, tensors=(replace(two_tensors.tensors[0], released_at=1), two_tensors.tensors[1]))
+    r = simulate(held, [], hw, 150, guard=True)
+    assert r.oom and r.oom_event == 1 and r.guard_evictions == 1
+
+
+def test_the_guard_takes_back_a_prefetch_made_too_early(hw):
+    # T0, T1, T2 of 100 B, 1 s gaps: e0 pack0, e1 pack1, e2 pack2, e3 unpack2, e4 unpack1, e5
+    # unpack0 (ideal 6). The plan: T0 out after e0 (in gap 1, 1-2 s) and prefetched after e1
+    # (t=2: T0's bytes went with its copy, 100 + 100 <= 250; in 2-3). Budget 250: T2 at e2 (t=2)
+    # has no room (T1, and T0's buffer): the guard takes the farthest, T0 (first unpack e5), back:
+    # it waits for the copy to land (stall to t=3), then the buffer goes. Gaps 2-4 (t=6), gap 5
+    # (t=7), e5 needs T0: on demand, 1 s: 8.
+    tr = make_trace([100, 100, 100], [("pack", 0, 1.0), ("pack", 1, 1.0), ("pack", 2, 1.0), ("unpack", 2, 1.0),
+                                      ("unpack", 1, 1.0), ("unpack", 0, 1.0)])
+    plan = SwapPlan.of(tr, "early", [Eviction(0, 0, 1)])
+    assert simulate(tr, plan, hw, 250).oom
+    r = simulate(tr, plan, hw, 250, guard=True)
+    assert (r.iteration_s, r.stall_s, r.guard_evictions, r.d2h_bytes, r.h2d_bytes) == (8.0, 2.0, 1, 100, 200)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces_and_plans())
+def test_the_guard_changes_nothing_where_the_plan_fits_and_keeps_the_budget_where_it_does_not(case):
+    tr, plan, hw, budget = case
+    plain, guarded = simulate(tr, plan, hw, budget), simulate(tr, plan, hw, budget, guard=True)
+    if not plain.oom:
+        assert guarded == plain and guarded.guard_evictions == 0
+    elif not guarded.oom:
+        assert guarded.guard_evictions > 0 and guarded.peak_bytes <= budget
+        assert guarded.iteration_s >= analytic_floor(tr, budget, hw) - 1e-9

@@ -122,6 +122,10 @@ def test_steps_of_lengths_never_profiled_execute_predicted_plans_bit_identically
     # 64 is beyond every profiled length: the plan of 48 it borrows needs the guard, so the
     # policy plans 64 after that step, and the next step of 64 follows its own plan
     assert not reports[6].plan_followed and reports[10].plan_followed and reports[10].guard_evictions == 0
+    # every executed step has a prediction, the one that needed the guard too (R4, guard): its
+    # plan alone would not fit, and the simulator evicts as the guard does
+    assert all(r.predicted_step_s is not None for r in reports if r.mode == "execute")
+    assert reports[6].guard_evictions > 0 and reports[6].predicted_step_s > reports[7].predicted_step_s
     run_ = reports[-1].run
     assert run_.predicted_steps == 6 and run_.new_shapes == 1 and "executed steps on predicted shapes" in str(run_)
 
