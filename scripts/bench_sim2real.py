@@ -17,8 +17,9 @@ case (measured order: per pair, the median over rounds of their difference withi
 ``kendall_agree``).
 ``--quick``: one small model at two budgets; the last line is the median absolute error (fraction).
 
-``--uncalibrated``: what a user sees with no calibration step. Three models outside the zoo (defined
-here: a BatchNorm CNN, a two-layer LSTM, a token-mixing MLP) x budgets x policies (min, default,
+``--uncalibrated``: what a user sees with no calibration step. Four models outside the zoo (defined
+here: a BatchNorm CNN, a two-layer LSTM, a token-mixing MLP, and the MLP on a small batch, whose
+steps take a few milliseconds) x budgets x policies (min, default,
 checkpoint-all: the last two recompute blocks live, under torch.utils.checkpoint), each case one
 ``SwapRuntime`` on shipped defaults (``cpu-emulated`` at ``--bandwidth``), run for ``--case-steps``
 steps in shuffled order. The runtime re-times its trace and fits the host's costs from its own
@@ -187,7 +188,10 @@ class _Mixer(torch.nn.Module):
 
 # models outside the zoo: (name, module class, input shape, classification?)
 OUTSIDE_ZOO = [("convnet-bn", _ConvNet, (16, 32, 16, 16), True), ("lstm-2x128", _Recurrent, (16, 32, 64), True),
-               ("mixer-4x128", _Mixer, (32, 64, 128), False)]
+               ("mixer-4x128", _Mixer, (32, 64, 128), False),
+               # the same mixer on a small batch: steps of a few milliseconds, where the hooks' and the
+               # copies' fixed host costs weigh most against compute
+               ("mixer-4x128-fast", _Mixer, (2, 16, 128), False)]
 
 
 def uncalibrated(budgets: list[str], policies: list[str], bandwidth: float, steps: int, seed: int) -> list[dict]:

@@ -3,13 +3,14 @@
 Steps with the same events (kinds, which saved tensor is which, in the same order) and tensors of
 other sizes are one *family*. Within a family each tensor's bytes follow the step's size exactly,
 mostly linearly in the varying dimension, quadratically for attention scores, and so do the
-compute gaps, roughly. :func:`predicted_trace` fits each tensor's bytes (and each gap, the tail
-and the static bytes) as a polynomial in ``s``, the bytes of the step's first saved tensor, over
-the family's profiled traces, and evaluates it at a new ``s``: the trace of a shape never profiled.
-Times are measured, so noisy: each gap (and the tail) is interpolated between the two profiled
-sizes around ``s``, or, beyond them, scaled from the nearest in proportion to ``s`` (compute
-grows with the varying dimension). A line through two close, noisy sizes extrapolated far
-would not: on a padded-batch run it predicted 355 ms for steps of 30.
+compute gaps, roughly. :class:`FamilyFit` fits each tensor's bytes (and the static and other
+bytes) as a polynomial in ``s``, the bytes of the step's first saved tensor, over the family's
+profiled traces, and evaluates it at a new ``s``: the trace of a shape never profiled.
+Times are measured, so noisy: each gap (and the tail) is interpolated between the two timed
+sizes around ``s`` (profiled, or executed since: those are timed without the profiling's
+copies), or, beyond them, scaled from the nearest in proportion to ``s`` (compute grows with
+the varying dimension). A line through two close, noisy sizes extrapolated far would not: on a
+padded-batch run it predicted 355 ms for steps of 30.
 The runtime checks the prediction as the step runs (every saved tensor's bytes against it) and
 leaves it where it is wrong, as it leaves any trace.
 """
@@ -88,11 +89,14 @@ class FamilyFit:
         self.gaps = np.array([t.gaps for t in traces], dtype=np.float64)
         self.scalars = np.array([[t.tail_compute_s, t.static_bytes] for t in traces], dtype=np.float64)
 
-    def at(self, s: int) -> Trace | None:
+    def at(self, s: int, executed: dict[int, tuple[np.ndarray, float]] | None = None) -> Trace | None:
         """The trace of the family's step whose first saved tensor has ``s`` bytes, or None where
         the family cannot say: fewer than two sizes profiled, ``s`` beyond twice the largest, or
         bytes that the fit does not reproduce on the profiled traces themselves (sizes that are no
-        polynomial of ``s`` of the degree the sizes allow: 1 with two traces, 2 from three on)."""
+        polynomial of ``s`` of the degree the sizes allow: 1 with two traces, 2 from three on).
+        ``executed``: size -> (gaps, tail) measured by executed steps of the family; they time the
+        trace where they are, in preference to the profiled traces' own, which the profiling's
+        copies stretch (see retime.timed_by_execution)."""
         if not self.ok or s > 2 * self.largest or s <= 0:
             return None
         xs, traces = self.xs, self.traces
@@ -100,9 +104,12 @@ class FamilyFit:
         if (pred < 0).any() or int(pred[traces[0].events[0].tensor]) != s:
             return None
         near = np.argsort(np.abs(xs - s), kind="stable")[:2]
-        g = _timed(xs, self.gaps, s)
+        times = {int(x): (gaps, float(sc[0])) for x, gaps, sc in zip(xs, self.gaps, self.scalars, strict=True)}
+        times.update(executed or {})
+        at_sizes = np.array(sorted(times), dtype=np.float64)
+        g = _timed(at_sizes, np.array([times[int(x)][0] for x in at_sizes]), s)
+        tail = float(_timed(at_sizes, np.array([[times[int(x)][1]] for x in at_sizes]), s)[0])
         o = np.maximum(np.rint(_eval(self.other_coef, s)), 0).astype(np.int64)
-        tail = float(_timed(xs, self.scalars[:, :1], s)[0])
         static = _eval(_coef(xs[near], self.scalars[near, 1:], 1), s)[0]  # bytes: exact where linear (the batch)
         template = traces[int(near[0])]
         other = [oi if (e.other_bytes is not None or oi) else None for e, oi in zip(template.events, o.tolist(), strict=True)]
@@ -112,5 +119,6 @@ class FamilyFit:
 
 
 def predicted_trace(family: Sequence[Trace], s: int) -> Trace | None:
-    """The family's trace at ``s`` (see :meth:`FamilyFit.at`), fitted for this one call."""
+    """The family's trace at ``s`` from its profiled traces alone (see :meth:`FamilyFit.at`),
+    fitted for this one call."""
     return FamilyFit(family).at(s)

@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from swapsched.budget import BudgetError, check_budget, format_bytes, parse_budget, smallest_feasible
@@ -206,6 +207,9 @@ class PolicyRuntime:
         self._planner: ThreadPoolExecutor | None = None
         self._pending: dict[int, _PendingPlan] = {}
         self._fits: dict[tuple[int, ...], FamilyFit] = {}  # ids of a family's profiled traces -> their fit
+        # family (its structure) -> size -> (gaps, tail) as the latest executed step of that size
+        # measured them: they time the family's predicted sizes (see FamilyFit.at)
+        self._executed_times: dict[tuple[tuple[bool, int], ...], dict[int, tuple[np.ndarray, float]]] = {}
         # shape key -> (its layout, the report of its first executed step): re-timed on its next step
         self._untimed: dict[int, tuple[PlanLayout, StepReport]] = {}
 
@@ -248,6 +252,8 @@ class PolicyRuntime:
 
     def _after_step(self, ex: StepExecution) -> None:
         """The after-step work of the kind of step ``ex`` was (one method per kind)."""
+        if isinstance(ex, ExecuteStep) and ex.profile is None and not ex.diverged:
+            self._note_times(ex.layout)
         if isinstance(ex, ProfileStep):
             self._after_profile(ex)
         elif not isinstance(ex, ExecuteStep):
@@ -271,6 +277,17 @@ class PolicyRuntime:
         return Phase.EXECUTE
 
     # ------------------------------------------------------------------ after a step, per phase
+    def _note_times(self, layout: PlanLayout) -> None:
+        """Keep the gaps the step of ``layout``'s shape just measured, for its family's predictions."""
+        rep = present(self._report, "the report of the step that just ran")
+        if rep.gaps_s is None or len(rep.gaps_s) != layout.trace.n_events:
+            return
+        times = self._executed_times.setdefault(layout.family, {})
+        times.pop(layout.shape_key, None)
+        times[layout.shape_key] = (np.asarray(rep.gaps_s, dtype=np.float64), float(rep.tail_s or 0.0))
+        if len(times) > 64:  # the oldest size goes: a long run's sizes are timed by their latest steps
+            del times[next(iter(times))]
+
     def _after_profile(self, ex: ProfileStep) -> None:
         """A profiling step: once ``profile_steps`` are in, plan on their median trace."""
         if ex.trace is None:  # nothing was unpacked (no backward): nothing learned, profile again
@@ -541,7 +558,7 @@ class PolicyRuntime:
         predict it. A size that no plan can fit in the run's bytes is refused here, at the step's
         first saved tensor, before its memory is spent."""
         kin = self._kin(like.trace, like.first_sight)
-        trace = self._family_fit([lay.trace for lay in kin if not lay.predicted]).at(s)
+        trace = self._family_fit([lay.trace for lay in kin if not lay.predicted]).at(s, self._executed_times.get(like.family))
         if trace is None:
             return None
         budget = self._budget_for(self.budget_spec, trace, resolved=self.budget_bytes)

@@ -6,13 +6,14 @@ from __future__ import annotations
 import contextlib
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 
 from swapsched.budget import BudgetError
 from swapsched.deploy import SwapRuntime
-from swapsched.runtime.shapes import first_bytes, predicted_trace, structure
+from swapsched.runtime.shapes import FamilyFit, first_bytes, predicted_trace, structure
 from tests.conftest import make_trace, train_together
 
 
@@ -46,6 +47,24 @@ def test_two_sizes_predict_a_linear_family_exactly():
     noisy = [replace(t, events=tuple(replace(e, compute_s=g) for e in t.events))
              for t, g in zip([lin[0], _scaled(lin[0], 9)], [1.0, 2.0], strict=True)]
     assert predicted_trace(noisy, 64).gaps.tolist() == pytest.approx([2 * 64 / 36] * 6)
+
+
+def test_executed_steps_time_the_family_where_they_ran():
+    # The linear family above (gaps n/8 s: 1 s at n = 8, 2 s at n = 16), and an executed step at
+    # n = 12 (s = 48) that measured 1 s per gap and a 0.5 s tail (its profile would say 1.5 s).
+    # At s = 48 its own timing; at n = 14 (s = 56), halfway between it and n = 16: 1.5 s; below
+    # n = 8 the profiled n = 8 still scales (n = 6: 1 * 24/32 = 0.75 s); the bytes are the fit's.
+    lin = [make_trace([4 * n, 4 * n, 64], [(k, t, n / 8) for k, t in (("pack", 0), ("pack", 1), ("pack", 2), ("unpack", 2),
+                                                                          ("unpack", 1), ("unpack", 0))],
+                      tail=n / 8, name=f"n{n}") for n in (8, 16)]
+    fit = FamilyFit(lin)
+    executed = {48: (np.full(6, 1.0), 0.5)}
+    at48 = fit.at(48, executed)
+    assert at48.gaps.tolist() == [1.0] * 6 and at48.tail_compute_s == 0.5 and at48.tensor_bytes.tolist() == [48, 48, 64]
+    at56 = fit.at(56, executed)
+    assert at56.gaps.tolist() == pytest.approx([1.5] * 6) and at56.tail_compute_s == pytest.approx(1.25)
+    assert fit.at(24, executed).gaps.tolist() == pytest.approx([0.75] * 6)
+    assert fit.at(56).gaps.tolist() == pytest.approx([1.75] * 6)  # the profiled sizes alone
 
 
 def test_three_sizes_predict_a_quadratic_tensor_exactly_and_refuse_what_they_cannot_say():
@@ -125,7 +144,7 @@ def test_steps_of_lengths_never_profiled_execute_predicted_plans_bit_identically
     # every executed step has a prediction, the one that needed the guard too (R4, guard): its
     # plan alone would not fit, and the simulator evicts as the guard does
     assert all(r.predicted_step_s is not None for r in reports if r.mode == "execute")
-    assert reports[6].guard_evictions > 0 and reports[6].predicted_step_s > reports[7].predicted_step_s
+    assert reports[6].guard_evictions > 0
     run_ = reports[-1].run
     assert run_.predicted_steps == 6 and run_.new_shapes == 1 and "executed steps on predicted shapes" in str(run_)
 
