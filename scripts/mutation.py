@@ -206,6 +206,18 @@ def _apply(node: ast.AST, kind: str) -> None:
         block[j], block[j + 1] = block[j + 1], block[j]
 
 
+def _changed_lines(path: str, rev: str) -> set[int]:
+    """Lines of ``path`` (as it is now) added or changed since ``rev``, from ``git diff -U0``."""
+    diff = subprocess.run(["git", "diff", "-U0", rev, "--", path], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    out: set[int] = set()
+    for line in diff.splitlines():
+        if line.startswith("@@"):
+            new = line.split("+", 1)[1].split(" ", 1)[0]  # "@@ -a,b +c,d @@": lines c .. c+d-1
+            start, _, count = new.partition(",")
+            out.update(range(int(start), int(start) + (int(count) if count else 1)))
+    return out
+
+
 def mutants(module: str) -> list[tuple[Mutant, str]]:
     """Every mutant of ``module``, with the mutated source."""
     path = ROOT / TARGETS[module][0]
@@ -279,6 +291,9 @@ def main() -> int:
     ap.add_argument("--survivors-of", metavar="JSON",
                     help="run again only the mutants that survived (or timed out) in this earlier run's output, "
                          "whose source files are unchanged since: tests only added cannot revive a killed mutant")
+    ap.add_argument("--changed-since", metavar="REV",
+                    help="run only the mutants on lines changed since this git revision (git diff -U0): the "
+                         "rest were measured on that revision, and its run's figures stand for them")
     args = ap.parse_args()
     modules = [m.strip() for m in args.modules.split(",") if m.strip()]
     bad = [m for m in modules if m not in TARGETS]
@@ -291,6 +306,9 @@ def main() -> int:
     if args.named:
         return _run_named()
     work = [(m, mut, src) for m in modules for mut, src in mutants(m)]
+    if args.changed_since:
+        changed = {m: _changed_lines(TARGETS[m][0], args.changed_since) for m in modules}
+        work = [(m, mut, src) for m, mut, src in work if mut.line in changed[m]]
     earlier: dict[str, int] = {}  # module -> mutants killed in the earlier run and not run again
     if args.survivors_of:
         data = json.loads(Path(args.survivors_of).read_text())
@@ -368,7 +386,7 @@ def main() -> int:
         print(f"survived {o.mutant.module}:{o.mutant.line} {o.mutant.kind}: {o.mutant.before}  ->  {o.mutant.after}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"summary": summary, "rerun_of": args.survivors_of,
+    out.write_text(json.dumps({"summary": summary, "rerun_of": args.survivors_of, "changed_since": args.changed_since,
                                "survivors": [asdict(o.mutant) for o in survivors],
                                "outcomes": [{**asdict(o.mutant), "killed": o.killed, "seconds": round(o.seconds, 2),
                                              "detail": o.detail} for o in outcomes]}, indent=1))
