@@ -750,3 +750,29 @@ def test_the_guard_changes_nothing_where_the_plan_fits_and_keeps_the_budget_wher
     elif not guarded.oom:
         assert guarded.guard_evictions > 0 and guarded.peak_bytes <= budget
         assert guarded.iteration_s >= analytic_floor(tr, budget, hw) - 1e-9
+
+
+def test_the_guard_leaves_later_planned_swap_outs_to_the_plan(hw):
+    # T0-T3 of 100 B, 1 s gaps: four packs, then unpacks of T3, T2, T1, T0 (ideal 8). The plan: T1
+    # out after e2, back after e5. Budget 200. T2 at e2 has no room and nothing is in flight: the
+    # guard takes T0 (first unpack e7, the farthest): out 2-3, stall 1 s. Gap 2 (t=4), e2: the
+    # planned swap-out of T1, 4-5. T3 at e3 waits for it: stall 1 s (t=5), gap 3 (t=6). e4-e5 (t=8)
+    # free T3, T2; T1's prefetch 8-9, in time for e6 (t=9); e7 (t=10) brings T0 on demand: 11. One
+    # guard eviction: the plan's own swap-out was not skipped because the guard had acted once.
+    tr = make_trace([100] * 4, [*(("pack", k, 1.0) for k in range(4)), *(("unpack", k, 1.0) for k in (3, 2, 1, 0))])
+    r = simulate(tr, SwapPlan.of(tr, "one", [Eviction(1, 2, 5)]), hw, 200, guard=True)
+    assert (r.iteration_s, r.stall_s, r.guard_evictions, r.d2h_bytes) == (11.0, 3.0, 1, 200)
+
+
+def test_the_guard_never_evicts_what_a_recompute_is_rebuilding(hw):
+    # blk.0 = anchor T0 and members T1, T2 (rebuilt at e5, T2's unpack); T3 outside; 100 B each,
+    # 1 s gaps. Recomputing the block at budget 250: at e5 the anchor (kept for the recompute) and
+    # the 200 B it rebuilds do not fit, and nothing else is on the device: OOM, with or without the
+    # guard, which must not take T1 (first unpack e6) from the very rebuild that makes room for it.
+    tr = make_trace([100] * 4, [*(("pack", k, 1.0) for k in range(4)), *(("unpack", k, 1.0) for k in (3, 2, 1, 0))],
+                    modules=["blk.0.a", "blk.0.b", "blk.0.c", "head"])
+    assert [(sg.anchor, sg.members, sg.at) for sg in tr.segments] == [(0, (1, 2), 5)]
+    plan = SwapPlan.of(tr, "whole", [], recompute=["blk.0"])
+    assert simulate(tr, plan, hw, 300).iteration_s == 11.0  # it fits at 300: ideal 8 + the block's forward, 3 s
+    r = simulate(tr, plan, hw, 250, guard=True)
+    assert r.oom and r.oom_event == 5 and r.guard_evictions == 0
