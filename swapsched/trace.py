@@ -321,7 +321,8 @@ class Trace:
         """This trace's structure (the same events of the same tensors, with their shapes, ops,
         modules and R2 fields) at other sizes and times: a member of its family
         (runtime/shapes.py). The tables that depend on the structure alone are shared, not
-        computed again, so a run that meets a new size every step pays only for the sizes."""
+        computed again, so a run that meets a new size every step pays only for the sizes. Its
+        blocks are those its modules give (R9): a :meth:`with_segments` restriction is not kept."""
         tensors = tuple(TensorInfo(t.id, int(b), t.shape, t.dtype, t.op, t.module, t.released_at, t.freed_at)
                         for t, b in zip(self.tensors, tensor_bytes, strict=True))
         events = tuple(Event(e.kind, e.tensor, float(g), e.flops, o)
