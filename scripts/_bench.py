@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
+from swapsched.jsonfile import write_json
 from swapsched.report import format_grid
-from swapsched.trace import write_json
 
 
 def environment() -> dict[str, Any]:

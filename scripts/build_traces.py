@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from swapsched.jsonfile import write_json
 from swapsched.runtime.profiler import profile
-from swapsched.trace import write_json
 from swapsched.zoo import build_model
 
 MEASURED = [(f, s) for f in ("mlp", "vgg", "resnet", "gpt", "bert", "unet") for s in ("tiny", "small", "medium")]

@@ -127,7 +127,7 @@ _positive_float = _positive(float)
 
 
 def _write_json(data: Any, path: str) -> None:
-    from swapsched.trace import write_json
+    from swapsched.jsonfile import write_json
 
     p = write_json(data, path, indent=2)
     print(f"wrote {p}", file=sys.stderr)

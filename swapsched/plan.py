@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from swapsched.errors import UserError
-from swapsched.trace import _Fields, open_json, write_json
+from swapsched.jsonfile import Fields, open_json, write_json
 
 if TYPE_CHECKING:
     from swapsched.hardware import Hardware
@@ -155,7 +155,7 @@ class SwapPlan:
 
 
 def plan_from_dict(data: Any, source: str = "<dict>") -> SwapPlan:
-    f = _Fields(source, PlanError)
+    f = Fields(source, PlanError)
     if not isinstance(data, dict):
         raise PlanError(f"{source}: expected a JSON object at the top level, got {type(data).__name__}")
     if data.get("format") != FORMAT:

@@ -20,7 +20,7 @@ from swapsched._paths import atomic_path
 from swapsched.agents.evaluate import PolicySummary
 from swapsched.errors import UserError, read_yaml
 from swapsched.hardware import DEFAULT_GPU_HARDWARE, TRAINING_HARDWARE, load_hardware
-from swapsched.trace import write_json
+from swapsched.jsonfile import write_json
 
 __all__ = ["TrainConfig", "TrainResult", "load_train_config", "train_policy", "train_search", "evaluate", "validation_ratio"]
 

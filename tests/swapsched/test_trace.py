@@ -114,19 +114,6 @@ def test_release_and_free_events_round_trip_and_are_validated(tmp_path, two_tens
         load_trace(_write(tmp_path, data))
 
 
-def test_write_json_is_strict_and_plain(tmp_path):
-    import json
-    import math
-
-    import numpy as np
-
-    from swapsched.trace import write_json
-
-    p = write_json({"a": math.nan, "b": [np.float64(1.5), np.int64(2), math.inf], "c": np.arange(2)}, tmp_path / "x.json",
-                   indent=1)
-    assert json.loads(p.read_text()) == {"a": None, "b": [1.5, 2, None], "c": [0, 1]}
-
-
 def test_with_timing_replaces_gaps_and_tail_and_keeps_the_events(two_tensors):
     t = two_tensors.with_timing([0.5, 0.25, 1.0, 2.0], 0.75, timed_by_execution=3)
     assert [e.compute_s for e in t.events] == [0.5, 0.25, 1.0, 2.0] and t.tail_compute_s == 0.75
