@@ -314,10 +314,8 @@ class PolicyRuntime:
                 continue
             layout = self._layout(trace, *self._borrowed(trace, self._kin(trace, first_sight)), first_sight=first_sight)
             self.layouts[key] = layout
-            if self.background_planning and self.policy is not None:
-                self._plan_later(layout)
-            elif self.policy is not None and (replanned := self._policy_layout(layout, trace)()) is not None:
-                self.layouts[key] = replanned
+            if self.policy is not None:
+                self._replan(layout, trace)
 
     def _after_new_shape(self, profiled: ProfileStep) -> None:
         """A shape no plan was made for, profiled in the step that showed it: planned now, from
@@ -628,6 +626,11 @@ class PolicyRuntime:
         trace = layout.trace
         if rep.gaps_s is not None and len(rep.gaps_s) == trace.n_events:
             trace = timed_by_execution(trace, [rep])
+        self._replan(layout, trace)
+
+    def _replan(self, layout: PlanLayout, trace: Trace) -> None:
+        """The policy's own plan for ``layout``'s shape, on ``trace``: on the planner thread, or
+        now, between steps, where planning is not in the background."""
         if self.background_planning:
             self._plan_later(layout, trace)
             return
