@@ -17,7 +17,7 @@ __all__ = ["SwapRuntime", "resolve_policy", "RECOMPUTE_ONLY"]
 
 #: Names whose plans only recompute (R9): the runtime runs them with the model's blocks under
 #: ``torch.utils.checkpoint``, so it needs the model.
-RECOMPUTE_ONLY = ("checkpoint-all",)
+RECOMPUTE_ONLY = ("checkpoint-all", "checkpoint-selective")
 
 
 def resolve_policy(policy: str | Policy | None, **options: Any) -> Policy | None:
@@ -39,10 +39,4 @@ class SwapRuntime(swapper.PolicyRuntime):
 
             raise UserError(f"policy {policy!r} recomputes blocks, which the runtime runs under torch.utils.checkpoint "
                             "on the model's own modules: give it the model (SwapRuntime(..., model=model))")
-        if policy == "checkpoint-selective":
-            from swapsched.errors import UserError
-
-            raise UserError("policy 'checkpoint-selective' is planned and simulated (swapsched compare), not executed by the "
-                            "runtime yet: torch keeps what selective checkpointing saves outside the hooks the budget is "
-                            "kept by; use 'checkpoint-all' or 'default' here")
         super().__init__(budget, resolve_policy(policy), *args, **kwargs)

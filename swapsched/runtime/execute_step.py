@@ -538,6 +538,7 @@ class ExecuteStep(StepExecution):
             gaps_s=gaps, tail_s=tail,
             measured_peak_bytes=self.measured_peak(), unowned_bytes=int(self.trace.meta.get("unowned_bytes", 0)),
             recomputed_blocks=self.rt.blocks.names if self.rt.blocks is not None else (),
+            selective_blocks=self.rt.blocks.selective if self.rt.blocks is not None else (),
             shape_predicted=self.layout.predicted, plain_step_s=self.trace.ideal_s,
         )
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -11,7 +12,7 @@ import torch
 
 from swapsched.env.simulator import HOST
 from swapsched.runtime.accounting import StepExecution
-from swapsched.runtime.profiler import ModulePath, StorageIds, TraceRecorder, is_cached_cast, storage_key
+from swapsched.runtime.profiler import ModulePath, OpNames, StorageIds, TraceRecorder, is_cached_cast, storage_key
 from swapsched.runtime.reports import StepReport
 from swapsched.runtime.stash import Packed, Record, flat_bytes, rebuild
 from swapsched.trace import Trace
@@ -38,7 +39,7 @@ class ProfileStep(StepExecution):
 
     __slots__ = ("ids", "recorder", "trace", "moved", "device", "owners", "cast_keys", "cast_bytes", "released",
                  "freed", "unpacked", "devices", "param_keys", "passes", "modules", "checkpoint_packs", "recomputes",
-                 "new_shape", "seen_before", "carried", "carried_keys")
+                 "new_shape", "seen_before", "carried", "carried_keys", "ops", "producers", "held")
 
     def __init__(self, rt: PolicyRuntime, since: tuple[float, int] | None = None,
                  carried: list[tuple[weakref.ref[Any], int, int]] | None = None):
@@ -47,7 +48,16 @@ class ProfileStep(StepExecution):
         self.ids = StorageIds()  # live storage -> its record (R2)
         # with the model: each saved tensor's module, from which the trace finds its blocks (R9)
         self.modules = ModulePath(rt.model).__enter__() if rt.model is not None else None
-        self.recorder = TraceRecorder(clock, modules=self.modules)
+        # a whole step (not one handed over mid-step, inside an op's hooks, where a dispatch mode
+        # cannot be entered safely) names each saved tensor's op and records which op call made
+        # each storage: what selective checkpointing recomputes, and how it names an op call (R9)
+        self.ops = OpNames(self.modules).__enter__() if since is None else None
+        self.recorder = TraceRecorder(clock, ops=self.ops, modules=self.modules)
+        # trace id (order of first sight) -> the op call that made its storage, per module then
+        # (OpNames.producers); in trace ids once the step is done
+        self.producers: dict[int, tuple[tuple[str, Any, int], ...]] = {}
+        # per hook call: the bytes the selective checkpoints held then (R9, selective)
+        self.held: list[int] = []
         # R9: id of each pack handle a block's checkpoint made (of its inputs) -> the block, and
         # (hook call, block) for each unpack of one: where backward recomputes the block
         self.checkpoint_packs: dict[int, str] = {}
@@ -86,6 +96,10 @@ class ProfileStep(StepExecution):
         self.passes: set[int] = set()  # the autograd graph tasks (backward passes) that unpacked
 
     def pack(self, t: torch.Tensor) -> Packed:
+        with self._paused():  # the hook's own ops (a detach, its copy) are not the model's
+            return self._pack(t)
+
+    def _pack(self, t: torch.Tensor) -> Packed:
         # a storage first seen as a parameter's stays one, whatever view of it comes later (a
         # double backward saves a transpose of an unpacked, detached weight): the executed steps
         # tell parameters by their storage too
@@ -96,6 +110,9 @@ class ProfileStep(StepExecution):
             # sight must not count it twice (a view of the caller's batch, saved again later)
             return Packed(None, t, profiled=True)
         tid = None if key in self.param_keys else self.recorder.pack(t)
+        self._sample()
+        if tid is not None and self.ops is not None and tid not in self.producers:
+            self.producers[tid] = self.ops.producers.get(key, ())
         if tid is None:
             self.param_keys.add(t.untyped_storage()._cdata)
             if is_cached_cast(t):  # stays like its parameter; its bytes are counted once, as static
@@ -126,6 +143,24 @@ class ProfileStep(StepExecution):
             self.checkpoint_packs[id(p)] = blocks.entering  # p lives in autograd's graph until its unpack
         return p
 
+    def _sample(self) -> None:
+        """One entry of ``held`` per hook call the recorder took."""
+        blocks, held = self.rt.blocks, self.held
+        while len(held) < len(self.recorder.kinds):
+            held.append(blocks.held if blocks is not None else 0)
+
+    @contextmanager
+    def _paused(self) -> Iterator[None]:
+        """The hook's own ops are not the model's: the op recorder skips them."""
+        if self.ops is None:
+            yield
+            return
+        self.ops.paused = True
+        try:
+            yield
+        finally:
+            self.ops.paused = False
+
     def _own(self, tid: int, st: Any, p: Packed) -> None:
         entry = self.owners.get(tid)
         if entry is None:
@@ -146,10 +181,15 @@ class ProfileStep(StepExecution):
         self.freed[tid] = max(self.freed.get(tid, 0), len(self.recorder.kinds))
 
     def unpack(self, p: Packed) -> torch.Tensor:
+        with self._paused():
+            return self._unpack(p)
+
+    def _unpack(self, p: Packed) -> torch.Tensor:
         tid = p.tid
         p.check_version()
         self.passes.add(_graph_task_id())  # one id per backward pass
         self.recorder.unpack(tid)
+        self._sample()
         if tid is not None:
             self.unpacked.add(tid)
             block = self.checkpoint_packs.get(id(p))
@@ -192,15 +232,29 @@ class ProfileStep(StepExecution):
         self.trace = replace(self.trace, events=self._with_rebuilt(self.trace),
                              meta={**self.trace.meta, "unowned_bytes": static - self.rt.static_bytes,
                                    "unowned_tensors": len(unowned) + carried, "backward_passes": len(self.passes)})
-        self.rt.first_sight = {k + self.seen_before: v for k, v in self.recorder.remap.items()}
+        remap = self.recorder.remap
+        self.rt.first_sight = {k + self.seen_before: v for k, v in remap.items()}
+        self.producers = {remap[k]: v for k, v in self.producers.items() if k in remap}
         self.abort()
 
     def _with_rebuilt(self, trace: Trace) -> tuple[Any, ...]:
         """R9: the trace's events, with what each recompute rebuilds counted in the gap after the
         unpack of the block's inputs (the recompute and the block's backward run in it; the
-        checkpoint holds the members there, outside the runtime's hooks)."""
+        checkpoint holds the members there, outside the runtime's hooks); and what selective
+        checkpoints held in each gap (the most at either end of it: they grow through forward and
+        go in backward), as the runtime's hooks saw it between the gaps."""
         events = list(trace.events)
         index = self.recorder.event_index
+        held = self.held
+        if any(held):
+            most: dict[int, int] = {}
+            for call, now in enumerate(held):
+                j = index[call]
+                most[j] = max(most.get(j, 0), now, held[call - 1] if call else 0)
+            for j, n in most.items():
+                if n and j < len(events):
+                    e = events[j]
+                    events[j] = replace(e, other_bytes=(e.other_bytes or 0) + n)
         measured = self.rt.blocks.rebuilt_peak if self.rt.blocks is not None else {}
         for call, block in self.recomputes:
             j = index[call + 1]  # the event whose gap follows that hook call
@@ -213,6 +267,9 @@ class ProfileStep(StepExecution):
         return tuple(events)
 
     def abort(self) -> None:
+        if self.ops is not None:
+            self.ops.__exit__(None, None, None)
+            self.ops = None
         if self.modules is not None:
             self.modules.__exit__()
             self.modules = None
@@ -237,6 +294,7 @@ class ProfileStep(StepExecution):
             evicted_bytes=self.moved, prefetched_bytes=0, on_demand_bytes=self.moved,
             peak_device_bytes=None, budget_bytes=None, plan_followed=True, guard_evictions=0, kept_small=0,
             unowned_bytes=unowned, nothing_saved=not self.recorder.kinds,
-            recomputed_blocks=self.rt.blocks.names if self.rt.blocks is not None else (), new_shape=self.new_shape,
+            recomputed_blocks=self.rt.blocks.names if self.rt.blocks is not None else (),
+            selective_blocks=self.rt.blocks.selective if self.rt.blocks is not None else (), new_shape=self.new_shape,
         )
 

@@ -28,13 +28,15 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import FlopCounterMode
 
 from swapsched.errors import UserError
 from swapsched.hardware import DEFAULT_GPU_HARDWARE, Hardware, load_hardware
 from swapsched.trace import Event, TensorInfo, Trace
 
-__all__ = ["profile", "ProfileError", "TraceRecorder", "StorageIds", "is_parameter", "is_cached_cast", "storage_key",
+__all__ = ["profile", "ProfileError", "TraceRecorder", "OpNames", "ModulePath", "StorageIds", "is_parameter", "is_cached_cast", "storage_key",
            "static_bytes_of"]
 
 
@@ -101,21 +103,36 @@ def is_cached_cast(t: torch.Tensor) -> bool:
     return False
 
 
-class _OpNames(TorchDispatchMode):
-    """Names the aten op that saved each tensor.
+class OpNames(TorchDispatchMode):
+    """Names the aten op that saved each tensor, and (given ``modules``) which op call made each
+    storage, counted as selective checkpointing counts them.
 
     Autograd saves an op's *inputs* before it dispatches the op and its *outputs* after, and a
     dispatch mode runs below autograd. So a packed tensor that is an output of the op dispatched
     last was saved by that op; any other packed tensor is an input of the op dispatched next.
+
+    ``producers`` maps a storage key to the op call that allocated it, once per module running
+    then: ``(module path, op, n)``, the op's ``n``-th call within that module's forward. That is
+    how ``torch.utils.checkpoint``'s selective policy knows an op call (per op, ignoring
+    ``SAC_IGNORED_OPS``), so the runtime can tell a checkpointed block which calls to save (R9,
+    selective; runtime/recompute.py). An op whose output shares an input's storage (a view, an
+    in-place op) made nothing: the storage keeps its producer. ``paused``: the runtime's own
+    hooks are copying, and their ops are not the model's.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, modules: ModulePath | None = None) -> None:
         super().__init__()
         self.last = ""
         self.last_outputs: set[int] = set()
         self.waiting: list[Callable[[str], None]] = []
+        self.modules = modules
+        self.producers: dict[int, tuple[tuple[str, Any, int], ...]] = {}
+        self.calls: dict[tuple[int, Any], int] = {}  # (module invocation, op) -> calls so far
+        self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if self.paused:
+            return func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         for assign in self.waiting:
             assign(name)
@@ -124,7 +141,20 @@ class _OpNames(TorchDispatchMode):
         self.last = name
         flat = out if isinstance(out, (tuple, list)) else (out,)
         self.last_outputs = {storage_key(x) for x in flat if isinstance(x, torch.Tensor)}
+        if self.modules is not None and self.modules.stack and func not in SAC_IGNORED_OPS:
+            self._count(self.modules, func, args, kwargs)
         return out
+
+    def _count(self, modules: ModulePath, func: Any, args: Any, kwargs: Any) -> None:
+        calls = self.calls
+        keys = []
+        for path, invocation in zip(modules.stack, modules.invocations, strict=True):
+            n = calls.get((invocation, func), 0)
+            calls[(invocation, func)] = n + 1
+            keys.append((path, func, n))
+        made = self.last_outputs - {storage_key(x) for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)}
+        for key in made:
+            self.producers[key] = tuple(keys)
 
     def name_saver(self, t: torch.Tensor, assign: Callable[[str], None]) -> None:
         if storage_key(t) in self.last_outputs:
@@ -134,11 +164,14 @@ class _OpNames(TorchDispatchMode):
 
 
 class ModulePath:
-    """Tracks the module path of the forward code running now (global module hooks)."""
+    """Tracks the module path of the forward code running now (global module hooks), and a
+    number for each module call (``invocations``, parallel to ``stack``)."""
 
     def __init__(self, model: nn.Module):
         self.names = {id(m): n for n, m in model.named_modules()}
         self.stack: list[str] = []
+        self.invocations: list[int] = []
+        self._calls = 0
 
     def __enter__(self) -> ModulePath:
         reg = torch.nn.modules.module
@@ -148,10 +181,13 @@ class ModulePath:
     # both hooks must return None: a value returned would replace the module's input or output
     def _enter(self, module: nn.Module, args: Any) -> None:
         self.stack.append(self.names.get(id(module), type(module).__name__))
+        self._calls += 1
+        self.invocations.append(self._calls)
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.stack:
             self.stack.pop()
+            self.invocations.pop()
 
     def __exit__(self, *exc: Any) -> None:
         for h in self._handles:
@@ -170,7 +206,7 @@ class TraceRecorder:
     event recorded per hook, resolved in :meth:`finish`), or ``None`` (no timing: meta).
     """
 
-    def __init__(self, clock: str | None, ops: _OpNames | None = None, flops: FlopCounterMode | None = None,
+    def __init__(self, clock: str | None, ops: OpNames | None = None, flops: FlopCounterMode | None = None,
                  modules: ModulePath | None = None):
         self.clock, self.ops, self.flops, self.modules = clock, ops, flops, modules
         self.ids = StorageIds()
@@ -410,7 +446,7 @@ def profile(
 
     # structure pass: op names, FLOPs per gap, module paths
     snap = _snapshot(model) if dev.type != "meta" else None
-    ops, flops = _OpNames(), FlopCounterMode(display=False)
+    ops, flops = OpNames(), FlopCounterMode(display=False)
     with ExitStack() as stack:
         mp = stack.enter_context(ModulePath(model))
         stack.enter_context(flops)

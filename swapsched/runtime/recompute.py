@@ -10,27 +10,60 @@ backward first needs the block), so the plan may swap them as any saved tensor. 
 recompute rebuilds are held by the checkpoint until the block's backward has used them: the
 runtime cannot move them, and counts their bytes in the gap after that unpack (``rebuilt``).
 
+A block checkpointed selectively (R9, selective) runs under the same checkpoint with PyTorch's
+selective policy (``create_selective_checkpoint_contexts``). The policy saves exactly the op calls
+that made the block's members the plan keeps (the profiling step records which op call made each
+storage: ``OpNames.producers``), and recomputes every other op. A random op is always recomputed:
+skipping it in the recompute would shift the RNG state for the random ops after it, and dropout
+masks would differ. What the policy saves lives in the checkpoint's own cache, outside the
+runtime's hooks, from the op's forward until the block's backward is done with it; the
+runtime counts those storages (``held``, with a finalizer on each, so a storage counts until it
+dies), the audit meter is told of each, and the profiling step counts them as held in the gaps
+they span.
+
 A run of single layers (``features.3-7``, as ``checkpoint_sequential`` cuts a Sequential) is not
 one module the runtime can wrap: :meth:`BlockCheckpoints.executable` keeps only the blocks that are.
 """
 
 from __future__ import annotations
 
+import inspect
 import weakref
-from collections.abc import Callable, Iterable
-from contextlib import nullcontext
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
-from swapsched.errors import UserError
+from swapsched.errors import UserError, internal_assert
 from swapsched.trace import Trace
 
-__all__ = ["BlockCheckpoints"]
+__all__ = ["BlockCheckpoints", "OpCall"]
+
+#: An op call within a block's forward, as selective checkpointing counts them: (op, n), the
+#: op's ``n``-th call there (``OpNames.producers``)
+OpCall = tuple[Any, int]
+
+# the forward policy is told the op's output (torch >= 2.9): the runtime counts what it saves then
+_POLICY_SEES_OUTPUT = "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters
+
+
+@contextmanager
+def _stacked(*contexts: AbstractContextManager[Any]) -> Iterator[None]:
+    with ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c)
+        yield
 
 
 class _RecomputeMeter(TorchDispatchMode):
@@ -56,7 +89,8 @@ class _RecomputeMeter(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 st = t.untyped_storage()
                 key = st._cdata
-                if key in self.seen or key in inputs or (known is not None and known(key)):
+                if (key in self.seen or key in inputs or key in self.owner.held_keys
+                        or (known is not None and known(key))):
                     continue
                 self.seen.add(key)
                 n = st.nbytes()
@@ -81,6 +115,8 @@ class BlockCheckpoints:
 
     ``entering``: the block whose checkpoint is saving its inputs now (the runtime's pack hook
     reads it: inside a checkpointed block, only those inputs reach the runtime's hooks).
+    ``saved``: block -> the op calls its selective checkpoint saves, for the blocks checkpointed
+    selectively; ``held`` the bytes of what those checkpoints hold now.
     ``metered``: while True, each recompute is watched from inside (:class:`_RecomputeMeter`):
     ``rebuilt_peak`` gets the most bytes each block's recompute held at once, and ``watch``, when
     set, is told of every storage it made; ``known`` says which storages are counted already."""
@@ -93,17 +129,35 @@ class BlockCheckpoints:
         self.rebuilt_peak: dict[str, int] = {}
         self.watch: Callable[[Any, int], None] | None = None
         self.known: Callable[[int], bool] | None = None
+        self.saved: dict[str, frozenset[OpCall]] = {}
+        # storages the selective checkpoints hold (key -> bytes), and the bytes of those that died
+        # since ``held`` last looked (finalizers append, maybe on another thread)
+        self.held_keys: dict[int, int] = {}
+        self._held = 0
+        self._held_deaths: deque[int] = deque()
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(self.installed)
 
-    def executable(self, trace: Trace) -> Trace:
-        """``trace`` with only the blocks this model has as one module each, recomputed whole:
-        selective checkpointing (R9, selective) is planned, not executed here. PyTorch's keeps the
-        outputs it saves in the checkpoint's own cache, outside the saved-tensor hooks, where the
-        runtime's accounting and the audit meter would not see them."""
-        return trace.with_segments(lambda sg: self._module(sg.name) is not None, selective=False)
+    @property
+    def selective(self) -> tuple[str, ...]:
+        return tuple(n for n in self.installed if n in self.saved)
+
+    @property
+    def held(self) -> int:
+        """Bytes the selective checkpoints hold now: what their policy saved, until it dies."""
+        deaths = self._held_deaths
+        while deaths:
+            self._held -= deaths.popleft()
+        return self._held
+
+    def executable(self, trace: Trace, selective: bool) -> Trace:
+        """``trace`` with only the blocks this model has as one module each; checkpointed
+        selectively too where ``selective`` (the trace's profile says which op call made each
+        member, so the policy can save exactly the kept ones)."""
+        return trace.with_segments(lambda sg: self._module(sg.name) is not None,
+                                   selective=selective and _POLICY_SEES_OUTPUT)
 
     def _module(self, name: str) -> nn.Module | None:
         try:
@@ -111,8 +165,9 @@ class BlockCheckpoints:
         except AttributeError:
             return None
 
-    def install(self, names: Iterable[str]) -> None:
-        """Checkpoint exactly the blocks ``names`` from the next forward on."""
+    def install(self, names: Iterable[str], saved: Mapping[str, frozenset[OpCall]] | None = None) -> None:
+        """Checkpoint exactly the blocks ``names`` from the next forward on, those in ``saved``
+        selectively: they save the op calls given, and recompute the rest."""
         self.remove()
         for name in names:
             module = self._module(name)
@@ -122,6 +177,8 @@ class BlockCheckpoints:
             own = module.__dict__.get("forward")  # a forward set on the instance (a wrapper of the user's) is kept
             module.forward = self._checkpointed(name, module.forward)
             self.installed[name] = (module, own)
+        self.saved = dict(saved or {})
+        internal_assert(set(self.saved) <= set(self.installed), "blocks checkpointed selectively are checkpointed")
 
     def remove(self) -> None:
         """Every block runs its own forward again."""
@@ -131,6 +188,7 @@ class BlockCheckpoints:
             else:
                 module.forward = own
         self.installed.clear()
+        self.saved = {}
 
     def _checkpointed(self, name: str, forward: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -140,11 +198,59 @@ class BlockCheckpoints:
             try:
                 # the checkpoint saves the block's inputs through the runtime's hooks (they are the
                 # only packs the runtime sees while ``entering`` is set); everything the block saves
-                # is the checkpoint's, dropped after forward and rebuilt when backward needs it
-                # context_fn runs as the checkpoint starts; its second context wraps the recompute
-                extra = {"context_fn": lambda: (nullcontext(), _RecomputeMeter(self, name))} if self.metered else {}
+                # is the checkpoint's, dropped after forward and rebuilt when backward needs it,
+                # or (selective) kept in its cache until then. context_fn runs as the checkpoint
+                # starts (given only where needed: under torch.compile it must give dispatch modes)
+                extra = {"context_fn": lambda: self._contexts(name)} if self.metered or name in self.saved else {}
                 return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
             finally:
                 self.entering = outer
 
         return run
+
+    def _contexts(self, name: str) -> tuple[Any, Any]:
+        """The checkpoint's two contexts (one call per forward of the block): its forward's and
+        its recompute's."""
+        meter = _RecomputeMeter(self, name) if self.metered else None
+        if name not in self.saved:
+            return nullcontext(), meter if meter is not None else nullcontext()
+        caching, cached = create_selective_checkpoint_contexts(self._policy(self.saved[name]))
+        # the meter inside the cached mode: it sees what the cache hands back, and counts it not
+        return caching, cached if meter is None else _stacked(cached, meter)
+
+    def _policy(self, saved: frozenset[OpCall]) -> Callable[..., CheckpointPolicy]:
+        calls: dict[Any, int] = {}  # op -> its calls so far in this forward, as the checkpoint counts them
+
+        def policy(ctx: SelectiveCheckpointContext, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            if ctx.is_recompute:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            n = calls.get(func, 0)
+            calls[func] = n + 1
+            # a random op runs again in the recompute, so that the ones after it draw the same numbers
+            if (func, n) in saved and torch.Tag.nondeterministic_seeded not in func.tags:
+                self._hold(ctx.op_output)
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        return policy
+
+    def _hold(self, out: Any) -> None:
+        """The checkpoint's cache keeps ``out`` until the block's backward: count its storages
+        until they die, and tell the audit meter."""
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            st = t.untyped_storage()
+            key = st._cdata
+            if key in self.held_keys:
+                continue
+            n = st.nbytes()
+            self.held_keys[key] = n
+            self._held += n
+            weakref.finalize(st, self._held_died, key, n)
+            if self.metered and self.watch is not None and not (self.known is not None and self.known(key)):
+                self.watch(st, n)
+
+    def _held_died(self, key: int, n: int) -> None:
+        self.held_keys.pop(key, None)
+        self._held_deaths.append(n)

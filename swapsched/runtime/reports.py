@@ -201,6 +201,7 @@ class StepReport:
     divergence: Divergence | None = None  # mode "diverged": where and how
     nothing_saved: bool = False  # the step saved no tensor for backward: there is nothing to swap
     recomputed_blocks: tuple[str, ...] = ()  # blocks run under torch.utils.checkpoint this step (R9)
+    selective_blocks: tuple[str, ...] = ()  # those of them checkpointed selectively (R9, selective)
     new_shape: bool = False  # mode "profile": a step whose shape no plan was made for, profiled as it ran
     shape_predicted: bool = False  # executed on a trace predicted from its family's sizes (runtime/shapes.py)
     plain_step_s: float | None = None  # executed: the step's trace's compute without swapping (its ideal)
@@ -228,7 +229,9 @@ class StepReport:
         ]
         if self.recomputed_blocks:
             lines.append(f"  recomputed {len(self.recomputed_blocks)} block(s) under torch.utils.checkpoint: "
-                         + ", ".join(self.recomputed_blocks[:4]) + (", ..." if len(self.recomputed_blocks) > 4 else ""))
+                         + ", ".join(self.recomputed_blocks[:4]) + (", ..." if len(self.recomputed_blocks) > 4 else "")
+                         + (f" ({len(self.selective_blocks)} selectively)"
+                            if self.selective_blocks else ""))
         if self.divergence is not None:
             lines.append(f"  diverged {self.divergence}: finished on demand; the next step profiles again")
         if self.nothing_saved:

@@ -41,6 +41,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -178,6 +179,10 @@ class PolicyRuntime:
         # modules are wrapped, so only with a model); block -> the bytes its recompute rebuilds
         self.blocks = BlockCheckpoints(model) if model is not None else None
         self._rebuilt: dict[str, int] = {}
+        # the last whole profiling step with no block checkpointed: its structure, and which op call
+        # made each saved tensor (ProfileStep.producers), from which a selective checkpoint knows
+        # what to save (R9, selective)
+        self._producers: tuple[Any, dict[int, tuple[tuple[str, Any, int], ...]]] | None = None
         # storages already in static_bytes that a step may pack (BatchNorm saves its running stats)
         self._static_keys = frozenset(storage_key(b) for b in model.buffers()) if model is not None else frozenset()
         self.audit = bool(audit)
@@ -294,10 +299,28 @@ class PolicyRuntime:
             return
         self._profiled += 1
         self._profiles.append((ex.trace, dict(self.first_sight)))
+        if ex.producers and self.blocks is not None and not self.blocks.names:
+            self._producers = (structure(ex.trace), ex.producers)
         if self._profiled >= self.profile_steps:
             profiled, self._profiles = self._profiles, []
-            self._plan_from(median_trace([trace for trace, _ in profiled]))
+            trace = median_trace([trace for trace, _ in profiled])
+            if self._selective_fell_short(trace):
+                return
+            self._plan_from(trace)
             self._keep_other_sizes(profiled[:-1])
+
+    def _selective_fell_short(self, trace: Trace) -> bool:
+        """R9, selective: the steps as they ran with blocks checkpointed selectively (``trace``)
+        cannot meet the run's budget, as the plan made before expected. A selective recompute runs
+        every op it does not save, so its transients can exceed the bytes it was planned to
+        rebuild. Then those blocks are checkpointed whole, which frees all of each block, and the
+        steps are profiled again."""
+        blocks = self.blocks
+        if (blocks is None or not blocks.selective or self.budget_bytes is None
+                or trace.min_feasible_bytes <= self.budget_bytes):
+            return False
+        self._checkpoint_blocks(blocks.names, {})
+        return True
 
     def _keep_other_sizes(self, profiled: list[tuple[Trace, dict[int, int]]]) -> None:
         """The profiling steps of sizes other than the one planned (a padded batch's first steps):
@@ -395,12 +418,7 @@ class PolicyRuntime:
         if budget is not None:
             self.budget_bytes = self._budget_for(check_budget(budget), self.trace)
             self.budget_spec = budget  # a malformed budget fails here, not after profiling
-        if plan.selective:
-            raise UserError(f"plan {plan.policy!r} checkpoints {len(plan.selective)} block(s) selectively, which the runtime "
-                            "does not execute yet (torch keeps what selective checkpointing saves outside the hooks the "
-                            "budget is kept by): plan with checkpoint-all or default, or run the plan with "
-                            "torch.utils.checkpoint yourself")
-        if plan.recompute:
+        if plan.recompute or plan.selective:
             if plan.evictions:
                 raise UserError(f"plan {plan.policy!r} both recomputes and swaps: once its blocks run under checkpoint the "
                                 "steps save other tensors, and the runtime's policy plans their swaps on them; give the "
@@ -467,7 +485,14 @@ class PolicyRuntime:
         checkpoint (none without a model: no module was recorded)."""
         if self.blocks is None or self.blocks.names:
             return trace.with_segments(lambda sg: False)
-        return self.blocks.executable(trace)
+        return self.blocks.executable(trace, selective=self._saved_calls(trace) is not None)
+
+    def _saved_calls(self, trace: Trace) -> dict[int, tuple[tuple[str, Any, int], ...]] | None:
+        """Which op call made each of ``trace``'s saved tensors, where a whole profiling step of its
+        structure recorded it (else selective checkpointing cannot be told what to save)."""
+        if self._producers is None or self._producers[0] != structure(trace):
+            return None
+        return self._producers[1]
 
     def _forget_executed(self) -> None:
         """Drop the executed steps kept for re-timing: they ran another trace (their events differ)."""
@@ -491,7 +516,7 @@ class PolicyRuntime:
         else:
             plan = self.policy.plan(planned_on, self.budget_bytes, self.hardware)
         self._policy_planned = True
-        if plan.recompute:
+        if plan.recompute or plan.selective:
             self._recompute(plan, planned_on)
             return
         self._adopt(self._without_small(plan, trace))
@@ -508,13 +533,32 @@ class PolicyRuntime:
         """R9, in two stages. Here: checkpoint ``plan``'s blocks from the next step on, and profile
         again, since the steps then save other tensors (each block only its inputs). On that trace
         (``_plan_from``) the policy plans the swaps of what stays saved, and the runtime executes them."""
+        blocks = (*plan.recompute, *plan.selective)
         if self.blocks is None:
-            raise UserError(f"plan {plan.policy!r} recomputes {len(plan.recompute)} block(s) (R9): give the runtime "
+            raise UserError(f"plan {plan.policy!r} recomputes {len(blocks)} block(s) (R9): give the runtime "
                             "the model (SwapRuntime(model=...)) so that it can run them under torch.utils.checkpoint")
         plan.validate(trace)
-        size = {sg.name: sg.bytes for sg in trace.segments}
-        self._rebuilt = {name: size[name] for name in plan.recompute}
-        self.blocks.install(plan.recompute)
+        segments = {sg.name: sg for sg in trace.segments}
+        saved = {}
+        if plan.selective:
+            made_by = self._saved_calls(trace)
+            if made_by is None:
+                raise UserError(f"plan {plan.policy!r} checkpoints {len(plan.selective)} block(s) selectively, but no "
+                                "profiling step of this trace recorded which op call made each saved tensor; plan on "
+                                "runtime.trace after the runtime's own profiling steps")
+            for name in plan.selective:
+                sg = segments[name]
+                kept = set(sg.members) - set(sg.cheap)
+                saved[name] = frozenset((op, n) for tid in kept for path, op, n in made_by.get(tid, ()) if path == name)
+        # the bytes each recompute rebuilds, until the profile measures them: a selective one only its cheap members
+        self._rebuilt = {name: segments[name].bytes for name in plan.recompute}
+        self._rebuilt.update({name: segments[name].cheap_bytes for name in plan.selective})
+        self._checkpoint_blocks(blocks, saved)
+
+    def _checkpoint_blocks(self, names: tuple[str, ...], saved: dict[str, frozenset[Any]]) -> None:
+        """Checkpoint the blocks ``names`` (``saved``: those selectively) from the next step on,
+        which is profiled again: plans and layouts made before are for steps that ran otherwise."""
+        present(self.blocks, "the model's blocks").install(names, saved)
         self.layouts.clear()  # laid out for steps that did not checkpoint the blocks
         self._pending.clear()  # plans in the making are for those steps too: dropped when ready
         self._untimed.clear()
@@ -526,7 +570,7 @@ class PolicyRuntime:
 
     def _adopt(self, plan: SwapPlan, simulated: SimResult | None = None) -> None:
         """Check ``plan`` (R7), predict its step time, and lay it out per event for the hooks."""
-        internal_assert(not plan.recompute, "a plan that recomputes goes through _recompute (R9's two stages)")
+        internal_assert(not (plan.recompute or plan.selective), "a plan that recomputes goes through _recompute (R9's two stages)")
         trace = present(self.trace, "the trace a plan is adopted on")
         plan.validate(trace)
         self.layout = self._layout(trace, plan, simulated, first_sight=self.first_sight)
@@ -661,7 +705,7 @@ class PolicyRuntime:
 
         def plan_and_lay_out() -> PlanLayout | None:
             plan = policy.plan(self._planned_on(trace), budget, hardware)
-            if plan.recompute:
+            if plan.recompute or plan.selective:
                 return None
             plan = self._without_small(plan, trace)
             return self._layout(trace, plan, simulate(trace, plan, hardware, budget, validate=False, guard=True),

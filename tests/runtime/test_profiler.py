@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from swapsched.runtime.profiler import ProfileError, profile, static_bytes_of
+from swapsched.runtime.profiler import ModulePath, OpNames, ProfileError, profile, static_bytes_of, storage_key
 from swapsched.zoo import build_model
 
 
@@ -106,3 +106,27 @@ def test_step_without_saved_tensors_is_an_error():
     m = nn.Linear(4, 4)
     with pytest.raises(ProfileError, match="saved no tensors"):
         profile(m, (torch.randn(2, 4),), lambda y: y.detach().sum() + m.bias.sum())
+
+
+def test_op_names_count_each_op_call_per_module_as_selective_checkpointing_does():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = torch.relu(self.fc1(x))
+            return self.fc2(h).view(-1)  # a view makes no new storage
+
+    model = nn.Sequential(Block(), Block())
+    x = torch.randn(4, 8)
+    with ModulePath(model) as modules, OpNames(modules) as ops:
+        out = model[1](model[0](x).view(4, 8))
+    produced = {storage_key(out): ops.producers[storage_key(out)]}
+    # the output storage is the second block's second addmm: its 1st call there (0-based), the 0th in fc2
+    addmm = torch.ops.aten.addmm.default
+    assert produced[storage_key(out)] == (("1", addmm, 1), ("1.fc2", addmm, 0))
+    # each module call counts afresh: the first block's relu is its 0th relu, and so is the second's
+    relus = sorted(v for v in ops.producers.values() if any(op is torch.ops.aten.relu.default for _, op, _ in v))
+    assert relus == [(("0", torch.ops.aten.relu.default, 0),), (("1", torch.ops.aten.relu.default, 0),)]
+    assert all(op is not torch.ops.aten.view.default for v in ops.producers.values() for _, op, _ in v)

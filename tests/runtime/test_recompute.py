@@ -4,11 +4,10 @@ swaps of what stays planned on the steps as they then run."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from swapsched.agents.recompute import CheckpointAll
 from swapsched.deploy import SwapRuntime
@@ -136,25 +135,148 @@ def test_runs_of_single_layers_are_planned_offline_but_not_recomputed_live():
         rt.close()
 
 
-def test_selective_checkpointing_is_planned_but_refused_live():
-    # the Blocks' members include cheap ops (layer norm, gelu, dropout): offline they can be
-    # checkpointed selectively, but the runtime plans without that state and refuses such a plan
+class _Count(TorchDispatchMode):
+    """Counts the calls of one op that really run (below the checkpoint's cache, which answers
+    a saved op without running it)."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op, self.n = op, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func is self.op
+        return func(*args, **(kwargs or {}))
+
+
+# what each selective Blocks block keeps (batch 32, d 64, float32): the layer norm's call
+# (output 32x64, mean and rstd 32x1 each), the first linear's output (32x256, saved by gelu) and
+# dropout's output (32x256, saved by the second linear); gelu and dropout's mask are recomputed
+KEPT_PER_BLOCK = 4 * (32 * 64 + 2 * 32 + 32 * 256 + 32 * 256)
+
+
+def test_the_runtime_profile_names_each_saved_tensors_op():
     a = Blocks(seed=3)
     rt = SwapRuntime(budget="100%", policy="min", backend="cpu", model=a, profile_steps=1, retime_steps=0)
     try:
         with rt.step():
             _step(a, 0)
-        # the runtime's profile does not name ops; where a trace does (gelu: rebuilt selectively),
-        # the runtime's planning trace still has no selective state
-        named = replace(rt.trace, tensors=tuple(replace(t, op="gelu") for t in rt.trace.tensors))
-        assert all(sg.cheap for sg in named.segments)
-        assert rt._planned_on(named).segments and not any(sg.cheap for sg in rt._planned_on(named).segments)
-        with pytest.raises(UserError, match="checkpoints 1 block\\(s\\) selectively, which the runtime does not execute"):
-            rt.use_plan(SwapPlan.of(named, "hand", [], selective=["blocks.0"]))
+        ops = [t.op for t in rt.trace.tensors if t.module == "blocks.1.1"]
+        assert ops == ["addmm"]  # the layer norm's output, saved by the linear (it is named by the op that saves it)
+        # the gelu saves the linear's output; the dropout mask is made in place (bernoulli_, div_)
+        assert [t.op for t in rt.trace.tensors if t.module == "blocks.1.2"] == ["addmm"]
+        assert [t.op for t in rt.trace.tensors if t.module == "blocks.1.3"] == ["div_"]
+        assert all(sg.cheap for sg in rt._planned_on(rt.trace).segments)
     finally:
         rt.close()
-    with pytest.raises(UserError, match="'checkpoint-selective' is planned and simulated"):
-        SwapRuntime(budget="60%", policy="checkpoint-selective", backend="cpu", model=Blocks())
+
+
+def test_selective_checkpoints_save_the_kept_calls_train_bit_identically_and_hold_the_budget():
+    a, b = Blocks(seed=3), Blocks(seed=3)
+    rt = SwapRuntime(budget="100%", policy="checkpoint-selective", backend="cpu", model=a, audit=True,
+                     profile_steps=1, retime_steps=0)
+    try:
+        reports = train_together(a, b, rt, 3, _step)
+        assert [r.mode for r in reports] == ["profile", "profile", "execute"]
+        assert reports[-1].selective_blocks == reports[-1].recomputed_blocks == ("blocks.0", "blocks.1", "blocks.2")
+        # the profile as the steps now run: what the checkpoints keep is held from each block's
+        # forward until its backward, outside the runtime's hooks
+        held = [e.other_bytes or 0 for e in rt.trace.events[: rt.trace.backward_start]]
+        assert max(held) == 3 * KEPT_PER_BLOCK
+        assert sorted(set(held) - {0}) == [KEPT_PER_BLOCK, 2 * KEPT_PER_BLOCK, 3 * KEPT_PER_BLOCK]
+        # the last block's recompute, with all three blocks' kept tensors still held, rebuilds
+        # gelu's output (it runs again, though only the cache's dropout output reads it) and the
+        # mask: what the cache hands back is no new memory
+        rebuilt = 2 * 4 * 32 * 256
+        assert max(e.other_bytes or 0 for e in rt.trace.events) == 3 * KEPT_PER_BLOCK + rebuilt
+        last = reports[-1]
+        assert last.plan_followed and last.measured_peak_bytes <= last.peak_device_bytes <= last.budget_bytes
+        # the saved matmuls do not run again in backward: only the head, the input layer and the
+        # two linears of each block run addmm, all in forward (whole checkpointing runs the first
+        # linear of each block again)
+        for blocks, extra in (("selective", 0), ("whole", 3)):
+            if blocks == "whole":
+                rt.use_plan(SwapPlan.of(rt._unwrapped_trace, "hand", [], recompute=[sg.name for sg in rt._unwrapped_trace.segments]))
+                train_together(a, b, rt, 2, lambda m, i: _step(m, i + 3))
+            count = _Count(torch.ops.aten.addmm.default)
+            with count:
+                train_together(a, b, rt, 1, lambda m, i: _step(m, i + 5))
+            assert rt.report().mode == "execute"
+            assert count.n == 2 * (2 + 2 * 3) + extra, blocks  # the runtime's model and its plain twin; its recomputes
+    finally:
+        rt.close()
+
+
+class _DropoutBlock(nn.Module):
+    """A block whose kept tensor is made by a random op: native_dropout (what dropout is on a
+    GPU) feeds a linear, which saves it; a second dropout follows."""
+
+    def __init__(self, d: int = 64):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = torch.native_dropout(torch.tanh(self.fc1(x)), 0.3, True)
+        h, _ = torch.native_dropout(torch.relu(self.fc2(h)), 0.3, True)
+        return h
+
+
+class _Dropouts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.blocks = nn.ModuleList(_DropoutBlock() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for blk in self.blocks:
+            x = x + blk(x)
+        return x.pow(2).mean()
+
+
+def test_a_random_op_runs_again_in_the_recompute_though_its_output_is_kept():
+    # skipping the first dropout in the recompute would shift the RNG for the second: its mask,
+    # and the gradients, would differ
+    a, b = _Dropouts(), _Dropouts()
+    rt = SwapRuntime(budget="100%", policy="checkpoint-selective", backend="cpu", model=a, profile_steps=1, retime_steps=0)
+    try:
+        reports = train_together(a, b, rt, 4, _step)
+        assert reports[-1].mode == "execute" and reports[-1].selective_blocks == ("blocks.0", "blocks.1")
+        # the first dropout's output is kept (the second linear saves it): the plan would save that call
+        assert (torch.ops.aten.native_dropout.default, 0) in rt.blocks.saved["blocks.0"]
+    finally:
+        rt.close()
+
+
+def test_a_selective_plan_that_holds_more_than_the_budget_checkpoints_those_blocks_whole():
+    # at 80% the selective plan fits by the plan's trace, but the recompute runs gelu again (its
+    # output is needed by nothing the cache lacks), a transient the plan does not count: the steps
+    # as they run need more than the budget, so the blocks are checkpointed whole and profiled again
+    a, b = Blocks(seed=3), Blocks(seed=3)
+    rt = SwapRuntime(budget="80%", policy="checkpoint-selective", backend="cpu", model=a, audit=True,
+                     profile_steps=1, retime_steps=0)
+    try:
+        reports = train_together(a, b, rt, 4, _step)
+        assert [r.mode for r in reports] == ["profile"] * 3 + ["execute"]
+        assert [r.selective_blocks for r in reports[1:]] == [("blocks.0", "blocks.1", "blocks.2"), (), ()]
+        last = reports[-1]
+        assert last.recomputed_blocks == ("blocks.0", "blocks.1", "blocks.2")
+        assert last.plan_followed and last.measured_peak_bytes <= last.peak_device_bytes <= last.budget_bytes
+    finally:
+        rt.close()
+
+
+def test_use_plan_checkpoints_selectively_and_refuses_swaps_beside_it():
+    a, b = Blocks(seed=4), Blocks(seed=4)
+    rt = SwapRuntime(budget="100%", policy="min", backend="cpu", model=a, profile_steps=1, retime_steps=0)
+    try:
+        train_together(a, b, rt, 1, _step)
+        with pytest.raises(UserError, match="both recomputes and swaps"):
+            rt.use_plan(SwapPlan.of(rt.trace, "hand", [Eviction(0, 0, rt.trace.backward_start)], selective=["blocks.1"]))
+        rt.use_plan(SwapPlan.of(rt.trace, "hand", [], selective=["blocks.1"]))
+        reports = train_together(a, b, rt, 3, lambda m, i: _step(m, i + 1))
+        assert [r.mode for r in reports] == ["profile", "execute", "execute"]
+        assert reports[-1].selective_blocks == ("blocks.1",) and reports[-1].plan_followed
+    finally:
+        rt.close()
 
 
 def test_a_policy_that_only_recomputes_needs_the_model():
