@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -63,7 +64,7 @@ def test_ddp_gradients_equal_single_process_reference(tmp_path):
     assert all(torch.equal(r0[n], r1[n]) for n in r0)
 
 
-def _recompute_worker(rank: int, world: int, port: int, out: str) -> None:
+def _recompute_worker(rank: int, world: int, port: int, out: str, policy: str, budget: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from swapsched.deploy import SwapRuntime
@@ -75,7 +76,8 @@ def _recompute_worker(rank: int, world: int, port: int, out: str) -> None:
     base = Blocks(seed=4)
     model = DDP(base)
     # a slow link: the joint planner recomputes blocks (R9), run under torch.utils.checkpoint inside DDP
-    rt = SwapRuntime(budget="50%", policy="default", backend="cpu", bandwidth=1e6, model=base, profile_steps=2)
+    # (or each block checkpointed selectively: its cache inside DDP's backward)
+    rt = SwapRuntime(budget=budget, policy=policy, backend="cpu", bandwidth=1e6, model=base, profile_steps=2)
     grads = []
     for i in range(6):
         model.zero_grad()
@@ -85,16 +87,19 @@ def _recompute_worker(rank: int, world: int, port: int, out: str) -> None:
         grads.append({n: p.grad.clone() for n, p in base.named_parameters()})
     report = rt.report()
     assert report.mode == "execute" and report.recomputed_blocks and report.plan_followed
+    assert bool(report.selective_blocks) == (policy == "checkpoint-selective")
     torch.save(grads, f"{out}/rank{rank}.pt")
     rt.close()
     dist.barrier()
     dist.destroy_process_group()
 
 
-def test_ddp_with_recomputed_blocks_matches_the_single_process_reference(tmp_path):
+@pytest.mark.parametrize(("policy", "budget"), [("default", "50%"), ("checkpoint-selective", "100%")])
+def test_ddp_with_recomputed_blocks_matches_the_single_process_reference(tmp_path, policy, budget):
     from tests.runtime.test_recompute import Blocks, X
 
-    mp.start_processes(_recompute_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_recompute_worker, args=(2, _free_port(), str(tmp_path), policy, budget), nprocs=2, join=True,
+                       start_method="spawn")
     # reference: one process without swapsched, each step the mean of both ranks' gradients, with
     # the same dropout masks (the same seeds before each forward)
     ref = Blocks(seed=4)

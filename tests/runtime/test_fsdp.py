@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -56,6 +57,7 @@ def _save_and_close(rt, equal: bool, path: str) -> None:
     """What the test reads of this rank's run, then the runtime and the process group torn down."""
     rep = rt.report()
     torch.save({"equal": equal, "mode": rep.mode, "evicted": rep.evicted_bytes, "blocks": rep.recomputed_blocks,
+                "selective": rep.selective_blocks,
                 "peak": rep.peak_device_bytes, "measured": rep.measured_peak_bytes, "budget": rep.budget_bytes,
                 "followed": rep.plan_followed}, path)
     rt.close()
@@ -84,7 +86,7 @@ def _sharded_blocks(seed: int):
     return model
 
 
-def _recompute_worker(rank: int, world: int, port: int, out: str) -> None:
+def _recompute_worker(rank: int, world: int, port: int, out: str, policy: str, budget: str) -> None:
     from swapsched.deploy import SwapRuntime
     from tests.runtime.test_recompute import X
 
@@ -94,7 +96,8 @@ def _recompute_worker(rank: int, world: int, port: int, out: str) -> None:
     a, b = _sharded_blocks(5), _sharded_blocks(5)
     # a slow link: the joint planner recomputes blocks (R9) under torch.utils.checkpoint, inside
     # FSDP2's all-gather and reshard hooks
-    rt = SwapRuntime(budget="50%", policy="default", backend="cpu", bandwidth=1e6, model=a, profile_steps=2, audit=True)
+    # FSDP2's all-gather and reshard hooks (or each block checkpointed selectively)
+    rt = SwapRuntime(budget=budget, policy=policy, backend="cpu", bandwidth=1e6, model=a, profile_steps=2, audit=True)
     equal = True
     for i in range(6):
         for m in (a, b):
@@ -111,10 +114,13 @@ def _recompute_worker(rank: int, world: int, port: int, out: str) -> None:
     _save_and_close(rt, bool(equal), f"{out}/rank{rank}.pt")
 
 
-def test_fsdp2_with_recomputed_blocks_is_bit_identical_and_within_budget(tmp_path):
-    mp.start_processes(_recompute_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+@pytest.mark.parametrize(("policy", "budget"), [("default", "50%"), ("checkpoint-selective", "100%")])
+def test_fsdp2_with_recomputed_blocks_is_bit_identical_and_within_budget(tmp_path, policy, budget):
+    mp.start_processes(_recompute_worker, args=(2, _free_port(), str(tmp_path), policy, budget), nprocs=2, join=True,
+                       start_method="spawn")
     for rank in range(2):
         r = torch.load(tmp_path / f"rank{rank}.pt")
         assert r["equal"], r
         assert r["mode"] == "execute" and r["blocks"] and r["followed"], r
+        assert bool(r["selective"]) == (policy == "checkpoint-selective"), r
         assert r["measured"] <= r["peak"] <= r["budget"], r
