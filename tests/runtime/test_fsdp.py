@@ -95,7 +95,6 @@ def _recompute_worker(rank: int, world: int, port: int, out: str, policy: str, b
     torch.set_num_threads(1)
     a, b = _sharded_blocks(5), _sharded_blocks(5)
     # a slow link: the joint planner recomputes blocks (R9) under torch.utils.checkpoint, inside
-    # FSDP2's all-gather and reshard hooks
     # FSDP2's all-gather and reshard hooks (or each block checkpointed selectively)
     rt = SwapRuntime(budget=budget, policy=policy, backend="cpu", bandwidth=1e6, model=a, profile_steps=2, audit=True)
     equal = True
