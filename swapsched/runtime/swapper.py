@@ -81,10 +81,9 @@ class Phase(enum.Enum):
 
 @dataclass(frozen=True)
 class _PendingPlan:
-    """A plan the policy is making on the planner thread, laid out there, to replace ``layout``
-    (None when the policy recomputed: not for a shape after the first)."""
+    """A plan the policy is making on the planner thread, laid out there, to replace ``layout``."""
 
-    future: Future[PlanLayout | None]
+    future: Future[PlanLayout]
     layout: PlanLayout
 
 
@@ -678,9 +677,7 @@ class PolicyRuntime:
         if self.background_planning:
             self._plan_later(layout, trace)
             return
-        replanned = self._policy_layout(layout, trace)()
-        if replanned is not None:
-            self.layouts[layout.shape_key] = replanned
+        self.layouts[layout.shape_key] = self._policy_layout(layout, trace)()
 
     # ------------------------------------------------------------------ planning in the background
     def _plan_later(self, layout: PlanLayout, trace: Trace | None = None) -> None:
@@ -694,19 +691,17 @@ class PolicyRuntime:
         job = self._policy_layout(layout, layout.trace if trace is None else trace)
         self._pending[layout.shape_key] = _PendingPlan(self._planner.submit(job), layout)
 
-    def _policy_layout(self, layout: PlanLayout, trace: Trace) -> Callable[[], PlanLayout | None]:
+    def _policy_layout(self, layout: PlanLayout, trace: Trace) -> Callable[[], PlanLayout]:
         """The policy's plan for ``layout``'s shape on ``trace``, laid out: a job that reads only
         what it is given here (the run's budget and hardware as they are now), so it may run on
-        the planner thread. None where the policy recomputes: blocks are chosen on the first shape
-        (R9's two stages), later shapes only swap."""
+        the planner thread. It swaps only: blocks are chosen on the first shape (R9's two stages),
+        and later shapes run with those blocks as they are."""
         policy = present(self.policy, "the policy that plans a later shape")
         budget = present(self.budget_bytes, "the run's budget in bytes")
         hardware, first_sight, predicted = self.hardware, layout.first_sight, layout.predicted
 
-        def plan_and_lay_out() -> PlanLayout | None:
-            plan = policy.plan(self._planned_on(trace), budget, hardware)
-            if plan.recompute or plan.selective:
-                return None
+        def plan_and_lay_out() -> PlanLayout:
+            plan = policy.plan(trace.with_segments(lambda sg: False), budget, hardware)
             plan = self._without_small(plan, trace)
             return self._layout(trace, plan, simulate(trace, plan, hardware, budget, validate=False, guard=True),
                                 first_sight=first_sight, predicted=predicted)
@@ -721,7 +716,7 @@ class PolicyRuntime:
                 continue
             del self._pending[key]
             layout = pending.future.result()  # a policy's error surfaces here, in the training loop
-            if layout is None or self.layouts.get(key) is not pending.layout:
+            if self.layouts.get(key) is not pending.layout:
                 continue
             self.layouts[key] = layout
             if self.layout is pending.layout:  # the current shape's: later steps of it follow the new plan
