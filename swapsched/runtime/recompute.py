@@ -54,7 +54,8 @@ __all__ = ["BlockCheckpoints", "OpCall"]
 #: op's ``n``-th call there (``OpNames.producers``)
 OpCall = tuple[Any, int]
 
-# the forward policy is told the op's output (torch >= 2.9): the runtime counts what it saves then
+# the forward policy is told the op's output (as in the torch this project pins; not in older ones):
+# the runtime counts what the cache keeps then, and plans no selective block without it
 _POLICY_SEES_OUTPUT = "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters
 
 
