@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -321,11 +321,24 @@ class Trace:
         (runtime/shapes.py). The tables that depend on the structure alone are shared, not
         computed again, so a run that meets a new size every step pays only for the sizes. Its
         blocks are those its modules give (R9): a :meth:`with_segments` restriction is not kept."""
-        tensors = tuple(TensorInfo(t.id, int(b), t.shape, t.dtype, t.op, t.module, t.released_at, t.freed_at)
+        # only the sizes and times are new, so only they are checked (the structure was validated
+        # with this trace); and the records are built without the frozen dataclasses' per-field
+        # setattr: the live runtime does this on the training loop's thread for every new size
+        if not (len(tensor_bytes) == self.n_tensors and len(gaps) == len(other_bytes) == self.n_events):
+            raise TraceError(f"{name}: resized with {len(tensor_bytes)} sizes and {len(gaps)} gaps for "
+                             f"{self.n_tensors} tensors and {self.n_events} events")
+        sizes, times = np.asarray(tensor_bytes), np.asarray(gaps, dtype=np.float64)
+        if ((sizes < 0).any() or not np.isfinite(times).all() or (times < 0).any()
+                or not (tail_compute_s >= 0 and math.isfinite(tail_compute_s)) or static_bytes < 0):
+            raise TraceError(f"{name}: resized to negative bytes or to times that are negative or not finite")
+        tensors = tuple(_record(TensorInfo, {**t.__dict__, "bytes": int(b)})
                         for t, b in zip(self.tensors, tensor_bytes, strict=True))
-        events = tuple(Event(e.kind, e.tensor, float(g), e.flops, o)
+        events = tuple(_record(Event, {"kind": e.kind, "tensor": e.tensor, "compute_s": float(g), "flops": e.flops,
+                                       "other_bytes": o})
                        for e, g, o in zip(self.events, gaps, other_bytes, strict=True))
-        out = Trace(name, self.timing, self.device, int(static_bytes), float(tail_compute_s), tensors, events, meta)
+        out = _record(Trace, {"name": name, "timing": self.timing, "device": self.device,
+                              "static_bytes": int(static_bytes), "tail_compute_s": float(tail_compute_s),
+                              "tensors": tensors, "events": events, "meta": meta, "derived": {}})
         for key in _STRUCTURAL:
             if key in self.__dict__:
                 out.__dict__[key] = self.__dict__[key]
@@ -565,6 +578,17 @@ def trace_from_dict(data: Any, source: str = "<dict>") -> Trace:
     object.__setattr__(trace, "derived", {})
     _validate(trace, source)
     return trace
+
+
+_R = TypeVar("_R")
+
+
+def _record(cls: type[_R], fields: dict[str, Any]) -> _R:
+    """An instance of the frozen dataclass ``cls`` with exactly ``fields`` (every field), built
+    without its ``__init__``: for records whose values are already checked (``Trace.resized``)."""
+    out = object.__new__(cls)
+    out.__dict__.update(fields)
+    return out
 
 
 def _validate(trace: Trace, source: str) -> None:

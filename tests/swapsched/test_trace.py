@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import gzip
 import json
-from dataclasses import fields
+import math
+from dataclasses import fields, replace
 
 import pytest
 
@@ -165,3 +166,15 @@ def test_resized_keeps_the_structure_and_shares_its_tables():
     assert (sg.forward_s, sg.bytes, sg.cheap_forward_s, sg.cheap_bytes) == (5.0, 80, 3.0, 80)
     # a field added to TensorInfo must be carried by resized too
     assert [f.name for f in fields(TensorInfo)] == ["id", "bytes", "shape", "dtype", "op", "module", "released_at", "freed_at"]
+    # built without the dataclasses' __init__: equal to the trace built with it, and checked where
+    # its new values could be wrong
+    assert big == Trace("big", tr.timing, tr.device, 9, 0.5,
+                        tuple(replace(t, bytes=b) for t, b in zip(tr.tensors, [200, 80, 120], strict=True)),
+                        tuple(replace(e, compute_s=g, other_bytes=o) for e, g, o in
+                              zip(tr.events, [2.0, 3.0, 1.0, 1.0, 1.0, 1.0], [None, 7, None, None, None, None], strict=True)),
+                        {"k": 1})
+    assert big.derived == {} and big.derived is not tr.derived
+    for sizes, gaps, why in (([200, -1, 120], [1.0] * 6, "negative bytes"), ([200, 80, 120], [1.0] * 5 + [math.inf], "not finite"),
+                             ([200, 80, 120], [1.0] * 5 + [-0.5], "negative"), ([200, 80], [1.0] * 6, "2 sizes")):
+        with pytest.raises(TraceError, match=why):
+            tr.resized(sizes, gaps, [None] * len(gaps), tail_compute_s=0.0, static_bytes=0, name="bad", meta={})
