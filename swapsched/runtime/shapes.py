@@ -46,9 +46,15 @@ def _coef(s: np.ndarray, y: np.ndarray, degree: int) -> tuple[float, np.ndarray]
 
 
 def _eval(fit: tuple[float, np.ndarray], at: float) -> np.ndarray:
-    """The polynomials of :func:`_coef` at ``at``, one value per column."""
+    """The polynomials of :func:`_coef` at ``at``, one value per column (Horner's rule, elementwise:
+    no BLAS call, whose thread pool wakes beside torch's on the training loop's thread)."""
     scale, coef = fit
-    return (np.vander(np.array([at / scale]), coef.shape[0]) @ coef)[0]
+    x = at / scale
+    out = coef[0].copy()
+    for c in coef[1:]:
+        out *= x
+        out += c
+    return out
 
 
 def _timed(s: np.ndarray, y: np.ndarray, at: int) -> np.ndarray:
@@ -110,7 +116,9 @@ class FamilyFit:
         g = _timed(at_sizes, np.array([times[int(x)][0] for x in at_sizes]), s)
         tail = float(_timed(at_sizes, np.array([[times[int(x)][1]] for x in at_sizes]), s)[0])
         o = np.maximum(np.rint(_eval(self.other_coef, s)), 0).astype(np.int64)
-        static = _eval(_coef(xs[near], self.scalars[near, 1:], 1), s)[0]  # bytes: exact where linear (the batch)
+        # static bytes through the nearest two sizes: exact where linear (the batch)
+        (x0, x1), (y0, y1) = xs[near], self.scalars[near, 1]
+        static = y0 + (y1 - y0) * (s - x0) / (x1 - x0)
         template = traces[int(near[0])]
         other = [oi if (e.other_bytes is not None or oi) else None for e, oi in zip(template.events, o.tolist(), strict=True)]
         return template.resized(pred.tolist(), g.tolist(), other, tail_compute_s=max(float(tail), 0.0),

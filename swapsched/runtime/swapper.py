@@ -577,19 +577,23 @@ class PolicyRuntime:
         self.layouts[self.layout.shape_key] = self.layout
 
     def _layout(self, trace: Trace, plan: SwapPlan, simulated: SimResult | None = None, *, first_sight: dict[int, int],
-                predicted: bool = False) -> PlanLayout:
+                predicted: bool = False, family: Any = None) -> PlanLayout:
         """``plan`` on ``trace`` laid out for the hooks, with its predicted step time (``simulated``:
         the simulator's result of ``plan`` on ``trace`` already at hand). Predictions simulate the
-        runtime's guard too (R4, guard): a plan that leaves no room runs with the guard's evictions."""
+        runtime's guard too (R4, guard): a plan that leaves no room runs with the guard's evictions.
+        ``family``: the trace's structure where the caller knows it (a size predicted from it)."""
         res = simulated or simulate(trace, plan, self.hardware, present(self.budget_bytes, "the run's budget in bytes"),
                                     validate=False, guard=True)
         out_at, prefetch_at = plan.by_event(trace.n_events)  # as the simulator lays it out
         tb = event_tables(trace)
-        return PlanLayout(
+        out = PlanLayout(
             trace, plan, None if res.oom else res.iteration_s, out_at, prefetch_at,
             expected_codes=[~t if u else t for t, u in zip(tb.tensor, tb.is_unpack, strict=False)],
             work_at=[bool(f or o or p) for f, o, p in zip(tb.free, out_at, prefetch_at, strict=False)],
-            first_sight=dict(first_sight), predicted=predicted)
+            first_sight=first_sight, predicted=predicted)
+        if family is not None:
+            out.__dict__["family"] = family  # PlanLayout.family, shared: _kin compares it by identity first
+        return out
 
     def _predicted_layout(self, like: PlanLayout, s: int) -> PlanLayout | None:
         """A layout for the step of ``like``'s family whose first saved tensor has ``s`` bytes,
@@ -598,12 +602,13 @@ class PolicyRuntime:
         times fastest on the predicted trace among the nearest few. None where the family cannot
         predict it. A size that no plan can fit in the run's bytes is refused here, at the step's
         first saved tensor, before its memory is spent."""
-        kin = self._kin(like.trace, like.first_sight)
+        kin = self._kin(like.trace, like.first_sight, like.family)
         trace = self._family_fit([lay.trace for lay in kin if not lay.predicted]).at(s, self._executed_times.get(like.family))
         if trace is None:
             return None
         budget = self._budget_for(self.budget_spec, trace, resolved=self.budget_bytes)
-        layout = self._layout(trace, *self._borrowed(trace, kin), first_sight=like.first_sight, predicted=True)
+        layout = self._layout(trace, *self._borrowed(trace, kin), first_sight=like.first_sight, predicted=True,
+                              family=like.family)
         self.layouts[s] = layout
         # the policy's own plan for this size, a better donor for sizes near it, unless the borrowed
         # one already meets R8's floor here (a size that fits needs no plan): no plan is faster
@@ -636,10 +641,14 @@ class PolicyRuntime:
             self.layouts[key] = layout
         return layout
 
-    def _kin(self, trace: Trace, first_sight: dict[int, int]) -> list[PlanLayout]:
-        """The layouts of ``trace``'s family: the same events, the same storages in order of first sight."""
-        shape = structure(trace)
-        return [lay for lay in self.layouts.values() if lay.first_sight == first_sight and lay.family == shape]
+    def _kin(self, trace: Trace, first_sight: dict[int, int], family: Any = None) -> list[PlanLayout]:
+        """The layouts of ``trace``'s family: the same events, the same storages in order of first
+        sight (``family``: ``structure(trace)``, where a layout has it already). Compared by
+        identity first: a family's layouts share one structure and one order of first sight."""
+        shape = family if family is not None else structure(trace)
+        return [lay for lay in self.layouts.values()
+                if (lay.family is shape or lay.family == shape)
+                and (lay.first_sight is first_sight or lay.first_sight == first_sight)]
 
     def _borrowed(self, trace: Trace, kin: list[PlanLayout]) -> tuple[SwapPlan, SimResult]:
         """For ``trace``, the plan of one of its family's sizes (the same events: its evictions
@@ -698,13 +707,13 @@ class PolicyRuntime:
         and later shapes run with those blocks as they are."""
         policy = present(self.policy, "the policy that plans a later shape")
         budget = present(self.budget_bytes, "the run's budget in bytes")
-        hardware, first_sight, predicted = self.hardware, layout.first_sight, layout.predicted
+        hardware, first_sight, predicted, family = self.hardware, layout.first_sight, layout.predicted, layout.family
 
         def plan_and_lay_out() -> PlanLayout:
             plan = policy.plan(trace.with_segments(lambda sg: False), budget, hardware)
             plan = self._without_small(plan, trace)
             return self._layout(trace, plan, simulate(trace, plan, hardware, budget, validate=False, guard=True),
-                                first_sight=first_sight, predicted=predicted)
+                                first_sight=first_sight, predicted=predicted, family=family)
 
         return plan_and_lay_out
 
