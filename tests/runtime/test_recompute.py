@@ -106,17 +106,19 @@ def test_the_joint_planner_recomputes_where_the_link_is_slow_and_swaps_where_it_
             rt.close()
 
 
-def test_use_plan_recomputes_the_given_blocks_and_refuses_swaps_beside_them():
+@pytest.mark.parametrize("how", ["recompute", "selective"])
+def test_use_plan_recomputes_the_given_blocks_and_refuses_swaps_beside_them(how):
     a, b = Blocks(seed=2), Blocks(seed=2)
     rt = SwapRuntime(budget="100%", policy="min", backend="cpu", model=a, profile_steps=1, retime_steps=0)
     try:
         train_together(a, b, rt, 1, _step)
         with pytest.raises(UserError, match="both recomputes and swaps"):
-            rt.use_plan(SwapPlan.of(rt.trace, "hand", [Eviction(0, 0, rt.trace.backward_start)], recompute=["blocks.1"]))
-        rt.use_plan(SwapPlan.of(rt.trace, "hand", [], recompute=["blocks.1"]))
+            rt.use_plan(SwapPlan.of(rt.trace, "hand", [Eviction(0, 0, rt.trace.backward_start)], **{how: ["blocks.1"]}))
+        rt.use_plan(SwapPlan.of(rt.trace, "hand", [], **{how: ["blocks.1"]}))
         reports = train_together(a, b, rt, 3, lambda m, i: _step(m, i + 1))
         assert [r.mode for r in reports] == ["profile", "execute", "execute"]
         assert reports[-1].recomputed_blocks == ("blocks.1",) and reports[-1].plan_followed
+        assert reports[-1].selective_blocks == (("blocks.1",) if how == "selective" else ())
     finally:
         rt.close()
 
@@ -260,21 +262,6 @@ def test_a_selective_plan_that_holds_more_than_the_budget_checkpoints_those_bloc
         last = reports[-1]
         assert last.recomputed_blocks == ("blocks.0", "blocks.1", "blocks.2")
         assert last.plan_followed and last.measured_peak_bytes <= last.peak_device_bytes <= last.budget_bytes
-    finally:
-        rt.close()
-
-
-def test_use_plan_checkpoints_selectively_and_refuses_swaps_beside_it():
-    a, b = Blocks(seed=4), Blocks(seed=4)
-    rt = SwapRuntime(budget="100%", policy="min", backend="cpu", model=a, profile_steps=1, retime_steps=0)
-    try:
-        train_together(a, b, rt, 1, _step)
-        with pytest.raises(UserError, match="both recomputes and swaps"):
-            rt.use_plan(SwapPlan.of(rt.trace, "hand", [Eviction(0, 0, rt.trace.backward_start)], selective=["blocks.1"]))
-        rt.use_plan(SwapPlan.of(rt.trace, "hand", [], selective=["blocks.1"]))
-        reports = train_together(a, b, rt, 3, lambda m, i: _step(m, i + 1))
-        assert [r.mode for r in reports] == ["profile", "execute", "execute"]
-        assert reports[-1].selective_blocks == ("blocks.1",) and reports[-1].plan_followed
     finally:
         rt.close()
 
