@@ -227,6 +227,27 @@ def test_new_shapes_run_a_borrowed_plan_at_once_and_the_policys_from_the_backgro
             assert r.peak_device_bytes <= r.budget_bytes and r.measured_peak_bytes <= r.budget_bytes
 
 
+def test_a_later_shape_is_planned_for_swaps_only_where_the_policy_would_recompute():
+    # blocks are chosen on the first shape (R9's two stages): a later shape's plan keeps them as
+    # they are. A policy that recomputes every block gets the trace without blocks there, so its
+    # plan swaps only, and the shape gets that plan rather than none
+    from swapsched.agents.recompute import CheckpointAll
+
+    lengths, run = LENGTHS[:4], _step_of_length(LENGTHS[:4])
+    a, b = Net(), Net()
+    rt = SwapRuntime(budget="60%", policy="min", backend="cpu", model=a)
+    try:
+        train_together(a, b, rt, len(lengths), run)
+        layout = rt.layout
+        assert rt.trace.segments and not rt.blocks.names  # min planned swaps on a trace with blocks
+        rt.policy = CheckpointAll()
+        replanned = rt._policy_layout(layout, layout.trace)()
+        assert replanned.plan.recompute == () and replanned.plan.selective == ()
+        assert replanned.plan.policy == "checkpoint-all" and replanned.family is layout.family
+    finally:
+        rt.close()
+
+
 def test_a_new_shape_whose_first_saved_tensor_is_the_callers_batch_counts_the_batch():
     # The first conv saves the caller's batch, which the runtime does not own (static bytes, no trace
     # id). A step of a new size hands its hooks to a profiling step at its first *traced* tensor,
