@@ -46,6 +46,8 @@ from torch.utils.checkpoint import (
 )
 
 from swapsched.errors import UserError, internal_assert
+from swapsched.plan import SwapPlan
+from swapsched.runtime.shapes import structure
 from swapsched.trace import Trace
 
 __all__ = ["BlockCheckpoints", "OpCall"]
@@ -131,6 +133,10 @@ class BlockCheckpoints:
         self.watch: Callable[[Any, int], None] | None = None
         self.known: Callable[[int], bool] | None = None
         self.saved: dict[str, frozenset[OpCall]] = {}
+        # the last whole profiling step with no block checkpointed: its structure, and which op call
+        # made each saved tensor there (ProfileStep.producers), from which a selective checkpoint
+        # knows what to save
+        self._producers: tuple[Any, dict[int, tuple[tuple[str, Any, int], ...]]] | None = None
         # storages the selective checkpoints hold (key -> bytes), and the bytes of those that died
         # since ``held`` last looked (finalizers append, maybe on another thread)
         self.held_keys: dict[int, int] = {}
@@ -153,12 +159,41 @@ class BlockCheckpoints:
             self._held -= deaths.popleft()
         return self._held
 
-    def executable(self, trace: Trace, selective: bool) -> Trace:
+    def executable(self, trace: Trace) -> Trace:
         """``trace`` with only the blocks this model has as one module each; checkpointed
-        selectively too where ``selective`` (the trace's profile says which op call made each
-        member, so the policy can save exactly the kept ones)."""
+        selectively too where a profiling step of its structure said which op call made each
+        member (:meth:`record_producers`), so that the policy can save exactly the kept ones."""
         return trace.with_segments(lambda sg: self._module(sg.name) is not None,
-                                   selective=selective and _POLICY_SEES_OUTPUT)
+                                   selective=self._made_by(trace) is not None and _POLICY_SEES_OUTPUT)
+
+    def record_producers(self, trace: Trace, producers: dict[int, tuple[tuple[str, Any, int], ...]]) -> None:
+        """A profiling step's ``trace`` and which op call made each of its saved tensors, per
+        module (``ProfileStep.producers``); kept from a whole step with no block checkpointed."""
+        if producers and not self.installed:
+            self._producers = (structure(trace), producers)
+
+    def _made_by(self, trace: Trace) -> dict[int, tuple[tuple[str, Any, int], ...]] | None:
+        if self._producers is None or self._producers[0] != structure(trace):
+            return None
+        return self._producers[1]
+
+    def selective_saves(self, trace: Trace, plan: SwapPlan) -> dict[str, frozenset[OpCall]]:
+        """Per block ``plan`` checkpoints selectively, the op calls that made its kept members
+        (the members its recompute does not rebuild): what its policy saves."""
+        if not plan.selective:
+            return {}
+        made_by = self._made_by(trace)
+        if made_by is None:
+            raise UserError(f"plan {plan.policy!r} checkpoints {len(plan.selective)} block(s) selectively, but no "
+                            "profiling step of this trace recorded which op call made each saved tensor; plan on "
+                            "runtime.trace after the runtime's own profiling steps")
+        segments = {sg.name: sg for sg in trace.segments}
+        saved = {}
+        for name in plan.selective:
+            sg = segments[name]
+            kept = set(sg.members) - set(sg.cheap)
+            saved[name] = frozenset((op, n) for tid in kept for path, op, n in made_by.get(tid, ()) if path == name)
+        return saved
 
     def _module(self, name: str) -> nn.Module | None:
         try:

@@ -29,7 +29,8 @@ gives policies by name (profile, plan, execute, re-time, one phase after another
 :class:`Phase`); ``profile_step.py`` the profiling step;
 ``execute_step.py`` the executing step and its guard; ``accounting.py`` what both count;
 ``stash.py`` what autograd keeps per saved tensor; ``retime.py`` the re-timing from executed steps;
-``shapes.py`` the families of shapes; ``recompute.py`` the checkpointed blocks (R9).
+``shapes.py`` the families of shapes; ``background.py`` the plans made on the planner thread;
+``recompute.py`` the checkpointed blocks (R9), selective ones included.
 """
 
 from __future__ import annotations
@@ -39,8 +40,7 @@ import enum
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -54,6 +54,7 @@ from swapsched.plan import SwapPlan
 from swapsched.policy import Policy
 from swapsched.runtime.accounting import StepExecution
 from swapsched.runtime.backends import Backend, CpuBackend, make_backend, resolve_backend
+from swapsched.runtime.background import BackgroundPlans
 from swapsched.runtime.execute_step import ExecuteStep
 from swapsched.runtime.profile_step import ProfileStep
 from swapsched.runtime.profiler import static_bytes_of, storage_key
@@ -77,14 +78,6 @@ class Phase(enum.Enum):
     RETIME = "retime"
     #: execute the plan, as it was last timed
     EXECUTE = "execute"
-
-
-@dataclass(frozen=True)
-class _PendingPlan:
-    """A plan the policy is making on the planner thread, laid out there, to replace ``layout``."""
-
-    future: Future[PlanLayout]
-    layout: PlanLayout
 
 
 class PolicyRuntime:
@@ -178,10 +171,6 @@ class PolicyRuntime:
         # modules are wrapped, so only with a model); block -> the bytes its recompute rebuilds
         self.blocks = BlockCheckpoints(model) if model is not None else None
         self._rebuilt: dict[str, int] = {}
-        # the last whole profiling step with no block checkpointed: its structure, and which op call
-        # made each saved tensor (ProfileStep.producers), from which a selective checkpoint knows
-        # what to save (R9, selective)
-        self._producers: tuple[Any, dict[int, tuple[tuple[str, Any, int], ...]]] | None = None
         # storages already in static_bytes that a step may pack (BatchNorm saves its running stats)
         self._static_keys = frozenset(storage_key(b) for b in model.buffers()) if model is not None else frozenset()
         self.audit = bool(audit)
@@ -206,10 +195,9 @@ class PolicyRuntime:
         # kept here; the trace's meta only records how many steps timed it)
         self._retimed = False
         # plans for shapes after the first, made by the policy on a thread while steps run on a
-        # plan borrowed at once from the family (see _plan_later); shape key -> the pending plan
+        # plan borrowed at once from the family (see _plan_later)
         self.background_planning = bool(background_planning)
-        self._planner: ThreadPoolExecutor | None = None
-        self._pending: dict[int, _PendingPlan] = {}
+        self._background = BackgroundPlans()
         self._fits: dict[tuple[int, ...], FamilyFit] = {}  # ids of a family's profiled traces -> their fit
         # family (its structure) -> size -> (gaps, tail) as the latest executed step of that size
         # measured them: they time the family's predicted sizes (see FamilyFit.at)
@@ -231,7 +219,7 @@ class PolicyRuntime:
         self.backend.take_device_stall_s()  # waits of an earlier, aborted step do not count
         self.steps += 1
         t_install = time.perf_counter()
-        if self._pending:
+        if self._background:
             self._install_plans()  # laying out the plans made in the background counts as planning too
         installing_s = time.perf_counter() - t_install
         ex: StepExecution = ProfileStep(self) if self.phase is Phase.PROFILE else ExecuteStep(self)
@@ -298,8 +286,8 @@ class PolicyRuntime:
             return
         self._profiled += 1
         self._profiles.append((ex.trace, dict(self.first_sight)))
-        if ex.producers and self.blocks is not None and not self.blocks.names:
-            self._producers = (structure(ex.trace), ex.producers)
+        if self.blocks is not None:
+            self.blocks.record_producers(ex.trace, ex.producers)
         if self._profiled >= self.profile_steps:
             profiled, self._profiles = self._profiles, []
             trace = median_trace([trace for trace, _ in profiled])
@@ -432,9 +420,7 @@ class PolicyRuntime:
     def close(self) -> None:
         """Stop the copy engines. ``with SwapRuntime(...) as runtime:`` closes itself."""
         self._closed = True
-        if self._planner is not None:
-            self._planner.shutdown(wait=False, cancel_futures=True)
-            self._pending.clear()
+        self._background.shutdown()
         if self.blocks is not None:
             self.blocks.remove()
         self.backend.shutdown()
@@ -484,14 +470,7 @@ class PolicyRuntime:
         checkpoint (none without a model: no module was recorded)."""
         if self.blocks is None or self.blocks.names:
             return trace.with_segments(lambda sg: False)
-        return self.blocks.executable(trace, selective=self._saved_calls(trace) is not None)
-
-    def _saved_calls(self, trace: Trace) -> dict[int, tuple[tuple[str, Any, int], ...]] | None:
-        """Which op call made each of ``trace``'s saved tensors, where a whole profiling step of its
-        structure recorded it (else selective checkpointing cannot be told what to save)."""
-        if self._producers is None or self._producers[0] != structure(trace):
-            return None
-        return self._producers[1]
+        return self.blocks.executable(trace)
 
     def _forget_executed(self) -> None:
         """Drop the executed steps kept for re-timing: they ran another trace (their events differ)."""
@@ -538,17 +517,7 @@ class PolicyRuntime:
                             "the model (SwapRuntime(model=...)) so that it can run them under torch.utils.checkpoint")
         plan.validate(trace)
         segments = {sg.name: sg for sg in trace.segments}
-        saved = {}
-        if plan.selective:
-            made_by = self._saved_calls(trace)
-            if made_by is None:
-                raise UserError(f"plan {plan.policy!r} checkpoints {len(plan.selective)} block(s) selectively, but no "
-                                "profiling step of this trace recorded which op call made each saved tensor; plan on "
-                                "runtime.trace after the runtime's own profiling steps")
-            for name in plan.selective:
-                sg = segments[name]
-                kept = set(sg.members) - set(sg.cheap)
-                saved[name] = frozenset((op, n) for tid in kept for path, op, n in made_by.get(tid, ()) if path == name)
+        saved = self.blocks.selective_saves(trace, plan)
         # the bytes each recompute rebuilds, until the profile measures them: a selective one only its cheap members
         self._rebuilt = {name: segments[name].bytes for name in plan.recompute}
         self._rebuilt.update({name: segments[name].cheap_bytes for name in plan.selective})
@@ -559,7 +528,7 @@ class PolicyRuntime:
         which is profiled again: plans and layouts made before are for steps that ran otherwise."""
         present(self.blocks, "the model's blocks").install(names, saved)
         self.layouts.clear()  # laid out for steps that did not checkpoint the blocks
-        self._pending.clear()  # plans in the making are for those steps too: dropped when ready
+        self._background.clear()  # plans in the making are for those steps too: dropped when ready
         self._untimed.clear()
         self.trace = self.plan = self.layout = None
         self.predicted_s = None
@@ -695,10 +664,7 @@ class PolicyRuntime:
         of ``layout`` once it is ready. The policy reads only its arguments (``plan(trace, budget,
         hardware)``) and the layout only the trace, the plan and these two, so both may run beside
         the training step; on a machine with few cores they take their time from it."""
-        if self._planner is None:
-            self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swapsched-planner")
-        job = self._policy_layout(layout, layout.trace if trace is None else trace)
-        self._pending[layout.shape_key] = _PendingPlan(self._planner.submit(job), layout)
+        self._background.submit(layout.shape_key, layout, self._policy_layout(layout, layout.trace if trace is None else trace))
 
     def _policy_layout(self, layout: PlanLayout, trace: Trace) -> Callable[[], PlanLayout]:
         """The policy's plan for ``layout``'s shape on ``trace``, laid out: a job that reads only
@@ -720,15 +686,11 @@ class PolicyRuntime:
     def _install_plans(self, wait: bool = False) -> None:
         """Put every background layout that is ready (all of them, with ``wait``) in place of the
         layout it was made for, unless that layout has gone since (a wrong prediction, new blocks)."""
-        for key, pending in list(self._pending.items()):
-            if not (wait or pending.future.done()):
-                continue
-            del self._pending[key]
-            layout = pending.future.result()  # a policy's error surfaces here, in the training loop
-            if self.layouts.get(key) is not pending.layout:
+        for key, replaced, layout in self._background.ready(wait):  # a policy's error surfaces here
+            if self.layouts.get(key) is not replaced:
                 continue
             self.layouts[key] = layout
-            if self.layout is pending.layout:  # the current shape's: later steps of it follow the new plan
+            if self.layout is replaced:  # the current shape's: later steps of it follow the new plan
                 self.layout, self.plan, self.predicted_s, self.trace = layout, layout.plan, layout.predicted_s, layout.trace
 
     def wait_for_plans(self) -> None:
