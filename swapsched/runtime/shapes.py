@@ -94,6 +94,8 @@ class FamilyFit:
         self.other_coef = _coef(xs, np.array([t.other_bytes for t in traces], dtype=np.float64), degree)
         self.gaps = np.array([t.gaps for t in traces], dtype=np.float64)
         self.scalars = np.array([[t.tail_compute_s, t.static_bytes] for t in traces], dtype=np.float64)
+        # size -> (gaps, tail) of the profiled traces: the times executed steps may replace
+        self.times = {int(x): (gaps, float(sc[0])) for x, gaps, sc in zip(xs, self.gaps, self.scalars, strict=True)}
 
     def at(self, s: int, executed: dict[int, tuple[np.ndarray, float]] | None = None) -> Trace | None:
         """The trace of the family's step whose first saved tensor has ``s`` bytes, or None where
@@ -110,11 +112,16 @@ class FamilyFit:
         if (pred < 0).any() or int(pred[traces[0].events[0].tensor]) != s:
             return None
         near = np.argsort(np.abs(xs - s), kind="stable")[:2]
-        times = {int(x): (gaps, float(sc[0])) for x, gaps, sc in zip(xs, self.gaps, self.scalars, strict=True)}
-        times.update(executed or {})
+        times = {**self.times, **executed} if executed else self.times
+        # only the timed sizes around s enter _timed (it reads no others): stacking every size's
+        # gaps would cost the loop's thread a row per size the run has met
         at_sizes = np.array(sorted(times), dtype=np.float64)
-        g = _timed(at_sizes, np.array([times[int(x)][0] for x in at_sizes]), s)
-        tail = float(_timed(at_sizes, np.array([[times[int(x)][1]] for x in at_sizes]), s)[0])
+        above = int(np.searchsorted(at_sizes, s))
+        # the two it is interpolated between, or the nearest it is scaled from
+        inside = 0 < above < len(at_sizes)
+        around = at_sizes[above - 1:above + 1] if inside else at_sizes[[min(above, len(at_sizes) - 1)]]
+        g = _timed(around, np.array([times[int(x)][0] for x in around]), s)
+        tail = float(_timed(around, np.array([[times[int(x)][1]] for x in around]), s)[0])
         o = np.maximum(np.rint(_eval(self.other_coef, s)), 0).astype(np.int64)
         # static bytes through the nearest two sizes: exact where linear (the batch)
         (x0, x1), (y0, y1) = xs[near], self.scalars[near, 1]
