@@ -48,7 +48,7 @@ def editor_path(checkpoint: Path) -> Path:
 def features(trace: Trace, budget: int, hardware: Hardware, plan: SwapPlan, result: SimResult) -> tuple[list[int], np.ndarray]:
     """The evicted tensors of ``plan`` (in its order) and one feature row each; ``result`` is the
     plan's simulation with its timeline recorded."""
-    from swapsched.agents.heuristics import planned_demand
+    from swapsched.agents.heuristics import planned_demand, rebuilt_at
 
     evs = list(plan.evictions)
     ids = [e.tensor for e in evs]
@@ -62,7 +62,7 @@ def features(trace: Trace, budget: int, hardware: Hardware, plan: SwapPlan, resu
     stall_at: dict[int, float] = {}
     for s0, s1, ev in result.timeline.stalls if result.timeline else ():
         stall_at[int(ev)] = stall_at.get(int(ev), 0.0) + (s1 - s0)
-    demand = planned_demand(trace, evs, hardware)
+    demand = planned_demand(trace, evs, hardware, rebuilt_at(trace, plan.recomputed(trace), plan.recomputed_selectively(trace)))
     over = trace.static_bytes + trace.other_bytes + trace.resident_bytes_no_swap - budget
     peak, low = trace.peak_bytes_no_swap, trace.min_feasible_bytes
     budget_pos = (budget - low) / max(peak - low, 1)
@@ -118,7 +118,7 @@ def apply_edits(trace: Trace, plan: SwapPlan, classes: Sequence[int], name: str)
             evs.append(Eviction(e.tensor, e.swap_out_at, max(e.prefetch_at - d, e.swap_out_at)))
         else:
             evs.append(e)
-    return SwapPlan.of(trace, name, evs)
+    return SwapPlan.of(trace, name, evs, recompute=plan.recompute, selective=plan.selective)
 
 
 @dataclass(frozen=True)
@@ -142,22 +142,23 @@ class PlanEditor:
         on paper: where the edited plan's planned demand (``heuristics.planned_demand``, no stalls)
         exceeds both the budget and the original plan's, the edits are undone, the least confident
         first, in halves, until it does not."""
-        from swapsched.agents.heuristics import planned_demand
+        from swapsched.agents.heuristics import planned_demand, rebuilt_at
 
         res = simulate(trace, plan, hardware, budget, record=True, validate=False)
         ids, x = features(trace, budget, hardware, plan, res)
         if not ids:
-            return SwapPlan.of(trace, name, plan.evictions)
+            return SwapPlan.of(trace, name, plan.evictions, recompute=plan.recompute, selective=plan.selective)
         lg = self.logits(x)
         classes = np.argmax(lg, axis=1)
-        limit = max(budget, int(planned_demand(trace, plan.evictions, hardware).max()))
+        rebuilt = rebuilt_at(trace, plan.recomputed(trace), plan.recomputed_selectively(trace))  # R9
+        limit = max(budget, int(planned_demand(trace, plan.evictions, hardware, rebuilt).max()))
         edited = np.flatnonzero(classes != 0)
         p = np.exp(lg - lg.max(axis=1, keepdims=True))
         conf = (p / p.sum(axis=1, keepdims=True))[np.arange(len(classes)), classes]
         order = list(edited[np.argsort(conf[edited], kind="stable")])
         while True:
             out = apply_edits(trace, plan, classes.tolist(), name)
-            if not order or planned_demand(trace, out.evictions, hardware).max() <= limit:
+            if not order or planned_demand(trace, out.evictions, hardware, rebuilt).max() <= limit:
                 return out
             undo, order = order[: max(len(order) // 2, 1)], order[max(len(order) // 2, 1):]
             classes[undo] = 0

@@ -8,7 +8,7 @@ and differ in *which* tensors they evict and *when* they prefetch.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,19 +18,47 @@ from swapsched.hardware import Hardware
 from swapsched.plan import LEADS, Eviction, SwapPlan, on_demand_plan, prefetch_event, swap_out_event
 from swapsched.trace import Trace
 
-__all__ = ["NoSwap", "SwapAll", "VDNN", "Belady", "Capuchin", "planned_demand", "repair", "HEAVY_OPS"]
+__all__ = ["NoSwap", "SwapAll", "VDNN", "Belady", "Capuchin", "planned_demand", "rebuilt_at", "needed_at", "min_around_blocks", "repair",
+           "HEAVY_OPS"]
 
 #: Ops vDNN-conv treats as layers whose compute can hide a copy of their inputs.
 HEAVY_OPS = frozenset({"convolution", "_convolution", "cudnn_convolution", "mkldnn_convolution", "conv2d",
                        "mm", "addmm", "bmm", "matmul", "baddbmm", "linear"})
 
 
-def planned_demand(trace: Trace, evictions: list[Eviction] | tuple[Eviction, ...], hardware: Hardware) -> np.ndarray:
+def rebuilt_at(trace: Trace, recompute: Iterable[int] = (), selective: Iterable[int] = ()) -> dict[int, int]:
+    """The tensors a plan's recomputed blocks rebuild (R9: every member of a block recomputed
+    whole, the cheap members of one recomputed selectively), each with its block's ``at``."""
+    out = {k: sg.at for s in recompute for sg in (trace.segments[s],) for k in sg.members}
+    out.update({k: sg.at for s in selective for sg in (trace.segments[s],) for k in sg.cheap})
+    return out
+
+
+def needed_at(trace: Trace, blocks: Iterable[int] = ()) -> np.ndarray:
+    """The event each tensor is first needed at in backward: its first unpack, or, for the anchor
+    of a recomputed block, the block's ``at`` if earlier (R9: the recompute reads the anchor)."""
+    need = trace.first_unpack.copy()
+    for s in blocks:
+        sg = trace.segments[s]
+        need[sg.anchor] = min(int(need[sg.anchor]), sg.at)
+    return need
+
+
+def _held_by_blocks(trace: Trace, blocks: Iterable[int]) -> list[int]:
+    """The members of checkpointed blocks, which no plan may also evict (R9: the checkpoint
+    rebuilds them, or holds them if selective; only a block's anchor may be swapped)."""
+    return [k for s in blocks for k in trace.segments[s].members]
+
+
+def planned_demand(trace: Trace, evictions: list[Eviction] | tuple[Eviction, ...], hardware: Hardware,
+                   rebuilt: Mapping[int, int] | None = None) -> np.ndarray:
     """Device bytes at the end of each gap if the plan ran without stalls (a planning estimate).
 
     A tensor counts from the gap of its first pack to the gap it is freed in (R2), except, if
     evicted, from the first gap that starts after its swap-out would finish to the gap before its
-    prefetch event (the swap-in allocates at that event, R6).
+    prefetch event (the swap-in allocates at that event, R6), and, if ``rebuilt`` (tensor -> its
+    block's ``at``, :func:`rebuilt_at`), from the gap after its release to the gap before ``at``
+    (R9: dropped, then rebuilt by the recompute).
 
     ``SwapEnv``'s action mask counts the same occupancy with the swap-out taking no time (its
     ``_DecisionTable.occupy_from``): a bound that never masks a feasible action, where this is an
@@ -48,6 +76,10 @@ def planned_demand(trace: Trace, evictions: list[Eviction] | tuple[Eviction, ...
         if rel < e.prefetch_at:
             delta[rel] -= b[e.tensor]
             delta[e.prefetch_at] += b[e.tensor]
+    for k, at in (rebuilt or {}).items():
+        if int(trace.release[k]) + 1 < at:
+            delta[int(trace.release[k]) + 1] -= b[k]
+            delta[at] += b[k]
     return trace.static_bytes + trace.other_bytes + np.cumsum(delta)[:-1]
 
 
@@ -122,24 +154,28 @@ def _release_gaps(trace: Trace, hw: Hardware) -> np.ndarray:
                     dtype=np.int64)
 
 
-def _removable(trace: Trace, gap: int, evicted: np.ndarray) -> np.ndarray:
+def _removable(trace: Trace, gap: int, evicted: np.ndarray, need: np.ndarray | None = None) -> np.ndarray:
     """Tensors whose eviction can lower the demand of ``gap``: swapped out (at their last forward
     pack) and released by the program (R2) before the gap starts, and not needed until after it.
     If the copy has not finished by then, compute waits for it (R4): a stall, not an OOM."""
-    ok = ~evicted & (trace.release < gap) & (gap < trace.first_unpack)
+    ok = ~evicted & (trace.release < gap) & (gap < (trace.first_unpack if need is None else need))
     return np.flatnonzero(ok)
 
 
 def _evict_until_fits(trace: Trace, demand: np.ndarray, budget: int, release: np.ndarray, score: np.ndarray,
-                      back_at: Callable[[int, int], int]) -> list[int]:
+                      back_at: Callable[[int, int], int], exclude: Iterable[int] = (),
+                      need: np.ndarray | None = None) -> list[int]:
     """Walk the gaps over budget in order; at each, evict the removable tensor of highest ``score``
     until the planned demand fits. ``back_at(k, gap)`` is the gap from which ``k`` is planned back
-    on the device. Updates ``demand``; returns the tensors in the order chosen."""
+    on the device; ``exclude``: tensors never evicted (a recomputed block's, R9); ``need``: the
+    event each tensor is next needed at (default its first unpack, :func:`needed_at`). Updates
+    ``demand``; returns the tensors in the order chosen."""
     chosen = np.zeros(trace.n_tensors, dtype=bool)
+    chosen[list(exclude)] = True
     order: list[int] = []
     for g in np.flatnonzero(demand > budget):
         while demand[g] > budget:
-            cands = _removable(trace, int(g), chosen)
+            cands = _removable(trace, int(g), chosen, need)
             if not cands.size:
                 break  # nothing can help this gap: the simulation will report the OOM
             k = int(cands[np.argmax(score[cands])])  # ties: the lowest id
@@ -149,9 +185,11 @@ def _evict_until_fits(trace: Trace, demand: np.ndarray, budget: int, release: np
     return order
 
 
-def _place_prefetches(trace: Trace, budget: int, hw: Hardware, evicted: list[int], demand: np.ndarray) -> list[Eviction]:
-    """Prefetch each evicted tensor as early as the planned memory allows (nearest use first)."""
-    fu = trace.first_unpack
+def _place_prefetches(trace: Trace, budget: int, hw: Hardware, evicted: list[int], demand: np.ndarray,
+                      need: np.ndarray | None = None) -> list[Eviction]:
+    """Prefetch each evicted tensor as early as the planned memory allows (nearest use first),
+    back by ``need`` (default its first unpack)."""
+    fu = trace.first_unpack if need is None else need
     evs = []
     for k in sorted(evicted, key=lambda k: (fu[k], k)):
         so, f = swap_out_event(trace, k), int(fu[k])
@@ -172,10 +210,12 @@ def repair(trace: Trace, plan: SwapPlan, budget: int, hardware: Hardware, rounds
     delays to the OOM event the prefetches that hold memory there (issued before it, needed after
     it); if none does, it evicts one more tensor there by the MIN rule (farthest next use).
     """
-    fu = trace.first_unpack
     evs = {e.tensor: e for e in plan.evictions}
+    blocks = {"recompute": plan.recompute, "selective": plan.selective}
+    chosen = [*plan.recomputed(trace), *plan.recomputed_selectively(trace)]
+    held, fu = _held_by_blocks(trace, chosen), needed_at(trace, chosen)
     for _ in range(rounds):
-        res = simulate(trace, SwapPlan.of(trace, plan.policy, evs.values()), hardware, budget, validate=False)
+        res = simulate(trace, SwapPlan.of(trace, plan.policy, evs.values(), **blocks), hardware, budget, validate=False)
         if not res.oom:
             break
         e = int(res.oom_event)
@@ -186,12 +226,13 @@ def repair(trace: Trace, plan: SwapPlan, budget: int, hardware: Hardware, rounds
             continue
         evicted = np.zeros(trace.n_tensors, dtype=bool)
         evicted[list(evs)] = True
-        cands = _removable(trace, e, evicted)
+        evicted[held] = True  # a checkpointed block's (R9): not a swap's to move
+        cands = _removable(trace, e, evicted, fu)
         if not cands.size:
             break  # nothing left to move: the OOM is reported, never hidden
         k = int(cands[np.argmax(fu[cands])])
         evs[k] = Eviction(k, swap_out_event(trace, k), int(fu[k]))
-    return SwapPlan.of(trace, plan.policy, evs.values(), **plan.meta)
+    return SwapPlan.of(trace, plan.policy, evs.values(), **blocks, **plan.meta)
 
 
 @dataclass(frozen=True)
@@ -206,12 +247,26 @@ class Belady:
     name: str = "min"
 
     def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
-        fu = trace.first_unpack
-        demand = planned_demand(trace, [], hardware)
-        # farthest next use first; back on the device only when used (prefetches are placed next)
-        evicted = _evict_until_fits(trace, demand, budget, _release_gaps(trace, hardware), fu, lambda k, g: int(fu[k]))
-        plan = SwapPlan.of(trace, self.name, _place_prefetches(trace, budget, hardware, evicted, demand))
-        return repair(trace, plan, budget, hardware)
+        return min_around_blocks(trace, budget, hardware, name=self.name)
+
+
+def min_around_blocks(trace: Trace, budget: int, hardware: Hardware, *, recompute: Iterable[int] = (),
+                      selective: Iterable[int] = (), name: str = "min") -> SwapPlan:
+    """Belady's MIN for what the given blocks (indices into ``trace.segments``) leave: they are
+    recomputed, whole or selectively (R9), their rebuilt members off the device from their release
+    to the recompute and never swapped; the rest is swapped by the MIN rule until the planned
+    demand fits, then repaired on the simulator (with the recomputes, which cost compute there)."""
+    recompute, selective = sorted(set(recompute)), sorted(set(selective) - set(recompute))
+    blocks = [*recompute, *selective]
+    fu = needed_at(trace, blocks)
+    demand = planned_demand(trace, [], hardware, rebuilt_at(trace, recompute, selective))
+    # farthest next use first; back on the device only when used (prefetches are placed next)
+    evicted = _evict_until_fits(trace, demand, budget, _release_gaps(trace, hardware), fu, lambda k, g: int(fu[k]),
+                                exclude=_held_by_blocks(trace, blocks), need=fu)
+    plan = SwapPlan.of(trace, name, _place_prefetches(trace, budget, hardware, evicted, demand, fu),
+                       recompute=[trace.segments[s].name for s in recompute],
+                       selective=[trace.segments[s].name for s in selective])
+    return repair(trace, plan, budget, hardware)
 
 
 @dataclass(frozen=True)
