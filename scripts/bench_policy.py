@@ -2,12 +2,14 @@
 """The joint keep / swap / recompute planner against swap-only planning, checkpointing, Capuchin and the bound.
 
     python scripts/bench_policy.py [--budgets 30%,50%,70%,80%,90%,95%] [--hardware a100-pcie4,h100-pcie5,gh200-c2c]
-                                   [--deep-layers 128] [--bound-seconds 5] [--out bench_results/policy.json]
+                                   [--deep-layers 128] [--bound-seconds 5] [--outside-zoo [--no-corpus]]
+                                   [--out bench_results/policy.json]
 
 Cases: the corpus's held-out split (families the shipped policy never trained on, and sizes it never
 saw) x budgets x hardware, plus one deep GPT profiled on meta (``--deep-layers`` blocks, over 2,000
-saved tensors). Per case: ``default`` (joint), ``default-swap`` (the same planner, swap only),
-``default-greedy`` (the plan editor alone, swap only), ``local-search`` (swap only, the planning time
+saved tensors); ``--outside-zoo`` adds four architectures outside the zoo profiled on meta
+(``scripts/_outside_zoo.py``). Per case: ``default`` (joint), ``default-swap`` (the same planner, swap only),
+``default-greedy`` (the learned parts alone: the block chooser and the plan editor, no search), ``local-search`` (swap only, the planning time
 ``default-swap`` took), ``checkpoint-all``, ``checkpoint-selective``, ``capuchin`` (its hybrid) and ``capuchin-swap``, min,
 vdnn-all, swapadvisor at 1 s, the joint floor and the proven joint bound (``agents/bound.py``).
 
@@ -71,9 +73,16 @@ def main() -> int:
     ap.add_argument("--deep-layers", type=int, default=128, help="blocks of the deep GPT (0: leave it out)")
     ap.add_argument("--bound-seconds", type=float, default=5.0)
     ap.add_argument("--traces", help="comma list of corpus names instead of the held-out split")
+    ap.add_argument("--outside-zoo", action="store_true",
+                    help="add the architectures outside the zoo (scripts/_outside_zoo.py), profiled on meta")
+    ap.add_argument("--no-corpus", action="store_true", help="leave out the corpus traces (with --outside-zoo)")
     ap.add_argument("--out", default="bench_results/policy.json")
     args = ap.parse_args()
-    traces = load_corpus(names=args.traces.split(",")) if args.traces else load_corpus(split="test")
+    traces = [] if args.no_corpus else load_corpus(names=args.traces.split(",")) if args.traces else load_corpus(split="test")
+    if args.outside_zoo:
+        from _outside_zoo import outside_zoo_traces
+
+        traces.extend(outside_zoo_traces())
     if args.deep_layers:
         t0 = time.perf_counter()
         traces.append(deep_gpt_trace(args.deep_layers))

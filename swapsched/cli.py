@@ -548,7 +548,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--resume", metavar="CKPT", type=_in_file, help="continue this checkpoint: its step count, optimizer state and schedule")
     sp.add_argument("--tensorboard", metavar="DIR", type=_out_dir, help="write learning curves and the validation ratio to min here")
     sp.add_argument("--search-only", action="store_true",
-                    help="only (re)learn the search's move prior and plan editor for the existing checkpoint --out")
+                    help="only (re)learn the search's move prior, plan editor and block chooser for the existing checkpoint --out")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 

@@ -56,6 +56,11 @@ class TrainConfig:
     # cases: on the validation family 150 iterations took the imitated editor from 1.065 (one OOM)
     # to 0.9996 of min's step, 600 to 0.9998
     editor_rl_iterations: int = 300
+    # the block chooser (agents/blocks.py): joint searches per training trace with blocks, seconds
+    # each, then REINFORCE iterations (batches of 8 cases) on the simulator
+    blocks_cases_per_trace: int = 8
+    blocks_seconds: float = 1.0
+    blocks_rl_iterations: int = 100
 
 
 def load_train_config(path: str | Path) -> TrainConfig:
@@ -73,7 +78,7 @@ def load_train_config(path: str | Path) -> TrainConfig:
         if k in data:
             data[k] = tuple(data[k])
     for k in ("total_timesteps", "n_envs", "eval_every", "prior_cases_per_trace", "editor_cases_per_trace",
-              "editor_rl_iterations"):
+              "editor_rl_iterations", "blocks_cases_per_trace", "blocks_rl_iterations"):
         if k in data and (not isinstance(data[k], int) or data[k] <= 0):
             raise TrainConfigError(f"{p}: field {k}: expected a positive integer, got {data[k]!r}")
     return TrainConfig(**data)
@@ -179,11 +184,12 @@ def _save_atomic(model: Any, path: Path) -> None:
         model.save(str(tmp))
 
 
-def train_search(config: TrainConfig, checkpoint: str | Path, *, progress: bool = True) -> tuple[Path, Path]:
+def train_search(config: TrainConfig, checkpoint: str | Path, *, progress: bool = True) -> tuple[Path, Path, Path]:
     """Learn, on the training traces (validation families held out), the search's move prior, then
-    the plan editor (imitating searches that use the prior, then fine-tuned by REINFORCE on the
-    simulator), and save them beside ``checkpoint`` as ``NAME.moves.npz`` and ``NAME.editor.npz``."""
-    from swapsched.agents import editor, guide
+    the plan editor and the block chooser (each imitating searches that use the prior, then
+    fine-tuned by REINFORCE on the simulator), and save them beside ``checkpoint`` as
+    ``NAME.moves.npz``, ``NAME.editor.npz`` and ``NAME.blocks.npz``."""
+    from swapsched.agents import blocks, editor, guide
     from swapsched.env.corpus import corpus_index, load_corpus
 
     family = {r["name"]: r["family"] for r in corpus_index()}
@@ -197,7 +203,12 @@ def train_search(config: TrainConfig, checkpoint: str | Path, *, progress: bool 
                           seed=config.seed + 1, prior=prior, progress=progress)
     ed = editor.fit(x, y, keep_weight=config.editor_keep_weight, seed=config.seed)
     ed = editor.finetune(ed, traces, hws, iterations=config.editor_rl_iterations, seed=config.seed, progress=progress)
-    return prior_file, ed.save(editor.editor_path(Path(checkpoint)))
+    editor_file = ed.save(editor.editor_path(Path(checkpoint)))
+    x, y = blocks.collect(traces, hws, cases_per_trace=config.blocks_cases_per_trace, seconds=config.blocks_seconds,
+                          seed=config.seed + 2, prior=prior, progress=progress)
+    ch = blocks.fit(x, y, seed=config.seed)
+    ch = blocks.finetune(ch, traces, hws, iterations=config.blocks_rl_iterations, seed=config.seed, progress=progress)
+    return prior_file, editor_file, ch.save(blocks.chooser_path(Path(checkpoint)))
 
 
 def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True, timesteps: int | None = None,
