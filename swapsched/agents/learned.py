@@ -108,12 +108,21 @@ class LearnedPolicy:
 
     def greedy(self, trace: Trace, budget: int, hardware: Hardware, name: str | None = None) -> SwapPlan:
         """The learned parts' own plan: the block chooser's states with MIN around them (where the
-        trace has blocks and the checkpoint a chooser; else MIN's plan), edited by the plan editor."""
+        trace has blocks and the checkpoint a chooser; else MIN's plan), edited by the plan editor
+        unless its edits run out of memory where the unedited plan does not."""
         from swapsched.agents.heuristics import Belady
+        from swapsched.env.simulator import simulate
 
         chooser = self._block_chooser() if self.recompute and trace.segments else None
         start = chooser.plan(trace, budget, hardware, "min") if chooser else Belady().plan(trace, budget, hardware)
-        return self._plan_editor().edit(trace, budget, hardware, start, name or self.name)
+        out = self._plan_editor().edit(trace, budget, hardware, start, name or self.name)
+        # the editor's memory account plans without stalls; where its edits run out of memory and
+        # the plan it edited does not, that plan (one simulation of each, as the chooser's guard)
+        if (out != start and simulate(trace, out, hardware, budget, validate=False).oom
+                and not simulate(trace, start, hardware, budget, validate=False).oom):
+            return SwapPlan.of(trace, name or self.name, start.evictions, recompute=start.recompute,
+                               selective=start.selective)
+        return out
 
     def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
         if self.mode == "ppo":

@@ -34,7 +34,7 @@ def _pickled(obj: object) -> dict:
 
 
 def _craft(tmp_path: Path, marker: Path, *, extra: str | None = None) -> Path:
-    """A copy of the shipped ``default`` checkpoint (its card, editor and prior beside it) in which
+    """A copy of the shipped ``default`` checkpoint (its card, editor, chooser and prior beside it) in which
     every pickled field of ``data`` would create ``marker``; with ``extra``, one more such field."""
     out = tmp_path / "crafted.zip"
     src = checkpoint_dir() / "default.zip"
@@ -52,7 +52,7 @@ def _craft(tmp_path: Path, marker: Path, *, extra: str | None = None) -> Path:
                     data[extra] = _pickled(_Touch(marker))
                 raw = json.dumps(data).encode()
             zout.writestr(item, raw)
-    for suffix in (".json", ".editor.npz", ".moves.npz"):
+    for suffix in (".json", ".editor.npz", ".moves.npz", ".blocks.npz"):
         shutil.copy(src.with_name("default" + suffix), out.with_name("crafted" + suffix))
     return out
 
