@@ -9,8 +9,8 @@ simulation (:func:`features`), one of :data:`CHOICES`: how far down that ranking
 eighth of the blocks at a time) and how (whole; selectively; selectively where a block has cheap
 members, else whole). MIN swaps what the chosen blocks leave
 (:func:`~swapsched.agents.heuristics.min_around_blocks`) and the plan editor edits that plan:
-``default-greedy``'s joint plan, with no candidates and no search. ``default`` adds that plan to
-the candidates its search starts from.
+``default-greedy``'s joint plan, with no candidates and no search. ``default`` adds the plans of
+the network's two most likely choices to the candidates its search starts from.
 
 It is trained on the simulator's outcome of every choice on random training cases (:func:`collect`):
 the loss is the expected log step time over the best choice's (:func:`fit`), so a near miss costs
@@ -152,9 +152,13 @@ class BlockChooser:
 
     def choice(self, trace: Trace, budget: int, hardware: Hardware) -> int:
         """The most likely of ``CHOICES`` (none where the trace has no block)."""
+        return self.ranked(trace, budget, hardware)[0]
+
+    def ranked(self, trace: Trace, budget: int, hardware: Hardware) -> list[int]:
+        """``CHOICES`` by the network's preference, the most likely first (none where no block)."""
         if not trace.segments:
-            return 0
-        return int(np.argmax(self.logits(features(trace, budget, hardware))))
+            return [0]
+        return [int(c) for c in np.argsort(-self.logits(features(trace, budget, hardware)), kind="stable")]
 
     def states(self, trace: Trace, budget: int, hardware: Hardware) -> list[int]:
         return states_of(trace, self.choice(trace, budget, hardware))

@@ -5,8 +5,8 @@ propose (the plan editor's edit of min's plan; the block chooser's joint plan). 
 the simulator, is improved by :func:`~swapsched.agents.local_search.improve`, which draws its moves
 from the learned move prior, until the planning time is spent. Where recompute can help (the floor
 over the joint space is under R8's), the recompute techniques are candidates too (checkpoint-all,
-checkpoint-selective, the best swap plan with every block recomputed, and the best swap plan and
-Capuchin's swap half each made hybrid by Capuchin's step), and the search toggles blocks' states.
+checkpoint-selective, the best swap plan with every block recomputed, MIN around every block
+recomputed, and the best swap plan and Capuchin's swap half each made hybrid by Capuchin's step), and the search toggles blocks' states.
 Never worse on the simulator than the best candidate, which is its start.
 """
 
@@ -34,7 +34,8 @@ def joint_search(trace: Trace, budget: int, hardware: Hardware, *, seconds: floa
     t0 = time.perf_counter()
     heur = heuristic_plans(trace, budget, hardware, deadline=t0 + seconds / 2)
     min_plan = next(p for p in heur if p.policy == "min")
-    start, score = best_plan(trace, budget, hardware, [*(proposals(min_plan) if proposals else ()), *heur])
+    cands = [*(proposals(min_plan) if proposals else ()), *heur]
+    start, score = best_plan(trace, budget, hardware, cands)
     joint = recompute and bool(trace.segments)
     evals = 0
     # stop early where the plan meets the floor (R8, or R8 over the joint space): nothing can be faster
@@ -45,15 +46,23 @@ def joint_search(trace: Trace, budget: int, hardware: Hardware, *, seconds: floa
     if joint and floor >= swap_floor * (1 - 1e-9):
         # recomputing cannot lower R8's floor here: the swaps decide the step (on the held-out
         # bench the best recompute technique was within 1% of the swap search wherever the
-        # floors agree), so the swap search gets most of the time, as default-swap has it
-        start, score, evals = improve(trace, budget, hardware, start, seconds=0.7 * rest, seed=seed, prior=prior,
-                                      target=swap_floor)
+        # floors agree), so the swap search gets most of the time, as default-swap has it, from the
+        # best swap-only candidate (a learned candidate that recomputes stays in the running)
+        swaps_only = [p for p in cands if not (p.recompute or p.selective)]
+        first = start if start in swaps_only else best_plan(trace, budget, hardware, swaps_only)[0]
+        found, found_score, evals = improve(trace, budget, hardware, first, seconds=0.7 * rest, seed=seed, prior=prior,
+                                            target=swap_floor)
+        if found_score <= score:
+            start, score = found, found_score
     if joint and score > floor * (1 + 1e-9):
+        from swapsched.agents.heuristics import min_around_blocks
         from swapsched.agents.recompute import CheckpointAll, CheckpointSelective, hybridize, with_all_recomputed
 
         # the best swap plan and capuchin's swap half, each made hybrid by Capuchin's step
         swaps = [start, *(p for p in heur if p.policy == "capuchin" and p is not start)]
+        every = range(len(trace.segments))
         cands = [start, CheckpointAll().plan(trace, budget, hardware), with_all_recomputed(trace, start, "swap+checkpoint"),
+                 min_around_blocks(trace, budget, hardware, recompute=every, name="min+checkpoint"),
                  CheckpointSelective().plan(trace, budget, hardware),
                  with_all_recomputed(trace, start, "swap+selective", selective=True),
                  *(hybridize(trace, budget, hardware, p, deadline=t1 + (0.35 + 0.2 * i) * rest) for i, p in enumerate(swaps))]

@@ -32,11 +32,11 @@ class LearnedPolicy:
     :mod:`swapsched.agents.guide`), each loaded once, on first use.
 
     - ``mode="greedy"`` (``default-greedy``): the learned parts alone, no candidates and no search,
-      so their own worth is visible: the block chooser picks each block's state (R9), MIN swaps
+      so their own worth is visible: the block chooser picks which blocks to recompute and how (R9), MIN swaps
       what they leave, and the plan editor edits that plan in one pass. A checkpoint without a
       chooser (or ``recompute=False``) edits MIN's plan: swap only.
     - ``mode="search"`` (``default``): :func:`~swapsched.agents.joint.joint_search` with the
-      editor's and the chooser's plans among its candidates and the move prior drawing its moves,
+      editor's plan and the chooser's two most likely choices among its candidates and the move prior drawing its moves,
       for ``search_seconds``, or by default 0.9 s up to 500 saved tensors, growing to 2.7 s at 2,000
       (all of the planning included). Never worse than the best heuristic on the simulator, since
       its plan is a candidate. ``recompute=True`` (``default``) plans keep / swap / recompute
@@ -138,7 +138,12 @@ class LearnedPolicy:
         def proposals(min_plan: SwapPlan) -> list[SwapPlan]:
             out = [editor.edit(trace, budget, hardware, min_plan, "editor")]
             if chooser and self.recompute and trace.segments:
-                out.append(self.greedy(trace, budget, hardware, "blocks"))
+                from swapsched.agents.blocks import joint_plan, states_of
+
+                # the chooser's two most likely choices, MIN around each (recomputing nothing is
+                # MIN's plan, a candidate already); the search scores them, so no guard
+                out += [joint_plan(trace, budget, hardware, states_of(trace, c), "blocks")
+                        for c in chooser.ranked(trace, budget, hardware)[:2] if c]
             return out
 
         total = self.search_seconds if self.search_seconds is not None else planning_seconds(trace)
