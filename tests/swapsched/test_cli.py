@@ -165,6 +165,7 @@ def test_calibrate_writes_a_loadable_profile(tmp_path):
 
 TINY_TRAIN = ("total_timesteps: 256\nn_envs: 1\nhardware: [h100-pcie5]\neval_every: 128\n"
               "prior_cases_per_trace: 1\nprior_seconds: 0.05\neditor_cases_per_trace: 1\neditor_seconds: 0.05\neditor_rl_iterations: 2\n"
+              "blocks_cases_per_trace: 1\nblocks_hidden: 8\n"
               "eval: {budgets: ['60%'], hardware: [h100-pcie5], baselines: [min]}\n"
               "ppo: {n_steps: 64, batch_size: 32, n_epochs: 1, net_arch: [16, 16]}\n")
 
@@ -179,7 +180,7 @@ def test_train_policy_writes_a_checkpoint_that_plans_and_resumes(tmp_path, capsy
     assert card["held_out"]["summary"][0]["policy"] == "learned-greedy:p"
     assert "bert" in card["validation_families"] and "bert" not in card["training_families"]
     assert (tmp_path / "p.best.zip").is_file()  # validation ran at step 128 and kept the best
-    assert (tmp_path / "p.moves.npz").is_file() and (tmp_path / "p.editor.npz").is_file()  # the search's parts
+    assert all((tmp_path / f"p.{part}.npz").is_file() for part in ("moves", "editor", "blocks"))  # the search's parts
     # the checkpoint is a policy like any other, greedy or with search
     trace = tmp_path / "t.json"
     assert main(["profile", "mlp", "--size", "tiny", "--out", str(trace)]) == 0
