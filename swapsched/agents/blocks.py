@@ -25,17 +25,16 @@ three ways, would give 0.950 there (the best of them per case).
 
 from __future__ import annotations
 
-import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
-from swapsched._paths import atomic_path
 from swapsched.agents.heuristics import min_around_blocks
 from swapsched.agents.local_search import draw_case
+from swapsched.agents.mlp import TanhMLP, exported, torch_mlp
 from swapsched.env.simulator import simulate
 from swapsched.errors import UserError
 from swapsched.hardware import Hardware
@@ -137,18 +136,12 @@ def joint_plan(trace: Trace, budget: int, hardware: Hardware, states: Sequence[i
 
 
 @dataclass(frozen=True)
-class BlockChooser:
+class BlockChooser(TanhMLP):
     """An MLP ``N_FEATURES -> hidden -> hidden -> len(CHOICES)`` (tanh), evaluated in numpy."""
 
-    weights: tuple[np.ndarray, ...]
-    mean: np.ndarray
-    std: np.ndarray
-
-    def logits(self, x: np.ndarray) -> np.ndarray:
-        w1, b1, w2, b2, w3, b3 = self.weights
-        h = np.tanh(((x - self.mean) / self.std) @ w1 + b1)
-        h = np.tanh(h @ w2 + b2)
-        return h @ w3 + b3
+    KIND: ClassVar[str] = "block chooser"
+    VERSION: ClassVar[int] = FEATURE_VERSION
+    RETRAIN: ClassVar[str] = "swapsched train-policy --search-only"
 
     def choice(self, trace: Trace, budget: int, hardware: Hardware) -> int:
         """The most likely of ``CHOICES`` (none where the trace has no block)."""
@@ -173,26 +166,6 @@ class BlockChooser:
             if not simulate(trace, alone, hardware, budget, validate=False).oom:
                 return alone
         return plan
-
-    def save(self, path: str | Path) -> Path:
-        p = Path(path)
-        with atomic_path(p) as tmp:
-            np.savez(tmp, *self.weights, mean=self.mean, std=self.std, version=np.array(FEATURE_VERSION))
-        return p
-
-    @classmethod
-    def load(cls, path: str | Path) -> BlockChooser:
-        try:
-            with np.load(path) as z:
-                version = int(z["version"])
-                weights = tuple(z[f"arr_{i}"] for i in range(6))
-                mean, std = z["mean"], z["std"]
-        except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as exc:  # not an npz, cut short, other arrays
-            raise UserError(f"cannot load block chooser {path}: {exc}") from None
-        if version != FEATURE_VERSION:
-            raise UserError(f"block chooser {path} has feature version {version}, this swapsched {FEATURE_VERSION}; "
-                            "retrain it with: swapsched train-policy --search-only")
-        return cls(weights, mean, std)
 
 
 def choice_costs(trace: Trace, budget: int, hardware: Hardware) -> np.ndarray:
@@ -242,8 +215,7 @@ def fit(x: np.ndarray, costs: np.ndarray, *, hidden: int = 64, steps: int = 1500
     xt = torch.tensor((x - mean) / std, dtype=torch.float32)
     ct = torch.tensor(costs, dtype=torch.float32)
     best = ct.argmin(dim=1)
-    net = torch.nn.Sequential(torch.nn.Linear(x.shape[1], hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, hidden),
-                              torch.nn.Tanh(), torch.nn.Linear(hidden, len(CHOICES)))
+    net = torch_mlp(x.shape[1], hidden, len(CHOICES))
     opt = torch.optim.Adam(net.parameters(), lr=3e-3, weight_decay=weight_decay)
     for i in range(steps):
         opt.zero_grad()
@@ -253,5 +225,4 @@ def fit(x: np.ndarray, costs: np.ndarray, *, hidden: int = 64, steps: int = 1500
         loss = expected + (0.1 if i < steps // 2 else 0.01) * ce
         loss.backward()
         opt.step()
-    p = [q.detach().numpy().astype(np.float64) for q in net.parameters()]
-    return BlockChooser((p[0].T, p[1], p[2].T, p[3], p[4].T, p[5]), mean, std)
+    return BlockChooser(exported(net), mean, std)

@@ -17,15 +17,15 @@ network believes the improvement is. Saved beside a policy checkpoint as ``NAME.
 
 from __future__ import annotations
 
-import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
-from swapsched._paths import atomic_path
 from swapsched.agents.local_search import best_plan, draw_case, heuristic_plans, improve
+from swapsched.agents.mlp import TanhMLP, exported, torch_mlp
 from swapsched.env.simulator import SimResult, simulate
 from swapsched.errors import UserError
 from swapsched.hardware import Hardware
@@ -122,18 +122,12 @@ def apply_edits(trace: Trace, plan: SwapPlan, classes: Sequence[int], name: str)
 
 
 @dataclass(frozen=True)
-class PlanEditor:
+class PlanEditor(TanhMLP):
     """An MLP ``N_FEATURES -> hidden -> hidden -> len(EDITS)`` (tanh), evaluated in numpy."""
 
-    weights: tuple[np.ndarray, ...]
-    mean: np.ndarray
-    std: np.ndarray
-
-    def logits(self, x: np.ndarray) -> np.ndarray:
-        w1, b1, w2, b2, w3, b3 = self.weights
-        h = np.tanh(((x - self.mean) / self.std) @ w1 + b1)
-        h = np.tanh(h @ w2 + b2)
-        return h @ w3 + b3
+    KIND: ClassVar[str] = "plan editor"
+    VERSION: ClassVar[int] = FEATURE_VERSION
+    RETRAIN: ClassVar[str] = "swapsched train-policy"
 
     def edit(self, trace: Trace, budget: int, hardware: Hardware, plan: SwapPlan, name: str) -> SwapPlan:
         """The network's one-pass edit of ``plan`` (no simulation beyond reading its stalls).
@@ -162,26 +156,6 @@ class PlanEditor:
                 return out
             undo, order = order[: max(len(order) // 2, 1)], order[max(len(order) // 2, 1):]
             classes[undo] = 0
-
-    def save(self, path: str | Path) -> Path:
-        p = Path(path)
-        with atomic_path(p) as tmp:
-            np.savez(tmp, *self.weights, mean=self.mean, std=self.std, version=np.array(FEATURE_VERSION))
-        return p
-
-    @classmethod
-    def load(cls, path: str | Path) -> PlanEditor:
-        try:
-            with np.load(path) as z:
-                version = int(z["version"])
-                weights = tuple(z[f"arr_{i}"] for i in range(6))
-                mean, std = z["mean"], z["std"]
-        except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as exc:  # not an npz, cut short, other arrays
-            raise UserError(f"cannot load plan editor {path}: {exc}") from None
-        if version != FEATURE_VERSION:
-            raise UserError(f"plan editor {path} has feature version {version}, this swapsched {FEATURE_VERSION}; "
-                            "retrain it with: swapsched train-policy")
-        return cls(weights, mean, std)
 
 
 def collect(traces: Sequence[Trace], hardware: Sequence[Hardware], *, cases_per_trace: int = 6, seconds: float = 1.0,
@@ -223,8 +197,7 @@ def fit(x: np.ndarray, y: np.ndarray, *, hidden: int = 32, steps: int = 800, see
     counts = np.bincount(y, minlength=len(EDITS)).astype(np.float64)
     w = np.where(counts > 0, len(y) / (len(EDITS) * np.maximum(counts, 1)), 0.0) ** 0.5
     w[0] *= keep_weight
-    net = torch.nn.Sequential(torch.nn.Linear(x.shape[1], hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, hidden),
-                              torch.nn.Tanh(), torch.nn.Linear(hidden, len(EDITS)))
+    net = torch_mlp(x.shape[1], hidden, len(EDITS))
     opt = torch.optim.Adam(net.parameters(), lr=3e-3)
     loss_fn = torch.nn.CrossEntropyLoss(weight=torch.tensor(w, dtype=torch.float32))
     for _ in range(steps):
@@ -232,8 +205,7 @@ def fit(x: np.ndarray, y: np.ndarray, *, hidden: int = 32, steps: int = 800, see
         loss = loss_fn(net(xt), yt)
         loss.backward()
         opt.step()
-    p = [q.detach().numpy().astype(np.float64) for q in net.parameters()]
-    return PlanEditor((p[0].T, p[1], p[2].T, p[3], p[4].T, p[5]), mean, std)
+    return PlanEditor(exported(net), mean, std)
 
 
 def finetune(editor: PlanEditor, traces: Sequence[Trace], hardware: Sequence[Hardware], *, cases_per_trace: int = 4,
