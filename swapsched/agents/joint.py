@@ -1,13 +1,14 @@
 """The joint keep / swap / recompute search behind ``default`` (R9): candidates, then the local search.
 
 The candidates are the single-pass heuristics' exact plans and what the checkpoint's learned parts
-propose (the plan editor's edit of min's plan; the block chooser's joint plan). The best, scored on
-the simulator, is improved by :func:`~swapsched.agents.local_search.improve`, which draws its moves
-from the learned move prior, until the planning time is spent. Where recompute can help (the floor
-over the joint space is under R8's), the recompute techniques are candidates too (checkpoint-all,
-checkpoint-selective, the best swap plan with every block recomputed, MIN around every block
-recomputed, and the best swap plan and Capuchin's swap half each made hybrid by Capuchin's step), and the search toggles blocks' states.
-Never worse on the simulator than the best candidate, which is its start.
+propose (``proposals``: in ``default``, the plan editor's edit of min's plan and the block
+chooser's two most likely choices). The best, scored on the simulator, is improved by
+:func:`~swapsched.agents.local_search.improve`, which draws its moves from the learned move prior,
+until the planning time is spent. Where recompute can help (the floor over the joint space is under
+R8's), the recompute techniques are candidates too (checkpoint-all, checkpoint-selective, the best
+swap plan with every block recomputed, MIN around every block recomputed, and the best swap plan
+and Capuchin's swap half each made hybrid by Capuchin's step), and the search toggles blocks'
+states. Never worse on the simulator than the best candidate, which is its start.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from swapsched.agents.local_search import best_plan, heuristic_plans, improve
-from swapsched.env.simulator import analytic_floor, joint_floor
+from swapsched.agents.local_search import best_plan, heuristic_plans, improve, plan_score
+from swapsched.env.simulator import analytic_floor, joint_floor, simulate
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.trace import Trace
@@ -35,7 +36,9 @@ def joint_search(trace: Trace, budget: int, hardware: Hardware, *, seconds: floa
     heur = heuristic_plans(trace, budget, hardware, deadline=t0 + seconds / 2)
     min_plan = next(p for p in heur if p.policy == "min")
     cands = [*(proposals(min_plan) if proposals else ()), *heur]
-    start, score = best_plan(trace, budget, hardware, cands)
+    scores = [plan_score(simulate(trace, p, hardware, budget, validate=False), trace) for p in cands]
+    score, at = min((s, i) for i, s in enumerate(scores))  # the first wins ties, as in best_plan
+    start = cands[at]
     joint = recompute and bool(trace.segments)
     evals = 0
     # stop early where the plan meets the floor (R8, or R8 over the joint space): nothing can be faster
@@ -48,8 +51,8 @@ def joint_search(trace: Trace, budget: int, hardware: Hardware, *, seconds: floa
         # bench the best recompute technique was within 1% of the swap search wherever the
         # floors agree), so the swap search gets most of the time, as default-swap has it, from the
         # best swap-only candidate (a learned candidate that recomputes stays in the running)
-        swaps_only = [p for p in cands if not (p.recompute or p.selective)]
-        first = start if start in swaps_only else best_plan(trace, budget, hardware, swaps_only)[0]
+        _, first_at = min((s, i) for i, s in enumerate(scores) if not (cands[i].recompute or cands[i].selective))
+        first = cands[first_at]
         found, found_score, evals = improve(trace, budget, hardware, first, seconds=0.7 * rest, seed=seed, prior=prior,
                                             target=swap_floor)
         if found_score <= score:
