@@ -58,14 +58,12 @@ class MixerBlock(nn.Module):
         return x + self.channels(self.norm2(x))
 
 
-class Mixer(nn.Module):
-    """MLP-Mixer (Tolstikhin et al., 2021): patches, then token- and channel-mixing MLP blocks."""
+class _PatchNet(nn.Module):
+    """Image patches as tokens (``patch``), then ``blocks`` in turn, then ``head`` over the mean token."""
 
-    def __init__(self, dim: int = 512, depth: int = 8, image: int = 224, patch: int = 16) -> None:
-        super().__init__()
-        self.patch = nn.Conv2d(3, dim, patch, stride=patch)
-        self.blocks = nn.ModuleList([MixerBlock((image // patch) ** 2, dim) for _ in range(depth)])
-        self.head = nn.Linear(dim, 1000)
+    patch: nn.Conv2d
+    blocks: nn.ModuleList
+    head: nn.Linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.patch(x).flatten(2).transpose(1, 2)
@@ -74,22 +72,26 @@ class Mixer(nn.Module):
         return self.head(x.mean(dim=1))
 
 
-class ViT(nn.Module):
+class Mixer(_PatchNet):
+    """MLP-Mixer (Tolstikhin et al., 2021): patches, then token- and channel-mixing MLP blocks."""
+
+    def __init__(self, dim: int = 512, depth: int = 8, image: int = 224, patch: int = 16) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, dim, patch, stride=patch)
+        self.blocks = nn.ModuleList([MixerBlock((image // patch) ** 2, dim) for _ in range(depth)])
+        self.head = nn.Linear(dim, 1000)
+
+
+class ViT(_PatchNet):
     """A vision transformer from ``torch.nn.TransformerEncoderLayer`` (pre-norm), patch size 16."""
 
     def __init__(self, dim: int = 768, depth: int = 12, heads: int = 12, image: int = 224) -> None:
         super().__init__()
         self.patch = nn.Conv2d(3, dim, 16, stride=16)
-        self.layers = nn.ModuleList([nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True,
+        self.blocks = nn.ModuleList([nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True,
                                                                 norm_first=True, activation="gelu")
                                      for _ in range(depth)])
         self.head = nn.Linear(dim, 1000)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.patch(x).flatten(2).transpose(1, 2)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x.mean(dim=1))
 
 
 #: name -> (model factory, input factory), each built on meta at a size a GPU user trains
