@@ -1,22 +1,29 @@
 #!/usr/bin/env python
-"""Build the shipped trace corpus: python scripts/build_traces.py [--out swapsched/env/traces]
+"""Build the shipped trace corpus: python scripts/build_traces.py [--out swapsched/env/traces] [--only zoo|generated]
 
 Every zoo family at three sizes is profiled on this machine's CPU (``timing: measured``), and the
 same models plus a few large ones are profiled on the ``meta`` device with roofline timing for a
 GPU (``timing: roofline``): the CPU traces teach the policy real measured gap structure, the
 roofline ones GPU-like ratios of compute to copy time. The U-Net family and the largest models are
 held out (``split: test``) so that evaluation covers architectures the policy never trained on.
+
+The ``generated`` split is ``GENERATED`` random architectures (``swapsched/generated.py``), each
+profiled on meta with roofline timing for one of the training GPUs in turn: the far wider set the
+search's learned parts (move prior, plan editor, block chooser) train on beside the zoo's train
+split. ``--only`` rebuilds one part and keeps the other's rows of the index.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from swapsched.generated import describe, random_architecture
 from swapsched.jsonfile import write_json
 from swapsched.runtime.profiler import profile
 from swapsched.zoo import build_model
@@ -37,27 +44,44 @@ ROOFLINE = [
 ]
 HELD_OUT_FAMILIES = {"unet"}
 HELD_OUT_SIZES = {("gpt", "1.3b"), ("bert", "base")}  # larger than anything trained on
+GENERATED = 32
+GENERATED_HARDWARE = ("a100-pcie4", "h100-pcie5", "rtx4090-pcie4", "v100-pcie3")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "swapsched" / "env" / "traces"))
+    ap.add_argument("--only", choices=["zoo", "generated"], help="rebuild only this part; keep the other's index rows")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    jobs = [(f, s, None, None, "cpu", None) for f, s in MEASURED]
-    jobs += [(f, s, b, t, "meta", hw) for f, s, b, t, hw in ROOFLINE]
+    jobs: list[tuple] = []
+    if args.only != "generated":
+        jobs += [(f, s, None, None, "cpu", None) for f, s in MEASURED]
+        jobs += [(f, s, b, t, "meta", hw) for f, s, b, t, hw in ROOFLINE]
+    if args.only != "zoo":
+        jobs += [("generated", seed, None, None, "meta", GENERATED_HARDWARE[seed % len(GENERATED_HARDWARE)])
+                 for seed in range(GENERATED)]
     index = []
+    if args.only and (out / "index.json").is_file():
+        keep = "generated" if args.only == "zoo" else "zoo"
+        index = [r for r in json.loads((out / "index.json").read_text())["traces"] if (r["split"] == "generated") == (keep == "generated")]
     for family, size, batch, seq, device, hw in tqdm(jobs, desc="profiling", unit="model"):
-        case = build_model(family, size, batch_size=batch, seq_len=seq, device=device)
-        name = f"{family}-{size}-cpu" if device == "cpu" else f"{family}-{size}-b{batch}-{hw}"
+        if family == "generated":
+            case, name, split = random_architecture(size), f"generated-{size}-{hw}", "generated"
+        else:
+            case = build_model(family, size, batch_size=batch, seq_len=seq, device=device)
+            name = f"{family}-{size}-cpu" if device == "cpu" else f"{family}-{size}-b{batch}-{hw}"
+            split = "test" if family in HELD_OUT_FAMILIES or (family, size) in HELD_OUT_SIZES else "train"
         trace = profile(case.model, case.inputs, case.loss_fn, device=device, name=name, hardware=hw)
         file = f"{name}.json.gz"
         trace.save(out / file)
-        split = "test" if family in HELD_OUT_FAMILIES or (family, size) in HELD_OUT_SIZES else "train"
-        index.append({"file": file, "name": name, "family": family, "size": size, "batch_size": batch, "timing": trace.timing,
-                      "device": trace.device, "tensors": trace.n_tensors, "events": trace.n_events, "split": split})
+        row = {"file": file, "name": name, "family": family, "size": size, "batch_size": batch, "timing": trace.timing,
+               "device": trace.device, "tensors": trace.n_tensors, "events": trace.n_events, "split": split}
+        if family == "generated":
+            row.update(size=str(size), architecture=describe(size))
+        index.append(row)
     write_json({"traces": index}, out / "index.json", indent=1)
     total = sum((out / r["file"]).stat().st_size for r in index)
     print(f"{len(index)} traces, {total / 1e6:.2f} MB in {out}")

@@ -267,7 +267,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     policies = expand_policies(args.policies)
     hws = [load_hardware(h) for h in args.hardware]
-    traces = [load_trace(t) for t in args.traces] if args.traces else load_corpus()
+    traces = [load_trace(t) for t in args.traces] if args.traces else [*load_corpus("train"), *load_corpus("test")]  # the zoo's
     rows = compare(traces, args.budgets, hws, policies, seed=args.seed, search_seconds=args.search_seconds,
                    progress=not args.no_progress)
     print(format_table(rows, policies))
@@ -429,8 +429,9 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
     if args.search_only:
         from swapsched.agents.learned import resolve_checkpoint
 
-        paths = train_search(config, resolve_checkpoint(args.out), progress=not args.no_progress)
-        print("wrote " + " and ".join(str(p) for p in paths))
+        parts = train_search(config, resolve_checkpoint(args.out), progress=not args.no_progress)
+        print("wrote " + " and ".join(str(p) for p in parts.paths) + f" ({parts.traces} traces of {', '.join(parts.splits)}, "
+              f"{parts.seconds:.0f} s)")
         return 0
     if args.tensorboard:
         try:
@@ -498,7 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--search-seconds", type=_positive_float, default=10.0, help="time box of swapadvisor")
 
     sp = add("compare", cmd_compare, "Compare policies on traces x budgets x hardware in one table.")
-    sp.add_argument("--traces", nargs="+", metavar="T", help="trace files (default: the shipped corpus)")
+    sp.add_argument("--traces", nargs="+", metavar="T", help="trace files (default: the shipped corpus of zoo models, train and test splits)")
     sp.add_argument("--budgets", type=_budgets, default=["30%", "50%", "70%"], help="comma list (default 30%%,50%%,70%%)")
     sp.add_argument("--hardware", type=_csv, default=[DEFAULT_GPU_HARDWARE],
                     help=f"comma list of names or YAML paths (default {DEFAULT_GPU_HARDWARE})")

@@ -7,6 +7,7 @@ held-out results against the baselines, measured on the simulator at the end of 
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -22,7 +23,7 @@ from swapsched.errors import UserError, read_yaml
 from swapsched.hardware import DEFAULT_GPU_HARDWARE, TRAINING_HARDWARE, load_hardware
 from swapsched.jsonfile import write_json
 
-__all__ = ["TrainConfig", "TrainResult", "load_train_config", "train_policy", "train_search", "evaluate", "validation_ratio"]
+__all__ = ["TrainConfig", "TrainResult", "SearchParts", "load_train_config", "train_policy", "train_search", "evaluate", "validation_ratio"]
 
 
 class TrainConfigError(UserError):
@@ -62,6 +63,10 @@ class TrainConfig:
     # step in two collections, 120 gave 0.986 (hidden 32) and 0.982 (hidden 64)
     blocks_cases_per_trace: int = 120
     blocks_hidden: int = 64
+    # corpus splits the search's learned parts (prior, editor, chooser) also learn from, beside
+    # ``corpus_split``: ``generated`` is 32 random architectures (swapsched/generated.py), so that
+    # what they learn is not the zoo's five families
+    search_extra_splits: tuple[str, ...] = ("generated",)
 
 
 def load_train_config(path: str | Path) -> TrainConfig:
@@ -75,7 +80,7 @@ def load_train_config(path: str | Path) -> TrainConfig:
         raise TrainConfigError(f"{p}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
     if "budget_range" in data:
         data["budget_range"] = tuple(float(x) for x in data["budget_range"])
-    for k in ("hardware", "validation_families"):
+    for k in ("hardware", "validation_families", "search_extra_splits"):
         if k in data:
             data[k] = tuple(data[k])
     for k in ("total_timesteps", "n_envs", "eval_every", "prior_cases_per_trace", "editor_cases_per_trace",
@@ -185,16 +190,43 @@ def _save_atomic(model: Any, path: Path) -> None:
         model.save(str(tmp))
 
 
-def train_search(config: TrainConfig, checkpoint: str | Path, *, progress: bool = True) -> tuple[Path, Path, Path]:
+@dataclass(frozen=True)
+class SearchParts:
+    """What ``train_search`` wrote, what it learned from and how long it took."""
+
+    prior: Path
+    editor: Path
+    chooser: Path
+    splits: tuple[str, ...]
+    traces: int
+    seconds: float
+
+    @property
+    def paths(self) -> tuple[Path, Path, Path]:
+        return self.prior, self.editor, self.chooser
+
+    def card_entry(self) -> dict[str, Any]:
+        return {"splits": list(self.splits), "traces": self.traces, "seconds": self.seconds}
+
+
+def train_search(config: TrainConfig, checkpoint: str | Path, *, progress: bool = True) -> SearchParts:
     """Learn, on the training traces (validation families held out), the search's move prior, then
     the plan editor (imitating searches that use the prior, then fine-tuned by REINFORCE on the
     simulator) and the block chooser (from every choice's simulated outcome), and save them beside
-    ``checkpoint`` as ``NAME.moves.npz``, ``NAME.editor.npz`` and ``NAME.blocks.npz``."""
+    ``checkpoint`` as ``NAME.moves.npz``, ``NAME.editor.npz`` and ``NAME.blocks.npz``; a card
+    ``NAME.json`` beside it gets their ``search_parts`` entry (splits, traces, seconds)."""
     from swapsched.agents import blocks, editor, guide
     from swapsched.env.corpus import corpus_index, load_corpus
 
+    t0 = time.perf_counter()
     family = {r["name"]: r["family"] for r in corpus_index()}
-    traces = [t for t in load_corpus(split=config.corpus_split) if family.get(t.name) not in config.validation_families]
+    splits = (config.corpus_split, *config.search_extra_splits)
+    pools = {split: load_corpus(split=split) for split in splits}
+    empty = [split for split, got in pools.items() if not got]
+    if empty:
+        raise TrainConfigError(f"no corpus traces in split(s) {empty}; the corpus has train, test and generated "
+                               "(rebuild it with: python scripts/build_traces.py)")
+    traces = [t for got in pools.values() for t in got if family.get(t.name) not in config.validation_families]
     hws = [load_hardware(h) for h in config.hardware]
     tried, improved = guide.collect(traces, hws, cases_per_trace=config.prior_cases_per_trace,
                                     seconds=config.prior_seconds, seed=config.seed, progress=progress)
@@ -208,7 +240,13 @@ def train_search(config: TrainConfig, checkpoint: str | Path, *, progress: bool 
     x, costs = blocks.collect(traces, hws, cases_per_trace=config.blocks_cases_per_trace, seed=config.seed + 2,
                               progress=progress)
     ch = blocks.fit(x, costs, hidden=config.blocks_hidden, seed=config.seed)
-    return prior_file, editor_file, ch.save(blocks.chooser_path(Path(checkpoint)))
+    parts = SearchParts(prior_file, editor_file, ch.save(blocks.chooser_path(Path(checkpoint))), splits, len(traces),
+                        round(time.perf_counter() - t0, 1))
+    card_path = Path(checkpoint).with_suffix(".json")
+    if card_path.is_file():
+        card = json.loads(card_path.read_text())
+        write_json({**card, "search_parts": parts.card_entry()}, card_path, indent=1)
+    return parts
 
 
 def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True, timesteps: int | None = None,
@@ -272,8 +310,7 @@ def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True,
     finally:
         venv.close()
     _save_atomic(model, out)
-    if not interrupted:
-        train_search(config, out, progress=progress)
+    parts = None if interrupted else train_search(config, out, progress=progress)
     train_s = time.perf_counter() - t0
     best = out.with_name(out.stem + ".best.zip")
     held_out = load_corpus(split="test")
@@ -296,6 +333,7 @@ def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True,
         "training_families": sorted({family[t.name] for t in traces}),
         "validation_families": list(config.validation_families),
         "held_out": results.to_dict() if results is not None else {},
+        "search_parts": parts.card_entry() if parts is not None else {},
     }
     card_path = out.with_suffix(".json")
     write_json(card, card_path, indent=1)

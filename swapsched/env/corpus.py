@@ -1,4 +1,8 @@
-"""The shipped corpus of measured and roofline traces (``env/traces/``), with its index."""
+"""The shipped corpus of measured and roofline traces (``env/traces/``), with its index.
+
+Splits: ``train`` and ``test`` (the zoo's families and sizes, some held out), and ``generated``
+(random architectures of ``swapsched/generated.py``, which the search's learned parts also train on).
+"""
 
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ def corpus_index() -> list[dict[str, Any]]:
 
 
 def load_corpus(split: str | None = None, names: list[str] | None = None) -> list[Trace]:
-    """Traces of the corpus, optionally one split (``train``/``test``) or a list of names."""
+    """Traces of the corpus, optionally one split (``train``/``test``/``generated``) or a list of names."""
     rows = corpus_index()
     if split is not None:
         rows = [r for r in rows if r["split"] == split]

@@ -181,6 +181,11 @@ def test_train_policy_writes_a_checkpoint_that_plans_and_resumes(tmp_path, capsy
     assert "bert" in card["validation_families"] and "bert" not in card["training_families"]
     assert (tmp_path / "p.best.zip").is_file()  # validation ran at step 128 and kept the best
     assert all((tmp_path / f"p.{part}.npz").is_file() for part in ("moves", "editor", "blocks"))  # the search's parts
+    # which learned from the train split (bert held out) and the generated architectures
+    from swapsched.env.corpus import load_corpus
+    n_train = sum(1 for t in load_corpus(split="train") if not t.name.startswith("bert"))
+    assert card["search_parts"]["splits"] == ["train", "generated"]
+    assert card["search_parts"]["traces"] == n_train + len(load_corpus(split="generated")) and card["search_parts"]["seconds"] > 0
     # the checkpoint is a policy like any other, greedy or with search
     trace = tmp_path / "t.json"
     assert main(["profile", "mlp", "--size", "tiny", "--out", str(trace)]) == 0
