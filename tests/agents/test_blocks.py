@@ -9,7 +9,17 @@ import numpy as np
 import pytest
 
 from swapsched._paths import checkpoint_dir
-from swapsched.agents.blocks import CHOICES, N_FEATURES, BlockChooser, choice_costs, features, fit, joint_plan, states_of
+from swapsched.agents.blocks import (
+    CHOICES,
+    N_FEATURES,
+    OOM_COST,
+    BlockChooser,
+    choice_costs,
+    features,
+    fit,
+    joint_plan,
+    states_of,
+)
 from swapsched.agents.heuristics import Belady
 from swapsched.env.simulator import simulate
 from swapsched.errors import UserError
@@ -82,6 +92,33 @@ def test_the_guard_falls_back_to_min_where_the_chosen_blocks_run_out_of_memory()
     assert simulate(tr, joint_plan(tr, 150, hw, [1], "g"), hw, 150).oom
     out = chooser_always(CHOICES.index(("whole", 8))).plan(tr, 150, hw, "min")
     assert out == Belady().plan(tr, 150, hw) and not simulate(tr, out, hw, 150).oom
+
+
+def chooser_ranking(choices: list[int]) -> BlockChooser:
+    """A chooser that ranks ``choices`` first, in this order, on every case."""
+    z = np.zeros
+    b3 = np.full(len(CHOICES), -10.0)
+    b3[choices] = np.arange(len(choices), 0, -1, dtype=float)
+    return BlockChooser((z((N_FEATURES, 4)), z(4), z((4, 4)), z(4), z((4, len(CHOICES))), b3), z(N_FEATURES), np.ones(N_FEATURES))
+
+
+def test_the_guard_walks_the_ranking_to_the_first_choice_that_fits():
+    """mlp-medium (16 tensors) at 30% on h100-pcie5: recomputing 3/8 of the blocks or more runs
+    out of memory, 1/8 fits and beats MIN. A chooser ranking (whole, 8), (whole, 1), none takes
+    the second; one ranking three choices that all run out takes MIN alone."""
+    from swapsched.budget import parse_budget
+    from swapsched.env.corpus import load_corpus
+    from swapsched.hardware import load_hardware
+
+    tr, hw = load_corpus(names=["mlp-medium-b16384-a100-pcie4"])[0], load_hardware("h100-pcie5")
+    budget = parse_budget("30%", tr)
+    c = {ch: i for i, ch in enumerate(CHOICES)}
+    costs = choice_costs(tr, budget, hw)
+    assert costs[c["whole", 8]] == costs[c["whole", 7]] == costs[c["whole", 6]] == OOM_COST and costs[c["whole", 1]] < costs[0]
+    out = chooser_ranking([c["whole", 8], c["whole", 1], 0]).plan(tr, budget, hw, "g")
+    assert out == joint_plan(tr, budget, hw, states_of(tr, c["whole", 1]), "g") and out.recompute
+    out = chooser_ranking([c["whole", 8], c["whole", 7], c["whole", 6], c["whole", 1]]).plan(tr, budget, hw, "min")
+    assert out == Belady().plan(tr, budget, hw)  # GUARD_TRIES is 3: the fourth choice is not tried
 
 
 def test_fit_learns_a_separable_rule_and_round_trips(tmp_path):
