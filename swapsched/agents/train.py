@@ -45,12 +45,12 @@ class TrainConfig:
     validation_families: tuple[str, ...] = ("bert",)
     eval_every: int = 50_000
     # the search's learned move prior (agents/guide.py): searches per training trace, seconds each
-    prior_cases_per_trace: int = 6
+    prior_cases_per_trace: int = 3
     prior_seconds: float = 0.5
     # the plan editor (agents/editor.py): searches per training trace, seconds each, and how much
     # more a wrong edit costs than a missed one (chosen on the validation family: 1 let a drop cause
     # an OOM; 2 and 3 gave 0.997 and 0.998 of the best heuristic's step)
-    editor_cases_per_trace: int = 8
+    editor_cases_per_trace: int = 4
     editor_seconds: float = 1.0
     editor_keep_weight: float = 2.0
     # then fine-tuned on the simulator by self-critical REINFORCE (editor.finetune), batches of 16
@@ -61,11 +61,13 @@ class TrainConfig:
     # choice simulated on each. Chosen on the corpus's held-out split (so for this choice it is not
     # unseen; scripts/_outside_zoo.py is): 60 cases gave 0.987 and 0.992 of the best technique's
     # step in two collections, 120 gave 0.986 (hidden 32) and 0.982 (hidden 64)
-    blocks_cases_per_trace: int = 120
+    blocks_cases_per_trace: int = 60
     blocks_hidden: int = 64
     # corpus splits the search's learned parts (prior, editor, chooser) also learn from, beside
     # ``corpus_split``: ``generated`` is 32 random architectures (swapsched/generated.py), so that
-    # what they learn is not the zoo's five families
+    # what they learn is not the zoo's five families. With them, 54 training traces instead of 22,
+    # the cases per trace above were halved (prior 6, editor 8, chooser 120 before), for about as
+    # many searches and cases as before
     search_extra_splits: tuple[str, ...] = ("generated",)
 
 
