@@ -40,7 +40,9 @@ class LearnedPolicy:
       for ``search_seconds``, or by default 0.9 s up to 500 saved tensors, growing to 2.7 s at 2,000
       (all of the planning included). Never worse than the best heuristic on the simulator, since
       its plan is a candidate. ``recompute=True`` (``default``) plans keep / swap / recompute
-      jointly; ``recompute=False`` (``default-swap``) is the swap-only planner.
+      jointly; ``recompute=False`` (``default-swap``) is the swap-only planner. ``guided=False``
+      draws the search's moves uniformly instead of from the move prior (what
+      ``scripts/bench_prior.py`` compares it with).
     - ``mode="ppo"`` (``default-ppo``): the MaskablePPO policy's one deterministic rollout in
       ``SwapEnv``, the reinforcement-learned planner this project started from.
     """
@@ -51,6 +53,7 @@ class LearnedPolicy:
     search_seconds: float | None = None
     seed: int = 0
     recompute: bool = True
+    guided: bool = True
     _model: Any = field(default=None, init=False, repr=False)
     _prior: Any = field(default=None, init=False, repr=False)
     _editor: Any = field(default=None, init=False, repr=False)
@@ -63,6 +66,7 @@ class LearnedPolicy:
         self.card = check_card(self.path)
         if self.name == "learned":
             suffix = {"search": "" if self.recompute else "-swap", "greedy": "-greedy", "ppo": "-ppo"}[self.mode]
+            suffix += "" if self.guided else "-unguided"
             self.name = f"default{suffix}" if self.path.stem == "default" else f"learned{suffix}:{self.path.stem}"
 
     def _load(self) -> Any:
@@ -76,6 +80,8 @@ class LearnedPolicy:
         """The checkpoint's learned move prior, or None (the search's uniform proposal)."""
         from swapsched.agents.guide import MovePrior, prior_path
 
+        if not self.guided:
+            return None
         if self._prior is None:
             p = prior_path(self.path)
             self._prior = MovePrior.load(p) if p.is_file() else False

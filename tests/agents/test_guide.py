@@ -39,3 +39,15 @@ def test_the_search_draws_classes_by_the_prior(tmp_path):
     improve(tr, budget, hw, SwapAll().plan(tr, budget, hw), seconds=1e9, max_evals=20, prior=back, log=log)
     assert log and {c for c, _ in log} == {MOVE_CLASSES.index(("drop", 0, False))}
     assert any(better for _, better in log)  # at the full budget, dropping swap-all's evictions helps
+
+
+def test_an_unguided_default_searches_with_uniform_moves():
+    """``guided=False`` (scripts/bench_prior.py's reference): the same planner without the prior."""
+    from swapsched.agents.learned import LearnedPolicy
+
+    guided, unguided = LearnedPolicy("default", mode="search"), LearnedPolicy("default", mode="search", guided=False)
+    assert unguided.name == "default-unguided" and unguided._move_prior() is None
+    assert isinstance(guided._move_prior(), MovePrior)
+    tr = load_corpus(names=["resnet-tiny-cpu"])[0]
+    hw = load_hardware("h100-pcie5")
+    LearnedPolicy("default", mode="search", guided=False, search_seconds=0.2).plan(tr, tr.peak_bytes_no_swap // 2, hw).validate(tr)
