@@ -65,8 +65,9 @@ def main() -> int:
                  for seed in range(GENERATED)]
     index = []
     if args.only and (out / "index.json").is_file():
-        keep = "generated" if args.only == "zoo" else "zoo"
-        index = [r for r in json.loads((out / "index.json").read_text())["traces"] if (r["split"] == "generated") == (keep == "generated")]
+        # the rows of the part not rebuilt stay
+        index = [r for r in json.loads((out / "index.json").read_text())["traces"]
+                 if (r["split"] == "generated") != (args.only == "generated")]
     for family, size, batch, seq, device, hw in tqdm(jobs, desc="profiling", unit="model"):
         if family == "generated":
             case, name, split = random_architecture(size), f"generated-{size}-{hw}", "generated"

@@ -8,7 +8,10 @@ until the planning time is spent. Where recompute can help (the floor over the j
 R8's), the recompute techniques are candidates too (checkpoint-all, checkpoint-selective, the best
 swap plan with every block recomputed, MIN around every block recomputed, and the best swap plan
 and Capuchin's swap half each made hybrid by Capuchin's step), and the search toggles blocks'
-states. Never worse on the simulator than the best candidate, which is its start.
+states. Where recompute cannot lower R8's floor, or the best swap-only candidate is within
+``SWAP_COMPETITIVE`` of the best candidate, a swap-only search from the best swap-only candidate
+runs first (0.7 or 0.4 of the time), as ``default-swap`` would. Never worse on the simulator than
+the best candidate, which is its start.
 """
 
 from __future__ import annotations
