@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from swapsched.agents import joint
+from swapsched.agents.learned import LearnedPolicy
 from swapsched.agents.local_search import heuristic_plans, improve, plan_score
 from swapsched.agents.recompute import CheckpointAll
 from swapsched.budget import parse_budget
@@ -19,11 +20,12 @@ HW = load_hardware("h100-pcie5")
 
 @pytest.fixture
 def searches(monkeypatch):
-    """Each improve() call's start plan and whether it searched blocks, in order."""
-    calls: list[tuple[str, bool]] = []
+    """Each improve() call's start plan, whether it searched blocks and whether it drew its moves
+    from a prior, in order."""
+    calls: list[tuple[str, bool, bool]] = []
 
     def recording(trace, budget, hardware, start, *, recompute=False, **kw):
-        calls.append((start.policy, recompute))
+        calls.append((start.policy, recompute, kw.get("prior") is not None))
         return improve(trace, budget, hardware, start, recompute=recompute, **{**kw, "seconds": 0.05})
 
     monkeypatch.setattr(joint, "improve", recording)
@@ -35,7 +37,7 @@ def test_a_recompute_candidate_far_ahead_goes_straight_to_the_joint_search(searc
     assert joint_floor(TRACE, budget, HW) < analytic_floor(TRACE, budget, HW) / 3
     ckpt = CheckpointAll().plan(TRACE, budget, HW)
     plan, _ = joint.joint_search(TRACE, budget, HW, seconds=0.5, proposals=lambda m: [ckpt])
-    assert [rc for _, rc in searches] == [True]  # no swap search: the swaps are 3x behind
+    assert [rc for _, rc, _ in searches] == [True]  # no swap search: the swaps are 3x behind
     assert simulate(TRACE, plan, HW, budget).iteration_s <= simulate(TRACE, ckpt, HW, budget).iteration_s
 
 
@@ -44,8 +46,10 @@ def test_where_the_best_candidate_swaps_the_swap_search_runs_first(searches):
     search starts from it, then the joint search goes on."""
     budget = parse_budget("90%", TRACE)
     assert joint_floor(TRACE, budget, HW) < analytic_floor(TRACE, budget, HW)
-    plan, _ = joint.joint_search(TRACE, budget, HW, seconds=0.5)
+    prior = LearnedPolicy("default", mode="search")._move_prior()
+    plan, _ = joint.joint_search(TRACE, budget, HW, seconds=0.5, prior=prior)
     heur = heuristic_plans(TRACE, budget, HW)
     best = min(heur, key=lambda p: plan_score(simulate(TRACE, p, HW, budget, validate=False), TRACE))
-    assert searches[0] == (best.policy, False) and searches[-1][1] is True
+    # the swap search draws from the prior (learned on swap searches), the joint search uniformly
+    assert searches[0] == (best.policy, False, True) and searches[-1][1:] == (True, False)
     assert simulate(TRACE, plan, HW, budget).iteration_s <= simulate(TRACE, best, HW, budget).iteration_s
