@@ -4,7 +4,8 @@ The candidates are the single-pass heuristics' exact plans and what the checkpoi
 propose (``proposals``: in ``default``, the plan editor's edit of min's plan and the block
 chooser's two most likely choices). The best, scored on the simulator, is improved by
 :func:`~swapsched.agents.local_search.improve` until the planning time is spent (a swap-only
-search draws its moves from the learned move prior, the joint search uniformly). Where recompute can help (the floor over the joint space is under
+search draws its moves from the learned move prior, the joint search too where the floors agree,
+uniformly where recompute can lower the floor). Where recompute can help (the floor over the joint space is under
 R8's), the recompute techniques are candidates too (checkpoint-all, checkpoint-selective, the best
 swap plan with every block recomputed, MIN around every block recomputed, and the best swap plan
 and Capuchin's swap half each made hybrid by Capuchin's step), and the search toggles blocks'
@@ -82,11 +83,13 @@ def joint_search(trace: Trace, budget: int, hardware: Hardware, *, seconds: floa
                  *(hybridize(trace, budget, hardware, p, deadline=t1 + (0.35 + 0.2 * i) * rest) for i, p in enumerate(swaps))]
         start, _ = best_plan(trace, budget, hardware, cands)
     left = seconds - (time.perf_counter() - t0)
-    # the prior was learned from swap-only searches from the best swap heuristic's plan; in the
-    # joint search it made default worse than uniform moves (scripts/bench_prior.py: 1.0009 over
-    # 213 cases, up to 14% on unet-large at 30% on PCIe, where the start recomputes), so the joint
-    # search draws its moves uniformly and only the swap search above uses the prior
-    plan, _, more = improve(trace, budget, hardware, start, seconds=max(left, 0.0), seed=seed, prior=None if joint else prior,
+    # the prior was learned from swap-only searches from the best swap heuristic's plan; where
+    # recompute can lower the floor it made the joint search worse than uniform moves
+    # (scripts/bench_prior.py: 1.0009 over 213 cases, up to 14% on unet-large at 30% on PCIe,
+    # where the start recomputes), so there the joint search draws uniformly; where the floors
+    # agree it is a swap search in effect and keeps the prior
+    plan, _, more = improve(trace, budget, hardware, start, seconds=max(left, 0.0), seed=seed,
+                            prior=prior if agree or not joint else None,
                             target=floor, recompute=joint)
     return SwapPlan.of(trace, plan.policy, plan.evictions, recompute=plan.recompute, selective=plan.selective,
                        start=start.policy), evals + more

@@ -53,3 +53,13 @@ def test_where_the_best_candidate_swaps_the_swap_search_runs_first(searches):
     # the swap search draws from the prior (learned on swap searches), the joint search uniformly
     assert searches[0] == (best.policy, False, True) and searches[-1][1:] == (True, False)
     assert simulate(TRACE, plan, HW, budget).iteration_s <= simulate(TRACE, best, HW, budget).iteration_s
+
+
+def test_where_the_floors_agree_every_search_draws_from_the_prior(searches):
+    """On gh200-c2c recompute cannot lower R8's floor for mlp-medium at 50%: the swaps decide, and
+    the searches, swap-only then joint, both draw from the prior learned on swap searches."""
+    hw = load_hardware("gh200-c2c")
+    budget = parse_budget("50%", TRACE)
+    assert joint_floor(TRACE, budget, hw) == pytest.approx(analytic_floor(TRACE, budget, hw))
+    joint.joint_search(TRACE, budget, hw, seconds=0.5, prior=LearnedPolicy("default", mode="search")._move_prior())
+    assert searches[0][1:] == (False, True) and searches[-1][1:] == (True, True)
