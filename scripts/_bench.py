@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import platform
 import sys
 import time
@@ -30,6 +31,11 @@ def write(out: str | Path, data: dict[str, Any]) -> Path:
     p = write_json({"environment": environment(), **data}, out, indent=1)
     print(f"wrote {p}", file=sys.stderr)
     return p
+
+
+def geomean(xs: Sequence[float]) -> float:
+    """The geometric mean of positive ``xs`` (NaN for none)."""
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else math.nan
 
 
 def table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

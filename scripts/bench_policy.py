@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
-from _bench import table, write  # noqa: E402
+from _bench import geomean, table, write  # noqa: E402
 
 from swapsched.agents.bound import lower_bound  # noqa: E402
 from swapsched.agents.local_search import LocalSearch  # noqa: E402
@@ -60,10 +60,6 @@ def deep_gpt_trace(layers: int) -> Trace:
         x = torch.zeros(8, 1024, dtype=torch.long)
     tr = profile(model, (x,), lambda out: out.float().pow(2).mean(), device="meta", name=f"gpt-{layers}l-meta")
     return tr
-
-
-def geomean(xs: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else math.nan
 
 
 def main() -> int:

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import table, write  # noqa: E402
+from _bench import geomean, table, write  # noqa: E402
 
 from swapsched.agents.learned import LearnedPolicy  # noqa: E402
 from swapsched.budget import BudgetError, parse_budget  # noqa: E402
@@ -67,7 +67,7 @@ def main() -> int:
         ratios = [r["guided_s"] / r["unguided_s"] for r in rs]
         worse = [r for r, x in zip(rs, ratios, strict=True) if x > 1.001]
         summary.append({"planner": guided.name, "cases": len(rs),
-                        "geomean": math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else math.nan,
+                        "geomean": geomean(ratios),
                         "worst": max(ratios, default=math.nan), "best": min(ratios, default=math.nan),
                         "worse_by_more_than_0.1%": [(r["trace"], r["budget"], r["hardware"], r["guided_s"] / r["unguided_s"])
                                                     for r in worse]})

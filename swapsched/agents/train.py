@@ -211,12 +211,13 @@ class SearchParts:
         return {"splits": list(self.splits), "traces": self.traces, "seconds": self.seconds}
 
 
-def train_search(config: TrainConfig, checkpoint: str | Path, *, progress: bool = True) -> SearchParts:
+def train_search(config: TrainConfig, checkpoint: str | Path, *, progress: bool = True, card: bool = True) -> SearchParts:
     """Learn, on the training traces (validation families held out), the search's move prior, then
     the plan editor (imitating searches that use the prior, then fine-tuned by REINFORCE on the
     simulator) and the block chooser (from every choice's simulated outcome), and save them beside
     ``checkpoint`` as ``NAME.moves.npz``, ``NAME.editor.npz`` and ``NAME.blocks.npz``; a card
-    ``NAME.json`` beside it gets their ``search_parts`` entry (splits, traces, seconds)."""
+    ``NAME.json`` beside it gets their ``search_parts`` entry (splits, traces, seconds) unless
+    ``card=False`` (``train_policy``, which writes the whole card afterwards)."""
     from swapsched.agents import blocks, editor, guide
     from swapsched.env.corpus import corpus_index, load_corpus
 
@@ -245,9 +246,8 @@ def train_search(config: TrainConfig, checkpoint: str | Path, *, progress: bool 
     parts = SearchParts(prior_file, editor_file, ch.save(blocks.chooser_path(Path(checkpoint))), splits, len(traces),
                         round(time.perf_counter() - t0, 1))
     card_path = Path(checkpoint).with_suffix(".json")
-    if card_path.is_file():
-        card = json.loads(card_path.read_text())
-        write_json({**card, "search_parts": parts.card_entry()}, card_path, indent=1)
+    if card and card_path.is_file():
+        write_json({**json.loads(card_path.read_text()), "search_parts": parts.card_entry()}, card_path, indent=1)
     return parts
 
 
@@ -312,7 +312,7 @@ def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True,
     finally:
         venv.close()
     _save_atomic(model, out)
-    parts = None if interrupted else train_search(config, out, progress=progress)
+    parts = None if interrupted else train_search(config, out, progress=progress, card=False)
     train_s = time.perf_counter() - t0
     best = out.with_name(out.stem + ".best.zip")
     held_out = load_corpus(split="test")
