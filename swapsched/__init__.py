@@ -16,7 +16,7 @@ __all__ = [
     "SwapPlan", "Eviction", "PlanError", "load_plan",
     "Hardware", "HardwareError", "load_hardware",
     "parse_budget", "BudgetError", "UserError",
-    "simulate", "get_policy", "profile", "build_model", "SwapRuntime",
+    "simulate", "get_policy", "profile", "build_model", "SwapRuntime", "CompileBackend",
 ]
 
 
@@ -41,4 +41,8 @@ def __getattr__(name: str):  # heavy parts (torch, the policies) load on first u
         from swapsched.deploy import SwapRuntime
 
         return SwapRuntime
+    if name == "CompileBackend":
+        from swapsched.deploy import CompileBackend
+
+        return CompileBackend
     raise AttributeError(f"module 'swapsched' has no attribute {name!r}")

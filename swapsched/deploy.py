@@ -10,10 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 from swapsched.agents.registry import get_policy
+from swapsched.hardware import Hardware
 from swapsched.policy import Policy
 from swapsched.runtime import swapper
 
-__all__ = ["SwapRuntime", "resolve_policy", "RECOMPUTE_ONLY"]
+__all__ = ["SwapRuntime", "CompileBackend", "resolve_policy", "RECOMPUTE_ONLY"]
 
 #: Names whose plans only recompute (R9): the runtime runs them with the model's blocks under
 #: ``torch.utils.checkpoint``, so it needs the model.
@@ -40,3 +41,37 @@ class SwapRuntime(swapper.PolicyRuntime):
             raise UserError(f"policy {policy!r} recomputes blocks, which the runtime runs under torch.utils.checkpoint "
                             "on the model's own modules: give it the model (SwapRuntime(..., model=model))")
         super().__init__(budget, resolve_policy(policy), *args, **kwargs)
+
+
+class CompileBackend:
+    """A ``torch.compile`` backend that plans what each compiled graph offloads and recomputes
+    (DESIGN.md, R10)::
+
+        backend = swapsched.CompileBackend(budget="60%", policy="default", hardware="h100-pcie5")
+        model = torch.compile(model, backend=backend)   # or block.compile(backend=backend) per block
+        ...train as usual...
+        print(backend.report())
+
+    ``budget``, ``policy`` and ``hardware`` mean what they mean for :class:`SwapRuntime`; without
+    ``hardware`` the plan is made for the default profile of the machine's device. ``inner`` is
+    the compiler that compiles the lowered graphs: ``"inductor"`` (default) or ``"aot_eager"``.
+    A bad policy, budget or hardware fails here, before any step."""
+
+    def __init__(self, budget: str | int = "60%", policy: str | Policy = "default", hardware: str | Hardware | None = None,
+                 *, inner: str = "inductor"):
+        import torch
+
+        from swapsched.compiled.backend import PlannedBackend
+        from swapsched.hardware import default_hardware, load_hardware
+
+        hw = load_hardware(hardware if hardware is not None else default_hardware("cuda" if torch.cuda.is_available() else "cpu"))
+        resolved = resolve_policy(policy)
+        assert resolved is not None
+        self._backend = PlannedBackend(budget, resolved, hw, inner=inner)
+
+    def __call__(self, gm: Any, example_inputs: Any) -> Any:
+        return self._backend(gm, example_inputs)
+
+    def report(self) -> Any:
+        """A :class:`swapsched.compiled.backend.CompileReport`: one row per compiled graph."""
+        return self._backend.report()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,22 @@ class Hardware:
     copy_issue_s: float = 0.0
     wait_resume_s: float = 0.0
     copy_host_s_per_byte: float = 0.0
+    # R6: the copy streams. 2: one engine per direction (the hook runtime's two copy streams, full
+    # duplex); 1: both directions on one stream in issue order (R10: torch's ``ao.offload`` /
+    # ``ao.reload`` ops issue every copy on one transfer stream). Set by for_executor, not in YAML.
+    copy_streams: int = 2
+
+    def for_executor(self, executor: str) -> Hardware:
+        """This hardware as ``executor`` pays for a plan (R10). ``"hooks"``: as given (the live
+        runtime's saved-tensor hooks, with their host costs). ``"compiled"``: a compiled graph
+        runs no Python per saved tensor (no hook, issue or resume cost on the host) and issues
+        its copies on one transfer stream."""
+        if executor == "hooks":
+            return self
+        if executor == "compiled":
+            return replace(self, hook_cost_s=0.0, copy_issue_s=0.0, wait_resume_s=0.0, copy_host_s_per_byte=0.0,
+                           copy_streams=1)
+        raise HardwareError(f"unknown executor {executor!r}; use one of {list(EXECUTORS)}")
 
     def d2h_time(self, nbytes: float) -> float:
         return self.copy_latency_s + nbytes / self.d2h_bytes_per_s
@@ -73,6 +89,7 @@ class Hardware:
 
 _REQUIRED = ("d2h_bytes_per_s", "h2d_bytes_per_s", "copy_latency_s", "device_memory_bytes", "peak_flops", "memory_bytes_per_s")
 _POSITIVE = ("d2h_bytes_per_s", "h2d_bytes_per_s", "device_memory_bytes", "peak_flops", "memory_bytes_per_s")
+EXECUTORS = ("hooks", "compiled")  # R10: who executes a plan, see Hardware.for_executor
 HOST_COSTS = ("hook_cost_s", "copy_issue_s", "wait_resume_s", "copy_host_s_per_byte")  # optional, 0 = not measured
 _NUMBER_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
 

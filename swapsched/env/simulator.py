@@ -210,6 +210,7 @@ class Simulation:
         self.lat = hardware.copy_latency_s
         self.inv_d2h = 1.0 / hardware.d2h_bytes_per_s
         self.inv_h2d = 1.0 / hardware.h2d_bytes_per_s
+        self.one_stream = hardware.copy_streams == 1  # R10: both directions queue on one transfer stream
         self.record = record
         if record:
             self._mem: list[tuple[float, int]] = [(0.0, self.static)]
@@ -280,8 +281,12 @@ class Simulation:
         self._note_mem()
         self.host_debt += self.issue + b * self.per_byte
         start = max(at, self.h2d_free, self.out_done[k])
+        if self.one_stream and self.d2h_free > start:
+            start = self.d2h_free
         end = start + self.lat + b * self.inv_h2d
         self.h2d_free = end
+        if self.one_stream:
+            self.d2h_free = end
         self.in_done[k] = end
         self.loc[k] = IN
         self.h2d_bytes += b
@@ -338,8 +343,12 @@ class Simulation:
         """R6: ``k``'s swap-out, queued on the device-to-host engine behind the ones in flight."""
         b = self.tb.bytes[k]
         start = self.t if self.t > self.d2h_free else self.d2h_free
+        if self.one_stream and self.h2d_free > start:
+            start = self.h2d_free
         end = start + self.lat + b * self.inv_d2h
         self.d2h_free = end
+        if self.one_stream:
+            self.h2d_free = end
         self.out_done[k] = end
         self.loc[k] = OUT
         self.host_debt += self.issue + b * self.per_byte

@@ -1,0 +1,279 @@
+"""A compiled step as a Trace: the partitioned forward and backward graphs, read as R1/R2 events.
+
+AOTAutograd's partitioner splits the joint graph into a forward graph, whose outputs past the
+model's own are the tensors saved for backward, and a backward graph, which takes those as
+placeholders. Read as the eager hooks would have seen them (DESIGN.md, "The compiled executor"):
+
+- **tensors** are the saved outputs that are not parameters or buffers (static-lifetime inputs
+  are ``static_bytes``, R2) and not symbolic sizes; bytes come from the nodes' fake tensors;
+- a saved tensor's **pack** is at its producer in the forward graph (a graph input is produced
+  before the graph's first op); the program holds it through its last forward use (``released_at``);
+- its **unpacks** are the backward nodes that read it, in the backward graph's order;
+- **gaps** are the roofline times of the compute nodes between events, for the given hardware:
+  ``max(flops / peak_flops, bytes read and written / memory_bytes_per_s)`` per node, FLOPs from
+  torch's own formulas (``torch.utils.flop_counter``);
+- a tensor torch cannot offload (:func:`offloadable`: views, ``getitem``s, non-contiguous tensors,
+  model outputs, a base whose view is also saved) is no saved tensor of the trace: its bytes are
+  ``other_bytes`` (R3) of every gap it is live in, so no plan can evict it and every plan pays for it;
+- **blocks** (R9) come from the nodes' ``nn_module_stack``: a saved tensor's module is that of its
+  first forward reader, as the eager hooks name a tensor by the op that saves it.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import flop_registry
+
+from swapsched.hardware import Hardware
+from swapsched.trace import Event, TensorInfo, Trace
+
+__all__ = ["GraphTrace", "graph_trace", "module_path", "offloadable", "saved_nodes"]
+
+
+@dataclass(frozen=True)
+class GraphTrace:
+    """A Trace of one compiled graph and where its tensors and events sit in the graphs.
+
+    ``node_of[k]`` is the forward node (by name) of tensor ``k``; ``event_node[i]`` the name of
+    the graph node at which event ``i`` happens (forward graph for packs, backward for unpacks);
+    ``held`` the saved tensors the trace counts as ``other_bytes`` (name -> why)."""
+
+    trace: Trace
+    node_of: tuple[str, ...]
+    event_node: tuple[str, ...]
+    held: dict[str, str]
+    static_inputs: int
+
+
+def module_path(node: fx.Node) -> str:
+    """The dotted module path of the innermost module a node ran in (``blocks.3.attn``), as the
+    eager profiler names it; ``""`` outside any module. Dynamo names modules from the compiled
+    callable's frame (``L['self'].blocks.3.attn`` or ``L['self'].blocks[3]``); the frame's root
+    is dropped."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = str(list(stack.values())[-1][0])
+    path = re.sub(r"^L\['[^']*'\]\.?", "", path)
+    path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\['([^']*)'\]", r".\1", path)
+    return path.strip(".")
+
+
+def saved_nodes(fw: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
+    """The forward graph's outputs that backward reads: past the model's outputs, tensors only."""
+    outs = fw.graph.find_nodes(op="output")[0].args[0]
+    return [n for n in outs[num_fwd_outputs:] if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)]
+
+
+def _view_ops():
+    from torch._functorch.partitioners import get_default_op_list
+
+    return get_default_op_list()
+
+
+def _base(node: fx.Node, ops) -> fx.Node:
+    """The node whose storage a chain of views reads."""
+    while ops.is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def offloadable(node: fx.Node, model_outputs: set[fx.Node], static: set[fx.Node], ops=None) -> str | None:
+    """Why torch's offloading cannot take ``node`` (the checks of
+    ``torch._functorch._activation_offloading.can_offload``), or None if it can."""
+    ops = ops or _view_ops()
+    if node in model_outputs:
+        return "a model output"
+    if node in static:
+        return "a static input"
+    if node.op == "placeholder":
+        return "a graph input (its caller holds it: offloading it frees nothing)"
+    if ops.is_view(node):
+        return "a view"
+    if node.target == operator.getitem:
+        return "a getitem"
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor) and not val.is_contiguous():
+        return "non-contiguous"
+    return None
+
+
+def _hint(s: object) -> int:
+    """A size as an int; a symbolic size (dynamic shapes) at its hint, the size it was traced at."""
+    if isinstance(s, torch.SymInt):
+        return int(s.node.hint) if s.node.hint is not None else 1
+    return int(s)  # type: ignore[call-overload]
+
+
+def _nbytes(val: object) -> int:
+    """Bytes of a tensor's elements (a saved tensor's storage, or its view's elements)."""
+    if not isinstance(val, torch.Tensor):
+        return 0
+    return math.prod(_hint(s) for s in val.shape) * val.element_size()
+
+
+def _tensor_vals(x: object) -> Iterable[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensor_vals(y)
+
+
+def _meta(x: object) -> object:
+    if isinstance(x, fx.Node):
+        return x.meta.get("val")
+    if isinstance(x, (list, tuple)):
+        return type(x)(_meta(y) for y in x)
+    return x
+
+
+def node_seconds(node: fx.Node, hardware: Hardware) -> tuple[float, float]:
+    """(roofline seconds, FLOPs) of one graph node on ``hardware``: views, getitems and
+    placeholders cost nothing; a compute node the larger of its FLOPs at peak and the bytes it
+    reads and writes at memory bandwidth."""
+    if node.op != "call_function" or node.target == operator.getitem:
+        return 0.0, 0.0
+    ops = _view_ops()
+    if ops.is_view(node):
+        return 0.0, 0.0
+    args, kwargs = _meta(node.args), _meta(node.kwargs)
+    out = node.meta.get("val")
+    flops = 0.0
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet is not None and packet in flop_registry:
+        try:
+            flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
+        except Exception:  # a formula that cannot read these (symbolic) shapes: count bytes only
+            flops = 0.0
+    traffic = sum(_nbytes(t) for t in _tensor_vals(args)) + sum(_nbytes(t) for t in _tensor_vals(out))
+    return max(flops / hardware.peak_flops, traffic / hardware.memory_bytes_per_s), flops
+
+
+def graph_trace(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, hardware: Hardware, *,
+                static_input_names: Sequence[str] = (), name: str = "compiled") -> GraphTrace:
+    """The Trace of one partitioned graph pair (module docstring), timed by roofline for ``hardware``."""
+    ops = _view_ops()
+    fw_nodes = list(fw.graph.nodes)
+    pos = {n: i for i, n in enumerate(fw_nodes)}
+    outs = fw.graph.find_nodes(op="output")[0].args[0]
+    model_outputs = {n for n in outs[:num_fwd_outputs] if isinstance(n, fx.Node)}
+    placeholders = [n for n in fw_nodes if n.op == "placeholder"]
+    static = {n for n in placeholders if n.name in set(static_input_names)}
+    saved = [n for n in saved_nodes(fw, num_fwd_outputs) if n not in static]
+
+    # R2: one tensor per storage. A saved view's storage is its base's; if the base is saved too,
+    # offloading the base frees nothing while the view holds it, so the whole group stays.
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for n in saved:
+        groups.setdefault(_base(n, ops), []).append(n)
+    held: dict[str, str] = {}
+    tensors: list[fx.Node] = []
+    for members in groups.values():
+        why = offloadable(members[0], model_outputs, static, ops) if len(members) == 1 else "shares its storage with another saved tensor"
+        if why is None:
+            tensors.append(members[0])
+        else:
+            for m in members:
+                held[m.name] = why if m is members[0] else "shares its storage with another saved tensor"
+    held_first = {base: members for base, members in groups.items() if members[0].name in held}
+
+    # forward events: a pack at each tensor's producer, in graph order
+    tensors.sort(key=lambda n: pos[n])
+    tid = {n.name: k for k, n in enumerate(tensors)}
+    fw_cost = [node_seconds(n, hardware) for n in fw_nodes]
+
+    def last_forward_use(n: fx.Node) -> int:
+        users = [pos[u] for u in n.users if u.op != "output"]
+        stack = list(u for u in n.users if ops.is_view(u))
+        while stack:  # a view's readers keep the storage too
+            v = stack.pop()
+            users += [pos[u] for u in v.users if u.op != "output"]
+            stack += [u for u in v.users if ops.is_view(u)]
+        return max(users, default=pos[n])
+
+    events: list[Event] = []
+    event_node: list[str] = []
+    event_pos: list[int] = []
+    since = 0
+    for n in tensors:
+        p = pos[n]
+        gap = sum(c[0] for c in fw_cost[since:p + 1])
+        flops = sum(c[1] for c in fw_cost[since:p + 1])
+        since = p + 1
+        events.append(Event("pack", tid[n.name], gap, flops))
+        event_node.append(n.name)
+        event_pos.append(p)
+    fw_rest = sum(c[0] for c in fw_cost[since:])
+    fw_rest_flops = sum(c[1] for c in fw_cost[since:])
+    n_fwd = len(events)
+
+    # backward events: an unpack at each node that reads a saved tensor
+    bw_nodes = list(bw.graph.nodes)
+    bpos = {n: i for i, n in enumerate(bw_nodes)}
+    bw_cost = [node_seconds(n, hardware) for n in bw_nodes]
+    bw_place = {n.name: n for n in bw.graph.find_nodes(op="placeholder")}
+    since = 0
+    first = True
+    for i, n in enumerate(bw_nodes):
+        reads = [a.name for a in n.all_input_nodes if a.op == "placeholder" and a.name in tid]
+        if not reads:
+            continue
+        gap = sum(c[0] for c in bw_cost[since:i])
+        flops = sum(c[1] for c in bw_cost[since:i])
+        if first:
+            gap, flops, first = gap + fw_rest, flops + fw_rest_flops, False
+        since = i
+        for j, r in enumerate(dict.fromkeys(reads)):
+            events.append(Event("unpack", tid[r], gap if j == 0 else 0.0, flops if j == 0 else 0.0))
+            event_node.append(n.name)
+            event_pos.append(len(fw_nodes) + i)
+    tail = sum(c[0] for c in bw_cost[since:]) + (fw_rest if first else 0.0)
+    tail_flops = sum(c[1] for c in bw_cost[since:]) + (fw_rest_flops if first else 0.0)
+
+    # R2: the program holds each tensor through its last forward reader's gap
+    fwd_event_pos = event_pos[:n_fwd]
+    infos: list[TensorInfo] = []
+    for k, n in enumerate(tensors):
+        last = last_forward_use(n)
+        rel = next((e for e in range(n_fwd) if fwd_event_pos[e] >= last), n_fwd if n_fwd < len(events) else None)
+        first_reader = min((u for u in n.users if u.op != "output"), key=lambda u: pos[u], default=n)
+        val = n.meta["val"]
+        infos.append(TensorInfo(k, _nbytes(val), tuple(_hint(s) for s in val.shape), str(val.dtype).removeprefix("torch."),
+                                _op_name(n), module_path(first_reader) or module_path(n),
+                                released_at=rel if rel is not None and rel < len(events) else None))
+
+    # R3: what torch cannot offload is live from its producer to its last backward reader
+    other = [0] * len(events)
+    for base, members in held_first.items():
+        b = max(_nbytes(base.meta.get("val")), *(_nbytes(m.meta.get("val")) for m in members))
+        start = pos.get(base, 0)
+        readers = [bpos[u] for m in members if m.name in bw_place for u in bw_place[m.name].users]
+        end = len(fw_nodes) + max(readers, default=-1)
+        for e, p in enumerate(event_pos):
+            if start <= p <= end:
+                other[e] += b
+    events = [Event(e.kind, e.tensor, e.compute_s, e.flops, other[i] or None) for i, e in enumerate(events)]
+
+    static_bytes = 2 * sum(_nbytes(n.meta.get("val")) for n in static)  # parameters and their gradients
+    trace = Trace(name=name, timing="roofline", device=hardware.name, static_bytes=static_bytes, tail_compute_s=tail,
+                  tensors=tuple(infos), events=tuple(events),
+                  meta={"executor": "compiled", "timing_source": "roofline of the graph's nodes", "tail_flops": tail_flops,
+                        "held_bytes": sum(_nbytes(m[0].meta.get("val")) for m in held_first.values()),
+                        "held": len(held)})
+    return GraphTrace(trace, tuple(n.name for n in tensors), tuple(event_node), held, len(static))
+
+
+def _op_name(node: fx.Node) -> str:
+    """The aten op's name as the eager profiler records it (``addmm``), ``""`` for an input."""
+    packet = getattr(node.target, "overloadpacket", None)
+    return str(getattr(packet, "__name__", "")) if packet is not None else ""

@@ -1,0 +1,176 @@
+"""A SwapPlan lowered into a compiled graph pair (DESIGN.md, R10).
+
+The plan is made on the graphs the partitioner chose with no tags (:mod:`graph_trace`); lowering
+tags the joint graph and partitions it again:
+
+- an evicted tensor's node gets ``meta["should_offload"]``, and torch's activation offloading
+  (``torch._functorch.config.enable_activation_offloading``) inserts its offload and reload;
+- a recomputed block's forward nodes get ``CheckpointPolicy.MUST_RECOMPUTE`` and its anchor
+  ``MUST_SAVE`` (R9): the partitioner then rebuilds the block in backward from its anchor, as
+  checkpointing the block does; a selective block keeps (``MUST_SAVE``) the outputs of the ops
+  selective checkpointing saves (``trace.SELECTIVE_SAVE_OPS``) and recomputes the rest;
+- then the offload of each evicted tensor moves to the plan's swap-out event (never before its
+  producer) and its reload to the plan's prefetch event (R7), where torch would put them after
+  the last forward use and before the first backward use. The wait on a reload stays before the
+  first use; the wait on an offload stays after the last forward use (its ``keepalive`` frees
+  the device copy there, R2).
+
+:func:`lowered_decisions` reads back what a lowered graph pair holds, so a test (and the
+backend's report) can check that it holds exactly the plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from swapsched.compiled.graph_trace import GraphTrace, module_path
+from swapsched.plan import SwapPlan
+from swapsched.trace import SELECTIVE_SAVE_OPS
+
+__all__ = ["Lowered", "tag_joint", "place_copies", "lowered_decisions", "OFFLOAD_PREFIXES", "RELOAD_PREFIXES"]
+
+#: Names torch gives the nodes it inserts (torch/_functorch/_activation_offloading): the
+#: synchronous ``device_put`` lowering and the ``ao.offload`` / ``ao.reload`` one on a stream
+OFFLOAD_PREFIXES = ("async_cpu_offload_", "cpu_offload_")
+RELOAD_PREFIXES = ("async_gpu_reload_", "gpu_reload_")
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """What a lowered graph pair holds: the offloaded saved tensors (forward node names); per
+    offloaded tensor, the backward node its reload is issued before; and the forward nodes the
+    backward graph recomputes."""
+
+    offloaded: frozenset[str]
+    reload_before: dict[str, str]
+    offload_after: dict[str, str]
+    recomputed: frozenset[str]
+    saved: frozenset[str]
+
+
+def _stripped(name: str, prefixes: tuple[str, ...]) -> str | None:
+    for p in prefixes:
+        if name.startswith(p):
+            return name[len(p):]
+    return None
+
+
+def tag_joint(joint: fx.GraphModule, gt: GraphTrace, plan: SwapPlan, forward_nodes: frozenset[str]) -> tuple[int, int]:
+    """Tag ``joint`` with ``plan``'s decisions (module docstring). Returns (offload tags,
+    recompute tags)."""
+    evicted = {gt.node_of[e.tensor] for e in plan.evictions}
+    trace = gt.trace
+    blocks = {s.name: s for s in trace.segments}
+    whole = [blocks[b] for b in plan.recompute]
+    selective = [blocks[b] for b in plan.selective]
+    anchors = {gt.node_of[s.anchor] for s in (*whole, *selective)}
+    members = {gt.node_of[k]: s.name for s in (*whole, *selective) for k in s.members}
+    sel_names = {s.name for s in selective}
+
+    def block_of(node: fx.Node) -> str | None:
+        if node.name in members:
+            return members[node.name]
+        path = module_path(node)
+        for s in (*whole, *selective):
+            if path == s.name or path.startswith(s.name + "."):
+                return s.name
+        return None
+
+    # where the plan recomputes, the tags pin the rest of the partition too: with any tag set the
+    # min-cut partitioner re-decides untagged nodes, and could then rebuild a tensor the plan swaps
+    keep = ({*gt.node_of, *gt.held} - set(members)) if members else set()
+    n_off = n_rec = 0
+    for node in joint.graph.nodes:
+        if node.op != "call_function" or node.name not in forward_nodes:
+            continue
+        if node.name in evicted:
+            node.meta["should_offload"] = True
+            n_off += 1
+        if node.name in anchors or node.name in keep:
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            continue
+        block = block_of(node)
+        if block is None:
+            continue
+        op = getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
+        if block in sel_names and op in SELECTIVE_SAVE_OPS:
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        else:
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            n_rec += 1
+    return n_off, n_rec
+
+
+def _by_suffix(graph: fx.Graph, prefixes: tuple[str, ...]) -> dict[str, fx.Node]:
+    out = {}
+    for n in graph.nodes:
+        base = _stripped(n.name, prefixes)
+        if base is not None and n.op == "call_function" and not _is_wait(n):
+            out[base] = n
+    return out
+
+
+def place_copies(fw: fx.GraphModule, bw: fx.GraphModule, gt: GraphTrace, plan: SwapPlan) -> None:
+    """Move each offload to the plan's swap-out event and each reload to its prefetch event (R7)."""
+    offloads = _by_suffix(fw.graph, OFFLOAD_PREFIXES)
+    reloads = _by_suffix(bw.graph, RELOAD_PREFIXES)
+    fw_by_name = {n.name: n for n in fw.graph.nodes}
+    bw_by_name = {n.name: n for n in bw.graph.nodes}
+    fw_pos = {n: i for i, n in enumerate(fw.graph.nodes)}
+    bw_pos = {n: i for i, n in enumerate(bw.graph.nodes)}
+    trace = gt.trace
+    for e in plan.evictions:
+        name = gt.node_of[e.tensor]
+        off = offloads.get(name)
+        if off is not None:
+            # the offload reads the tensor: never before its producer, and at the plan's event
+            at = fw_by_name.get(gt.event_node[e.swap_out_at])
+            producer = fw_by_name.get(name)
+            anchor = max((n for n in (at, producer) if n is not None), key=lambda n: fw_pos[n], default=None)
+            if anchor is not None and fw_pos[anchor] < fw_pos[off]:
+                anchor.append(off)
+        rel = reloads.get(name)
+        if rel is not None and e.prefetch_at < int(trace.first_unpack[e.tensor]):
+            target = bw_by_name.get(gt.event_node[e.prefetch_at])
+            # a reload reads only its placeholder: it may go anywhere after the placeholders, and
+            # never after its first use (a recompute may read the tensor before the event's node)
+            if target is not None and target.op != "placeholder" and bw_pos[target] < bw_pos[rel]:
+                target.prepend(rel)
+    fw.graph.lint()
+    bw.graph.lint()
+    fw.recompile()
+    bw.recompile()
+
+
+def lowered_decisions(fw: fx.GraphModule, bw: fx.GraphModule, forward_nodes: frozenset[str],
+                      num_fwd_outputs: int, is_copy: Callable[[fx.Node], bool] | None = None) -> Lowered:
+    """Read back what a lowered graph pair does (module docstring)."""
+    offloads = _by_suffix(fw.graph, OFFLOAD_PREFIXES)
+    reloads = _by_suffix(bw.graph, RELOAD_PREFIXES)
+    order = list(bw.graph.nodes)
+    reload_before: dict[str, str] = {}
+    for name, rel in reloads.items():
+        i = order.index(rel) + 1
+        while i < len(order) and (_stripped(order[i].name, RELOAD_PREFIXES) is not None or order[i].op == "placeholder"
+                                  or _is_wait(order[i])):
+            i += 1
+        reload_before[name] = order[i].name if i < len(order) else "output"
+    fw_order = list(fw.graph.nodes)
+    offload_after = {}
+    for name, off in offloads.items():
+        i = fw_order.index(off) - 1
+        while i > 0 and _stripped(fw_order[i].name, OFFLOAD_PREFIXES) is not None:
+            i -= 1
+        offload_after[name] = fw_order[i].name
+    recomputed = frozenset(n.name for n in bw.graph.nodes if n.op == "call_function" and n.name in forward_nodes)
+    outs = fw.graph.find_nodes(op="output")[0].args[0]
+    saved = frozenset(n.name for n in outs[num_fwd_outputs:] if isinstance(n, fx.Node))
+    return Lowered(frozenset(offloads), reload_before, offload_after, recomputed, saved)
+
+
+def _is_wait(node: fx.Node) -> bool:
+    return "wait_tensor" in str(node.target)
