@@ -243,7 +243,7 @@ class _Partitioner(CustomPartitionerFn):
         t0 = time.perf_counter()
         fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         gt = graph_trace(fw, bw, n_out, be.executed_hardware, static_input_names=static_names,
-                         name=f"compiled-graph-{self.index}")
+                         name=f"compiled-graph-{self.index}", taggable=forward)
         budget, basis = be.budget_for(gt.trace, self.index)
         plan = be.policy.plan(gt.trace, budget, be.executed_hardware).validate(gt.trace)
         sim = simulate(gt.trace, plan, be.executed_hardware, budget)

@@ -62,7 +62,7 @@ def module_path(node: fx.Node) -> str:
         return ""
     path = str(list(stack.values())[-1][0])
     path = re.sub(r"^L\['[^']*'\]\.?", "", path)
-    path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)
+    path = re.sub(r"\.?_modules\['([^']*)'\]", r".\1", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']*)'\]", r".\1", path)
     return path.strip(".")
@@ -87,16 +87,22 @@ def _base(node: fx.Node, ops) -> fx.Node:
     return node
 
 
-def offloadable(node: fx.Node, model_outputs: set[fx.Node], static: set[fx.Node], ops=None) -> str | None:
+def offloadable(node: fx.Node, model_outputs: set[fx.Node], static: set[fx.Node], ops=None,
+                taggable: frozenset[str] | None = None, needs_grad: set[fx.Node] | None = None) -> str | None:
     """Why torch's offloading cannot take ``node`` (the checks of
-    ``torch._functorch._activation_offloading.can_offload``), or None if it can."""
+    ``torch._functorch._activation_offloading.can_offload``, and whether the joint graph has the
+    node to tag: ``taggable``), or None if it can. A graph input is offloaded only where it needs
+    a gradient (``needs_grad``): an activation of an earlier graph (the block before, under
+    per-block compile), which its caller lets go once the graph has run."""
     ops = ops or _view_ops()
+    if taggable is not None and node.op != "placeholder" and node.name not in taggable:
+        return "made by the partitioner (no joint-graph node to tag)"
     if node in model_outputs:
         return "a model output"
     if node in static:
         return "a static input"
-    if node.op == "placeholder":
-        return "a graph input (its caller holds it: offloading it frees nothing)"
+    if node.op == "placeholder" and not (needs_grad and node in needs_grad):
+        return "a graph input that needs no gradient (the caller's batch: it holds it, offloading frees nothing)"
     if ops.is_view(node):
         return "a view"
     if node.target == operator.getitem:
@@ -160,8 +166,10 @@ def node_seconds(node: fx.Node, hardware: Hardware) -> tuple[float, float]:
 
 
 def graph_trace(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, hardware: Hardware, *,
-                static_input_names: Sequence[str] = (), name: str = "compiled") -> GraphTrace:
-    """The Trace of one partitioned graph pair (module docstring), timed by roofline for ``hardware``."""
+                static_input_names: Sequence[str] = (), name: str = "compiled",
+                taggable: frozenset[str] | None = None) -> GraphTrace:
+    """The Trace of one partitioned graph pair (module docstring), timed by roofline for ``hardware``.
+    ``taggable``: the joint graph's forward nodes, the ones a plan can tag (None: every node)."""
     ops = _view_ops()
     fw_nodes = list(fw.graph.nodes)
     pos = {n: i for i, n in enumerate(fw_nodes)}
@@ -170,6 +178,9 @@ def graph_trace(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, ha
     placeholders = [n for n in fw_nodes if n.op == "placeholder"]
     static = {n for n in placeholders if n.name in set(static_input_names)}
     saved = [n for n in saved_nodes(fw, num_fwd_outputs) if n not in static]
+    # the backward graph returns one gradient per forward input, None where it needs none
+    grads = bw.graph.find_nodes(op="output")[0].args[0]
+    needs_grad = {p for p, g in zip(placeholders, grads, strict=False) if g is not None} if len(grads) >= len(placeholders) else set()
 
     # R2: one tensor per storage. A saved view's storage is its base's; if the base is saved too,
     # offloading the base frees nothing while the view holds it, so the whole group stays.
@@ -179,7 +190,7 @@ def graph_trace(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, ha
     held: dict[str, str] = {}
     tensors: list[fx.Node] = []
     for members in groups.values():
-        why = offloadable(members[0], model_outputs, static, ops) if len(members) == 1 else "shares its storage with another saved tensor"
+        why = offloadable(members[0], model_outputs, static, ops, taggable, needs_grad) if len(members) == 1 else "shares its storage with another saved tensor"
         if why is None:
             tensors.append(members[0])
         else:
@@ -264,13 +275,29 @@ def graph_trace(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, ha
                 other[e] += b
     events = [Event(e.kind, e.tensor, e.compute_s, e.flops, other[i] or None) for i, e in enumerate(events)]
 
+    # R9 under compile: a block whose forward mutates an input in place (BatchNorm's running
+    # statistics) cannot be rebuilt in backward: the recompute would read the input after the
+    # mutation, which autograd refuses (and checkpointing it in eager updates the stats twice)
+    mutating = {module_path(n) for n in fw_nodes if n.op == "call_function" and _mutates_input(n)}
     static_bytes = 2 * sum(_nbytes(n.meta.get("val")) for n in static)  # parameters and their gradients
     trace = Trace(name=name, timing="roofline", device=hardware.name, static_bytes=static_bytes, tail_compute_s=tail,
                   tensors=tuple(infos), events=tuple(events),
                   meta={"executor": "compiled", "timing_source": "roofline of the graph's nodes", "tail_flops": tail_flops,
                         "held_bytes": sum(_nbytes(m[0].meta.get("val")) for m in held_first.values()),
                         "held": len(held)})
+    if mutating:
+        trace = trace.with_segments(lambda sg: not any(m == sg.name or m.startswith(sg.name + ".") for m in mutating))
     return GraphTrace(trace, tuple(n.name for n in tensors), tuple(event_node), held, len(static))
+
+
+#: Ops whose functional form in a joint graph stands for an in-place update of a module's buffers
+_MUTATING = ("_native_batch_norm_legit_functional", "native_batch_norm", "_batch_norm_with_update_functional",
+             "_batch_norm_with_update", "batch_norm")
+
+
+def _mutates_input(node: fx.Node) -> bool:
+    name = _op_name(node)
+    return name in _MUTATING or name.endswith("_")
 
 
 def _op_name(node: fx.Node) -> str:

@@ -50,6 +50,8 @@ class Lowered:
     offload_after: dict[str, str]
     recomputed: frozenset[str]
     saved: frozenset[str]
+    bw_order: tuple[str, ...]
+    placeholders: frozenset[str]
 
 
 def _stripped(name: str, prefixes: tuple[str, ...]) -> str | None:
@@ -85,6 +87,10 @@ def tag_joint(joint: fx.GraphModule, gt: GraphTrace, plan: SwapPlan, forward_nod
     keep = ({*gt.node_of, *gt.held} - set(members)) if members else set()
     n_off = n_rec = 0
     for node in joint.graph.nodes:
+        if node.op == "placeholder" and node.name in evicted:  # an activation of the graph before
+            node.meta["should_offload"] = True
+            n_off += 1
+            continue
         if node.op != "call_function" or node.name not in forward_nodes:
             continue
         if node.name in evicted:
@@ -135,7 +141,10 @@ def place_copies(fw: fx.GraphModule, bw: fx.GraphModule, gt: GraphTrace, plan: S
                 anchor.append(off)
         rel = reloads.get(name)
         if rel is not None and e.prefetch_at < int(trace.first_unpack[e.tensor]):
-            target = bw_by_name.get(gt.event_node[e.prefetch_at])
+            # a prefetch planned in forward is issued as backward starts: the reload is the
+            # backward graph's, which runs only then (R10)
+            target = (bw_by_name.get(gt.event_node[e.prefetch_at]) if e.prefetch_at >= trace.backward_start
+                      else next((n for n in bw.graph.nodes if n.op != "placeholder"), None))
             # a reload reads only its placeholder: it may go anywhere after the placeholders, and
             # never after its first use (a recompute may read the tensor before the event's node)
             if target is not None and target.op != "placeholder" and bw_pos[target] < bw_pos[rel]:
@@ -169,7 +178,8 @@ def lowered_decisions(fw: fx.GraphModule, bw: fx.GraphModule, forward_nodes: fro
     recomputed = frozenset(n.name for n in bw.graph.nodes if n.op == "call_function" and n.name in forward_nodes)
     outs = fw.graph.find_nodes(op="output")[0].args[0]
     saved = frozenset(n.name for n in outs[num_fwd_outputs:] if isinstance(n, fx.Node))
-    return Lowered(frozenset(offloads), reload_before, offload_after, recomputed, saved)
+    return Lowered(frozenset(offloads), reload_before, offload_after, recomputed, saved, tuple(n.name for n in order),
+                   frozenset(n.name for n in order if n.op == "placeholder"))
 
 
 def _is_wait(node: fx.Node) -> bool:

@@ -776,3 +776,27 @@ def test_the_guard_never_evicts_what_a_recompute_is_rebuilding(hw):
     assert simulate(tr, plan, hw, 300).iteration_s == 11.0  # it fits at 300: ideal 8 + the block's forward, 3 s
     r = simulate(tr, plan, hw, 250, guard=True)
     assert r.oom and r.oom_event == 5 and r.guard_evictions == 0
+
+
+def test_one_transfer_stream_runs_both_directions_in_issue_order(two_tensors, hw):
+    # R10: at e1 (t=2) the plan swaps T1 out and prefetches T0 and T1 (T0 went out at e0: 1 -> 2).
+    # Two streams: T1 out 2 -> 3 on d2h; h2d runs T0 2 -> 3, then T1 3 -> 4 (after its swap-out);
+    # e2 (t=4) finds T1 back: step 5. One stream: T1 out 2 -> 3, T0 in 3 -> 4, T1 in 4 -> 5, so e2
+    # waits 1 s for T1: step 6.
+    plan = [Eviction(0, 0, 1), Eviction(1, 1, 1)]
+    two = simulate(two_tensors, plan, hw, 300, record=True)
+    assert two.timeline.h2d == ((2.0, 3.0, 0), (3.0, 4.0, 1)) and two.iteration_s == 5.0
+    one = simulate(two_tensors, plan, replace(hw, copy_streams=1), 300, record=True)
+    assert one.timeline.d2h == ((1.0, 2.0, 0), (2.0, 3.0, 1))
+    assert one.timeline.h2d == ((3.0, 4.0, 0), (4.0, 5.0, 1))
+    assert one.iteration_s == 6.0 and one.stall_bwd_s == 1.0
+
+
+def test_the_compiled_executor_pays_no_host_cost(two_tensors, hw):
+    # R10: hooks cost 0.5 s a call on the hook runtime (4 events: +2 s); compiled, nothing
+    costly = replace(hw, hook_cost_s=0.5)
+    assert simulate(two_tensors, [], costly, 300).iteration_s == 7.0
+    assert simulate(two_tensors, [], costly.for_executor("compiled"), 300).iteration_s == 5.0
+    assert costly.for_executor("hooks") is costly
+    with pytest.raises(Exception, match="unknown executor"):
+        costly.for_executor("jit")

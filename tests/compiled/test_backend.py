@@ -1,0 +1,203 @@
+"""compiled/: the backend plans each graph, and the lowered graphs hold exactly the plan (R10)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+import swapsched
+from swapsched.budget import BudgetError
+from swapsched.compiled.backend import GraphReport, PlannedBackend
+from swapsched.compiled.lowering import RELOAD_PREFIXES
+from swapsched.errors import UserError
+from swapsched.hardware import load_hardware
+from swapsched.plan import Eviction, SwapPlan
+from tests.compiled.conftest import MLP, make_case
+
+H100 = load_hardware("h100-pcie5")
+
+
+class Fixed:
+    """A policy that returns what ``make(trace)`` builds: the tests choose the decisions."""
+
+    def __init__(self, make: Any, name: str = "fixed"):
+        self.make, self.name = make, name
+
+    def plan(self, trace: Any, budget: int, hardware: Any) -> SwapPlan:
+        return self.make(trace)
+
+
+def compile_step(model: torch.nn.Module, x: Any, backend: Any) -> torch.Tensor:
+    torch._dynamo.reset()
+    loss = torch.compile(model, backend=backend)(x)
+    loss.backward()
+    return loss
+
+
+def assert_holds_plan(g: GraphReport) -> None:
+    """The lowered graphs do exactly what the plan says (module docstring of compiled/lowering.py)."""
+    gt, plan, low = g.graph, g.plan, g.lowered
+    t = gt.trace
+    assert low.offloaded == {gt.node_of[e.tensor] for e in plan.evictions}
+    recomputed = {gt.node_of[k] for s in t.segments if s.name in plan.recompute for k in s.members}
+    recomputed |= {gt.node_of[k] for s in t.segments if s.name in plan.selective for k in s.cheap}
+    assert recomputed <= low.recomputed and not recomputed & low.saved
+    # every other tensor of the trace is saved, on the device or offloaded
+    for name in gt.node_of:
+        if name not in recomputed:
+            assert name in low.saved or f"cpu_offload_{name}" in low.saved, name
+    # the copies sit at the plan's events: a reload before the node of its prefetch event (or
+    # at its first use where a recompute reads it earlier), an offload after its swap-out event
+    bw_order = list(g.lowered.bw_order)
+    for e in plan.evictions:
+        name = gt.node_of[e.tensor]
+        at = bw_order.index(low.reload_before[name])
+        if e.prefetch_at < t.first_unpack[e.tensor]:
+            planned = (gt.event_node[e.prefetch_at] if e.prefetch_at >= t.backward_start  # R10: else as backward starts
+                       else next(n for n in bw_order if n not in low.placeholders and not n.startswith(RELOAD_PREFIXES)))
+            assert at <= bw_order.index(planned)
+            if not plan.recompute and not plan.selective:
+                assert low.reload_before[name] == planned
+        assert low.offload_after[name] in (name, gt.event_node[e.swap_out_at])
+
+
+def min_plan(trace: Any) -> SwapPlan:
+    """Every offloadable tensor evicted at its pack, prefetched one event before its first unpack."""
+    ev = []
+    for k in range(trace.n_tensors):
+        fu = int(trace.first_unpack[k])
+        ev.append(Eviction(k, int(trace.first_pack[k]), max(int(trace.first_pack[k]), fu - 1)))
+    return SwapPlan.of(trace, "evict-all", ev)
+
+
+def test_offloads_and_reloads_are_exactly_the_plans(case):
+    model, x = case
+    be = PlannedBackend("100%", Fixed(min_plan), H100, inner="aot_eager")
+    compile_step(model, x, be)
+    (g,) = be.report().graphs
+    assert g.offloaded == g.graph.trace.n_tensors > 0
+    assert_holds_plan(g)
+
+
+@pytest.mark.parametrize("budget", ["30%", "50%", "70%"])
+@pytest.mark.parametrize("policy", ["min", "capuchin", "checkpoint-selective"])
+def test_a_policys_plan_is_lowered_exactly(case, policy, budget):
+    model, x = case
+    try:
+        be = swapsched.CompileBackend(budget, policy, "h100-pcie5", inner="aot_eager")
+        compile_step(model, x, be)
+    except torch._dynamo.exc.BackendCompilerFailed as exc:
+        assert isinstance(exc.inner_exception, BudgetError)  # below this graph's floor: said so
+        assert "smallest feasible budget" in str(exc.inner_exception) or "does not fit" in str(exc.inner_exception)
+        return
+    (g,) = be.report().graphs
+    assert_holds_plan(g)
+    assert g.predicted_peak_bytes <= g.budget_bytes
+
+
+def _train(model: torch.nn.Module, make_x: Any, backend: Any, steps: int = 5) -> list[Any]:
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    out = []
+    for i in range(steps):
+        torch.manual_seed(100 + i)  # dropout draws the same numbers in both runs
+        loss = compiled(make_x(i))
+        loss.backward()
+        out.append((loss.detach().clone(), [p.grad.clone() for p in model.parameters()]))
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize(("policy", "budget"), [("min", "85%"), ("default", "85%"), ("checkpoint-all", "100%")])
+def test_training_equals_torch_compile(policy, budget):
+    # exact equality: the plan's offloads copy bits, and a recompute under aot_eager reruns the
+    # same kernels on the same inputs with torch's RNG state replayed (functionalized rng ops)
+    torch.manual_seed(0)
+    a = MLP(dropout=0.1)
+    b = copy.deepcopy(a)
+    xs = [torch.randn(4, 16, 32) for _ in range(5)]
+    got = _train(a, xs.__getitem__, swapsched.CompileBackend(budget, policy, "h100-pcie5", inner="aot_eager"))
+    want = _train(b, xs.__getitem__, "aot_eager")
+    for (la, ga), (lb, gb) in zip(got, want, strict=True):
+        assert torch.equal(la, lb)
+        assert all(torch.equal(p, q) for p, q in zip(ga, gb, strict=True))
+
+
+def test_graph_breaks_share_a_byte_budget_in_step_order():
+    class Broken(MLP):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for i, b in enumerate(self.blocks):
+                x = b(x)
+                if i == 0:
+                    torch._dynamo.graph_break()
+            return self.head(x).square().mean()
+
+    torch.manual_seed(0)
+    model = Broken()
+    be = PlannedBackend("2MiB", swapsched.get_policy("min"), H100, inner="aot_eager")
+    compile_step(model, torch.randn(4, 16, 32), be)
+    first, second = be.report().graphs
+    assert first.budget_bytes == 2 * 2**20 and first.budget_basis == "whole-device bytes"
+    # the second graph gets what the first leaves: its static bytes and the saved tensors its plan keeps
+    t = first.graph.trace
+    kept = sum(t.tensors[k].bytes for k in range(t.n_tensors) if k not in first.plan.evicted)
+    held = t.static_bytes + kept + int(t.other_bytes[t.backward_start])
+    assert second.budget_bytes == 2 * 2**20 - held and "earlier graphs" in second.budget_basis
+    assert "earlier graphs" in str(be.report())
+
+
+def test_per_block_compile_and_a_new_length():
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    # every offloadable tensor evicted: under per-block compile a block saves its input (an
+    # activation of the block before, offloadable) and little else torch can offload
+    be = PlannedBackend("100%", Fixed(min_plan), H100, inner="aot_eager")
+    torch._dynamo.reset()
+    for block in model.blocks:
+        block.compile(backend=be)
+    for ref_block in ref.blocks:
+        ref_block.compile(backend="aot_eager")
+    for length in (16, 24):  # a new length recompiles: its graph is planned too
+        x = torch.randn(4, length, 32)
+        model(x).backward()
+        ref(x).backward()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+    graphs = be.report().graphs
+    # blocks 1 and 2 share one graph (their input needs a gradient, block 0's does not); the
+    # new length compiles again, with symbolic sizes planned at their hints
+    assert len(graphs) >= 3 and sum(g.offloaded for g in graphs) > 0
+    for g in graphs:
+        assert_holds_plan(g)
+
+
+def test_bad_input_fails_before_any_step():
+    with pytest.raises(UserError, match="unknown policy|policy"):
+        swapsched.CompileBackend("60%", "no-such-policy")
+    with pytest.raises(BudgetError, match="not understood"):
+        swapsched.CompileBackend("lots", "min")
+    with pytest.raises(UserError, match="inner compiler"):
+        swapsched.CompileBackend("60%", "min", inner="tvm")
+    # below the graph's floor: refused as the graph compiles, with the smallest feasible budget,
+    # and nothing has run (the parameters are as they were)
+    model, x = make_case("mlp")
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        compile_step(model, x, swapsched.CompileBackend("1%", "min", inner="aot_eager"))
+    assert isinstance(info.value.inner_exception, BudgetError)
+    assert "smallest feasible budget" in str(info.value.inner_exception)
+    assert all(p.grad is None and torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+def test_report_is_a_table():
+    model, x = make_case("mlp")
+    be = swapsched.CompileBackend("80%", "min", "h100-pcie5", inner="aot_eager")
+    assert "no graph compiled" in str(be.report())
+    compile_step(model, x, be)
+    text = str(be.report())
+    assert "offload" in text and "pred. peak" in text and "80% of each graph's own activation peak" in text

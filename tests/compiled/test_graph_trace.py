@@ -1,0 +1,119 @@
+"""compiled/graph_trace.py: a partitioned graph pair read as a Trace (R1/R2/R3, R10)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+from swapsched.compiled.graph_trace import graph_trace, module_path
+from swapsched.hardware import Hardware
+from tests.compiled.conftest import make_case
+
+HW = Hardware(name="round", d2h_bytes_per_s=1e9, h2d_bytes_per_s=1e9, copy_latency_s=0.0, device_memory_bytes=10**10,
+              peak_flops=1e12, memory_bytes_per_s=1e11)
+
+
+def partition_of(model: nn.Module, *inputs: Any) -> list[tuple[fx.GraphModule, fx.GraphModule, int, list[str]]]:
+    """Every (forward, backward, model outputs, static input names) torch's partitioner makes of ``model``."""
+    got = []
+
+    def part(joint: fx.GraphModule, joint_inputs: Any, **kw: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+        names = [n.name for n in joint.graph.nodes if n.op == "placeholder"]
+        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kw)
+        got.append((fw, bw, kw["num_fwd_outputs"], [names[i] for i in kw.get("static_lifetime_input_indices") or []]))
+        return fw, bw
+
+    def nop(g: fx.GraphModule, _: Any) -> Any:
+        return make_boxed_func(g.forward)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=part))
+    compiled(*inputs).backward()
+    return got
+
+
+class ViewAndTranspose(nn.Module):
+    """Saves views (the matmul's transposed operands) and non-contiguous tensors (``u``, a pointwise
+    op's output on a transposed input, and its sigmoid)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.sin(x @ self.w)           # sin saves x @ w: contiguous, offloadable
+        u = torch.cos(y.t())                # non-contiguous (it keeps the transpose's strides)
+        v = u * torch.sigmoid(u)            # mul saves u and sigmoid(u): non-contiguous
+        return v.sum() + torch.exp(y.view(64)).sum()
+
+
+def test_the_planner_sees_only_what_torch_can_offload():
+    ((fw, bw, n_out, static),) = partition_of(ViewAndTranspose(), torch.randn(8, 8))
+    gt = graph_trace(fw, bw, n_out, HW, static_input_names=static)
+    names = set(gt.node_of)
+    assert not names & set(gt.held)
+    # every held tensor is one torch's can_offload refuses, for the reason given
+    for name, why in gt.held.items():
+        node = next(n for n in fw.graph.nodes if n.name == name)
+        if why == "non-contiguous":
+            assert not node.meta["val"].is_contiguous()
+    assert {"non-contiguous", "a view"} <= set(gt.held.values())
+    assert all(next(n for n in fw.graph.nodes if n.name == m).meta["val"].is_contiguous() for m in names)
+    # the held bytes are other_bytes (R3) of the gaps they are live in: at least the largest at the step's peak
+    held_bytes = gt.trace.meta["held_bytes"]
+    assert held_bytes > 0 and int(gt.trace.other_bytes.max()) == held_bytes
+
+
+def test_bytes_and_events_follow_the_graphs():
+    model, x = make_case("mlp")
+    ((fw, bw, n_out, static),) = partition_of(model, x)
+    gt = graph_trace(fw, bw, n_out, HW, static_input_names=static)
+    t = gt.trace
+    by_name = {n.name: n for n in fw.graph.nodes}
+    for k, name in enumerate(gt.node_of):
+        val = by_name[name].meta["val"]
+        assert t.tensors[k].bytes == val.numel() * val.element_size()
+    # packs in forward graph order, then unpacks: each read of a saved placeholder in backward
+    order = [n.name for n in fw.graph.nodes]
+    packs = [gt.event_node[i] for i in range(t.backward_start)]
+    assert packs == sorted(packs, key=order.index) and packs == list(gt.node_of)
+    reads = sum(1 for n in bw.graph.nodes for a in dict.fromkeys(n.all_input_nodes) if a.name in set(gt.node_of))
+    assert t.n_events - t.backward_start == reads
+    # parameters (and their gradients) are static, never saved tensors (R2)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert t.static_bytes == 2 * params
+    # gaps: roofline, so the ideal step is positive and the trace says where times came from
+    assert t.ideal_s > 0 and t.timing == "roofline" and t.meta["executor"] == "compiled"
+
+
+def test_blocks_come_from_the_module_stack():
+    model, x = make_case("mlp")
+    ((fw, bw, n_out, static),) = partition_of(model, x)
+    t = graph_trace(fw, bw, n_out, HW, static_input_names=static).trace
+    # blocks.0's input is the caller's batch, held (a graph input), so its first saved tensor
+    # is inside it and the block may not qualify (R9); the later blocks' anchors are the
+    # residual stream their first op saves
+    names = [s.name for s in t.segments]
+    assert {"blocks.1", "blocks.2"} <= set(names) <= {"blocks.0", "blocks.1", "blocks.2"}
+    for s in t.segments:
+        assert all(t.tensors[k].module.startswith(s.name + ".") or t.tensors[k].module == s.name for k in (s.anchor, *s.members))
+
+
+@pytest.mark.parametrize(("path", "want"), [
+    ("L['self'].blocks.3.attn", "blocks.3.attn"),
+    ("L['self'].blocks[3].attn", "blocks.3.attn"),
+    ("L['self']._modules['blocks']['3']", "blocks.3"),
+    ("L['self']", ""),
+])
+def test_module_path(path, want):
+    g = fx.Graph()
+    n = g.placeholder("x")
+    n.meta["nn_module_stack"] = {"k": (path, nn.Module)}
+    assert module_path(n) == want
