@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from swapsched.errors import UserError
-from swapsched.hardware import DEFAULT_GPU_HARDWARE
+from swapsched.hardware import DEFAULT_GPU_HARDWARE, EXECUTORS
 
 __all__ = ["main"]
 
@@ -189,13 +189,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- simulate / plan
 
 
-def _load_case(trace_path: str, hardware: str, budget: str) -> tuple[Any, Any, int]:
+def _load_case(trace_path: str, hardware: str, budget: str, executor: str = "hooks") -> tuple[Any, Any, int]:
     from swapsched.budget import parse_budget
     from swapsched.hardware import load_hardware
     from swapsched.trace import load_trace
 
     trace = load_trace(trace_path)
-    return trace, load_hardware(hardware), parse_budget(budget, trace)
+    return trace, load_hardware(hardware).for_executor(executor), parse_budget(budget, trace)
 
 
 def _print_result(r: dict[str, Any]) -> None:
@@ -216,7 +216,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from swapsched.env.simulator import simulate
     from swapsched.plan import load_plan
 
-    trace, hw, budget = _load_case(args.trace, args.hardware, args.budget)
+    trace, hw, budget = _load_case(args.trace, args.hardware, args.budget, args.executor)
     plan = load_plan(args.plan, trace)
     res = simulate(trace, plan, hw, budget, record=bool(args.plot), validate=False)
     d = res.to_dict()
@@ -237,7 +237,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from swapsched.agents.evaluate import run_policy
     from swapsched.agents.registry import get_policy
 
-    trace, hw, budget = _load_case(args.trace, args.hardware, args.budget)
+    trace, hw, budget = _load_case(args.trace, args.hardware, args.budget, args.executor)
     policy = get_policy(args.policy, seed=args.seed, search_seconds=args.search_seconds)
     plan, res, plan_s = run_policy(policy, trace, budget, hw)
     plan.save(args.out)
@@ -266,7 +266,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from swapsched.trace import load_trace
 
     policies = expand_policies(args.policies)
-    hws = [load_hardware(h) for h in args.hardware]
+    hws = [load_hardware(h).for_executor(args.executor) for h in args.hardware]
     traces = [load_trace(t) for t in args.traces] if args.traces else [*load_corpus("train"), *load_corpus("test")]  # the zoo's
     rows = compare(traces, args.budgets, hws, policies, seed=args.seed, search_seconds=args.search_seconds,
                    progress=not args.no_progress)
@@ -488,6 +488,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--budget", type=_budget, required=True, help="'6GiB', '6e9' or '60%%' of the activation peak")
     sp.add_argument("--json", metavar="OUT", type=_out_file, help="write the result as JSON")
     sp.add_argument("--plot", metavar="PNG", type=_out_file, help="draw memory over time and the three streams")
+    sp.add_argument("--executor", choices=EXECUTORS, default="hooks",
+                    help="who executes the plan (R10): hooks (SwapRuntime, its host costs, two copy streams) or "
+                         "compiled (CompileBackend: no hook costs, one transfer stream); default hooks")
 
     sp = add("plan", cmd_plan, "Make a plan with a policy and write it as JSON.")
     sp.add_argument("--trace", required=True, help="trace file (.json or .json.gz)")
@@ -497,12 +500,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True, type=_out_file, help="plan file to write (JSON)")
     sp.add_argument("--seed", type=int, default=0, help="seed of the randomized policies (default 0)")
     sp.add_argument("--search-seconds", type=_positive_float, default=10.0, help="time box of swapadvisor")
+    sp.add_argument("--executor", choices=EXECUTORS, default="hooks",
+                    help="who executes the plan (R10): hooks (SwapRuntime, its host costs, two copy streams) or "
+                         "compiled (CompileBackend: no hook costs, one transfer stream); default hooks")
 
     sp = add("compare", cmd_compare, "Compare policies on traces x budgets x hardware in one table.")
     sp.add_argument("--traces", nargs="+", metavar="T", help="trace files (default: the shipped corpus of zoo models, train and test splits)")
     sp.add_argument("--budgets", type=_budgets, default=["30%", "50%", "70%"], help="comma list (default 30%%,50%%,70%%)")
     sp.add_argument("--hardware", type=_csv, default=[DEFAULT_GPU_HARDWARE],
                     help=f"comma list of names or YAML paths (default {DEFAULT_GPU_HARDWARE})")
+    sp.add_argument("--executor", choices=EXECUTORS, default="hooks",
+                    help="who executes the plan (R10): hooks (SwapRuntime, its host costs, two copy streams) or "
+                         "compiled (CompileBackend: no hook costs, one transfer stream); default hooks")
     sp.add_argument("--policies", default=",".join(FAST_POLICIES),
                     help="'all' or a comma list of: no-swap, swap-all, vdnn-all, vdnn-conv, min, capuchin, capuchin-swap, "
                          "checkpoint-all, checkpoint-selective, local-search, swapadvisor, optimal, optimal:SECONDSs, "

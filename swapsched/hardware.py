@@ -125,7 +125,7 @@ def hardware_from_dict(data: Any, source: str) -> Hardware:
         if vals[k] <= 0:
             raise HardwareError(f"{source}: field {k}: must be > 0, got {data[k]!r}")
     memory = int(vals.pop("device_memory_bytes"))
-    return Hardware(name=data["name"], device_memory_bytes=memory, **vals)
+    return Hardware(name=data["name"], device_memory_bytes=memory, **vals)  # type: ignore[arg-type]  # vals: the float fields read from YAML
 
 
 def hardware_names() -> list[str]:

@@ -155,7 +155,7 @@ class PlannedBackend:
                 return make_boxed_func(g.forward)
 
             compiled = aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=partition)(gm, example_inputs)
-        return wrap(compiled)
+        return wrap(compiled)  # type: ignore[arg-type]
 
     def _wrap_forward(self, index: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Note the graph's forward in step order; a backward (the gradient of any output) ends it."""
@@ -229,7 +229,8 @@ class _Partitioner(CustomPartitionerFn):
     def uuid(self) -> None:  # Inductor's cache key for a custom partitioner: never cache a planned graph
         return None
 
-    def __call__(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+        joint = gm
         from torch._functorch import config as functorch_config
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 

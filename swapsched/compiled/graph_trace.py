@@ -26,6 +26,7 @@ import operator
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -140,6 +141,8 @@ def _meta(x: object) -> object:
         return x.meta.get("val")
     if isinstance(x, (list, tuple)):
         return type(x)(_meta(y) for y in x)
+    if isinstance(x, dict):
+        return {k: _meta(v) for k, v in x.items()}
     return x
 
 
@@ -152,7 +155,8 @@ def node_seconds(node: fx.Node, hardware: Hardware) -> tuple[float, float]:
     ops = _view_ops()
     if ops.is_view(node):
         return 0.0, 0.0
-    args, kwargs = _meta(node.args), _meta(node.kwargs)
+    args: Any = _meta(node.args)
+    kwargs: Any = _meta(dict(node.kwargs))
     out = node.meta.get("val")
     flops = 0.0
     packet = getattr(node.target, "overloadpacket", None)
