@@ -6,11 +6,14 @@ Two parts (JSON plus tables):
   compile time with and without the backend, and step time against ``torch.compile(model)`` with
   a budget where the plan keeps everything, measured in shuffled interleaved rounds (median ratio
   and its spread over rounds).
-- **sim**: GPT-1.3B (and any other zoo model given) traced on ``meta`` both ways: as the compiled
+- **sim**: GPT-1.3B and a Llama-1B-shaped decoder traced on ``meta`` both ways: as the compiled
   executor sees it (the partition's saved tensors, only those torch can offload plannable, R10)
   and as the hook runtime's profiler does (every saved tensor plannable, R1-R9). ``default``
   plans each at 30/50/70% of its own activation peak on each hardware; the table gives each
-  executor's predicted step over its ideal, and the smallest feasible budget of each.
+  executor's predicted step over its ideal, and the smallest feasible budget of each. Beside
+  them, torch's own answer: ``torch.compile`` with ``activation_memory_budget`` at the same
+  fraction (a knapsack over recompute only), its step traced as partitioned: its cost over the
+  compiled ideal (the recomputes it added) and whether its peak fits the same bytes.
 
     python scripts/bench_compiled.py --out bench_results/compiled.json
 """
@@ -53,13 +56,46 @@ class Recorder:
         return SwapPlan.of(trace, self.name, [])
 
 
-def compiled_traces(model: str, size: str, hw: Any) -> list[Any]:
-    """The compiled executor's traces of one zoo model on meta (aot_eager: the partition is the same)."""
+def build(spec: str) -> tuple[torch.nn.Module, tuple[Any, ...], Any]:
+    """A model on meta, its inputs and its loss: ``MODEL:SIZE`` from the zoo, or ``llama-1b``
+    (a Llama-3.2-1B-shaped decoder from ``transformers``: 16 layers, width 2048, 32 heads, 8 key
+    and value heads, MLP 8192; batch 2 of 2,048 tokens; SDPA attention)."""
+    if spec == "llama-1b":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                          num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096, attn_implementation="sdpa")
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg)
+        ids = torch.randint(0, 32000, (2, 2048), device="meta")
+
+        class Wrapped(torch.nn.Module):  # one tensor in, the loss out: what the profiler and compile take
+            def __init__(self) -> None:
+                super().__init__()
+                self.inner = model
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.inner(input_ids=x, labels=x, use_cache=False).loss
+
+        return Wrapped(), (ids,), lambda out: out
+    model_name, size = spec.split(":")
+    case = build_model(model_name, size, device="meta")
+    return case.model, case.inputs, case.loss_fn
+
+
+def compiled_traces(spec: str, hw: Any, knapsack: float | None = None) -> list[Any]:
+    """The compiled executor's traces of a model on meta, after Inductor's decompositions
+    (``aot_eager_decomp``: the graphs Inductor partitions, without its kernels, which meta cannot
+    run). With ``knapsack``, partitioned under torch's ``activation_memory_budget`` instead: the
+    trace then is the step torch's knapsack chose (its recomputes are backward nodes, timed)."""
     torch._dynamo.reset()
-    case = build_model(model, size, device="meta")
+    model, inputs, loss_fn = build(spec)
     rec = Recorder()
-    backend = PlannedBackend("100%", rec, hw, inner="aot_eager")
-    case.loss_fn(torch.compile(case.model, backend=backend)(*case.inputs)).backward()
+    backend = PlannedBackend("100%", rec, hw, inner="aot_eager_decomp")
+    from torch._functorch import config as functorch_config
+
+    with functorch_config.patch(activation_memory_budget=1.0 if knapsack is None else knapsack):
+        loss_fn(torch.compile(model, backend=backend)(*inputs)).backward()
     return rec.traces
 
 
@@ -67,17 +103,19 @@ def sim_part(models: list[str], hardware: list[str], budgets: list[str]) -> list
     rows = []
     policy = get_policy("default")
     for spec in models:
-        model, size = spec.split(":")
         for hw_name in hardware:
             hw = load_hardware(hw_name)
             compiled_hw = hw.for_executor("compiled")
-            (ctrace,) = compiled_traces(model, size, hw)
-            case = build_model(model, size, device="meta")
-            etrace = profile(case.model, case.inputs, case.loss_fn, hardware=hw, name=f"{spec}-hooks")
+            (ctrace,) = compiled_traces(spec, hw)
+            model, inputs, loss_fn = build(spec)
+            etrace = profile(model, inputs, loss_fn, hardware=hw, name=f"{spec}-hooks")
             for budget in budgets:
-                row: dict[str, Any] = {"model": spec, "hardware": hw_name, "budget": budget}
+                row: dict[str, Any] = {"model": spec, "hardware": hw_name, "budget": budget,
+                                       "compiled_held_bytes": ctrace.meta["held_bytes"],
+                                       "compiled_saved_bytes": int(ctrace.tensor_bytes.sum())}
                 for label, trace, h in (("compiled", ctrace, compiled_hw), ("hooks", etrace, hw)):
                     row[f"{label}_floor_pct"] = smallest_feasible(trace)[1]
+                    row[f"{label}_ideal_ms"] = trace.ideal_s * 1e3
                     try:
                         b = parse_budget(budget, trace)
                     except BudgetError:
@@ -88,7 +126,14 @@ def sim_part(models: list[str], hardware: list[str], budgets: list[str]) -> list
                     row[f"{label}_plan_s"] = time.perf_counter() - t0
                     res = simulate(trace, plan, h, b)
                     row[f"{label}_overhead"] = None if res.oom else res.overhead
-                    row[f"{label}_ideal_ms"] = trace.ideal_s * 1e3
+                # torch's knapsack at the same fraction: does its step fit the same bytes, and at what cost
+                frac = float(budget.rstrip("%")) / 100
+                (ktrace,) = compiled_traces(spec, hw, knapsack=frac)
+                b = parse_budget(budget, ctrace, check_feasible=False)
+                row["knapsack_peak_bytes"] = int(ktrace.peak_bytes_no_swap)
+                row["budget_bytes"] = b
+                row["knapsack_fits"] = bool(ktrace.peak_bytes_no_swap <= b)
+                row["knapsack_overhead"] = ktrace.ideal_s / ctrace.ideal_s - 1.0
                 rows.append(row)
                 print(row, file=sys.stderr)
     return rows
@@ -143,7 +188,7 @@ def cpu_part(rounds: int, steps: int) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="gpt:1.3b", help="zoo MODEL:SIZE list for the simulated part")
+    ap.add_argument("--models", default="gpt:1.3b,llama-1b", help="zoo MODEL:SIZE or llama-1b, comma list, for the simulated part")
     ap.add_argument("--hardware", default="h100-pcie5,gh200-c2c")
     ap.add_argument("--budgets", default="30%,50%,70%")
     ap.add_argument("--rounds", type=int, default=8)
@@ -165,8 +210,11 @@ def main() -> None:
     def pct(x: Any) -> str:
         return "OOM/infeasible" if x is None else f"{x:+.1%}"
 
-    print(table(["model", "hardware", "budget", "compiled over ideal", "hooks over ideal", "compiled floor %", "hooks floor %"],
+    print(table(["model", "hardware", "budget", "compiled over ideal", "hooks over ideal", "torch knapsack", "knapsack fits",
+                 "compiled floor %", "hooks floor %"],
                 [[r["model"], r["hardware"], r["budget"], pct(r.get("compiled_overhead")), pct(r.get("hooks_overhead")),
+                  pct(r["knapsack_overhead"]), "yes" if r["knapsack_fits"] else
+                  f"no ({r['knapsack_peak_bytes'] / 2**30:.1f} of {r['budget_bytes'] / 2**30:.1f} GiB)",
                   f"{r['compiled_floor_pct']:.1f}", f"{r['hooks_floor_pct']:.1f}"] for r in rows]))
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -31,8 +31,8 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from swapsched.budget import BudgetError, check_budget, format_bytes, parse_budget
-from swapsched.compiled.graph_trace import GraphTrace, graph_trace
-from swapsched.compiled.lowering import Lowered, lowered_decisions, place_copies, tag_joint
+from swapsched.compiled.graph_trace import GraphTrace, graph_trace, rebasable_views, saved_nodes
+from swapsched.compiled.lowering import Lowered, lowered_decisions, place_copies, rebase_views, tag_joint
 from swapsched.env.simulator import SimResult, simulate
 from swapsched.errors import UserError
 from swapsched.hardware import Hardware
@@ -41,7 +41,11 @@ from swapsched.policy import Policy
 
 __all__ = ["PlannedBackend", "GraphReport", "CompileReport", "INNER_COMPILERS", "check_torch"]
 
-INNER_COMPILERS = ("inductor", "aot_eager")
+#: inductor: Inductor compiles the lowered graphs; aot_eager: they run as traced (debugging);
+#: aot_eager_decomp: as traced, after Inductor's decompositions (the graphs Inductor would
+#: partition, runnable on meta: what the benches trace big models with, as torch's own
+#: ``aot_eager_decomp_partition`` backend does)
+INNER_COMPILERS = ("inductor", "aot_eager", "aot_eager_decomp")
 
 
 def check_torch() -> None:
@@ -154,7 +158,13 @@ class PlannedBackend:
             def nop(g: fx.GraphModule, _inputs: Any) -> Callable[..., Any]:
                 return make_boxed_func(g.forward)
 
-            compiled = aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=partition)(gm, example_inputs)
+            decompositions = None
+            if self.inner == "aot_eager_decomp":
+                from torch._inductor.decomposition import select_decomp_table
+
+                decompositions = select_decomp_table()
+            compiled = aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=partition,
+                                    decompositions=decompositions)(gm, example_inputs)
         return wrap(compiled)  # type: ignore[arg-type]
 
     def _wrap_forward(self, index: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -243,8 +253,14 @@ class _Partitioner(CustomPartitionerFn):
         forward = _forward_names(joint)
         t0 = time.perf_counter()
         fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        # R10: a saved view's storage is offloadable once the partition saves its base instead
+        rebase = rebasable_views(fw, n_out, forward)
+        if rebase:
+            rebase_views(joint, rebase, {n.name for n in saved_nodes(fw, n_out)}, forward)
+            fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         gt = graph_trace(fw, bw, n_out, be.executed_hardware, static_input_names=static_names,
                          name=f"compiled-graph-{self.index}", taggable=forward)
+        gt = replace(gt, rebased=tuple(rebase))
         budget, basis = be.budget_for(gt.trace, self.index)
         plan = be.policy.plan(gt.trace, budget, be.executed_hardware).validate(gt.trace)
         sim = simulate(gt.trace, plan, be.executed_hardware, budget)

@@ -35,7 +35,7 @@ from torch.utils.flop_counter import flop_registry
 from swapsched.hardware import Hardware
 from swapsched.trace import Event, TensorInfo, Trace
 
-__all__ = ["GraphTrace", "graph_trace", "module_path", "offloadable", "saved_nodes"]
+__all__ = ["GraphTrace", "graph_trace", "module_path", "offloadable", "rebasable_views", "saved_nodes"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,9 @@ class GraphTrace:
     event_node: tuple[str, ...]
     held: dict[str, str]
     static_inputs: int
+    #: bases saved in place of the views of them torch's partition saved (R10): the partition
+    #: this trace reads was made with those views tagged to be rebuilt in backward
+    rebased: tuple[str, ...] = ()
 
 
 def module_path(node: fx.Node) -> str:
@@ -308,3 +311,32 @@ def _op_name(node: fx.Node) -> str:
     """The aten op's name as the eager profiler records it (``addmm``), ``""`` for an input."""
     packet = getattr(node.target, "overloadpacket", None)
     return str(getattr(packet, "__name__", "")) if packet is not None else ""
+
+
+def rebasable_views(fw: fx.GraphModule, num_fwd_outputs: int, taggable: frozenset[str]) -> dict[str, list[str]]:
+    """Saved views whose storage torch could offload if the partition saved their base instead:
+    base name -> the view nodes from it to each saved view (R10). A view is free to rebuild, so
+    the partition may save the base (``MUST_SAVE``) and recompute the views in backward
+    (``MUST_RECOMPUTE``): the saved bytes are the same storage, and the base is offloadable. A
+    base qualifies when it is a forward op of the joint graph (not an input, not a ``getitem``),
+    contiguous, not a model output and not saved itself."""
+    ops = _view_ops()
+    outs = fw.graph.find_nodes(op="output")[0].args[0]
+    model_outputs = {n for n in outs[:num_fwd_outputs] if isinstance(n, fx.Node)}
+    saved = set(saved_nodes(fw, num_fwd_outputs))
+    out: dict[str, list[str]] = {}
+    for v in saved:
+        if not ops.is_view(v):
+            continue
+        chain = []
+        node = v
+        while ops.is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+            chain.append(node.name)
+            node = node.args[0]
+        base = node
+        if (base.op != "call_function" or base in saved or base in model_outputs or base.name not in taggable
+                or offloadable(base, model_outputs, set(), ops, taggable) is not None):
+            continue
+        out.setdefault(base.name, [])
+        out[base.name] += [c for c in chain if c not in out[base.name]]
+    return out

@@ -31,7 +31,7 @@ from swapsched.compiled.graph_trace import GraphTrace, module_path
 from swapsched.plan import SwapPlan
 from swapsched.trace import SELECTIVE_SAVE_OPS
 
-__all__ = ["Lowered", "tag_joint", "place_copies", "lowered_decisions", "OFFLOAD_PREFIXES", "RELOAD_PREFIXES"]
+__all__ = ["Lowered", "rebase_views", "tag_joint", "place_copies", "lowered_decisions", "OFFLOAD_PREFIXES", "RELOAD_PREFIXES"]
 
 #: Names torch gives the nodes it inserts (torch/_functorch/_activation_offloading): the
 #: synchronous ``device_put`` lowering and the ``ao.offload`` / ``ao.reload`` one on a stream
@@ -84,7 +84,7 @@ def tag_joint(joint: fx.GraphModule, gt: GraphTrace, plan: SwapPlan, forward_nod
 
     # where the plan recomputes, the tags pin the rest of the partition too: with any tag set the
     # min-cut partitioner re-decides untagged nodes, and could then rebuild a tensor the plan swaps
-    keep = ({*gt.node_of, *gt.held} - set(members)) if members else set()
+    keep = ({*gt.node_of, *gt.held} - set(members)) if members or gt.rebased else set()
     n_off = n_rec = 0
     for node in joint.graph.nodes:
         if node.op == "placeholder" and node.name in evicted:  # an activation of the graph before
@@ -109,6 +109,21 @@ def tag_joint(joint: fx.GraphModule, gt: GraphTrace, plan: SwapPlan, forward_nod
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             n_rec += 1
     return n_off, n_rec
+
+
+def rebase_views(joint: fx.GraphModule, rebase: dict[str, list[str]], saved: set[str], forward_nodes: frozenset[str]) -> None:
+    """Tag ``joint`` so that its partition saves each base in ``rebase`` instead of the views of
+    it that were saved, and rebuilds those views in backward (``graph_trace.rebasable_views``).
+    Every other saved tensor is pinned (``MUST_SAVE``): with any tag set the min-cut partitioner
+    re-decides untagged nodes."""
+    views = {v for chain in rebase.values() for v in chain}
+    for node in joint.graph.nodes:
+        if node.op != "call_function" or node.name not in forward_nodes:
+            continue
+        if node.name in views:
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        elif node.name in rebase or node.name in saved:
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
 def _by_suffix(graph: fx.Graph, prefixes: tuple[str, ...]) -> dict[str, fx.Node]:

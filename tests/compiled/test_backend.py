@@ -223,3 +223,15 @@ def test_inductor_lowering_holds_the_plan_and_trains_as_torch_compile(policy, bu
     for (la, ga), (lb, gb) in zip(got, want, strict=True):
         for x, y in zip([la, *ga], [lb, *gb], strict=True):
             assert torch.equal(x, y) if exact else torch.allclose(x, y, atol=1e-5, rtol=1e-5)
+
+
+def test_the_backend_saves_and_offloads_the_base_of_a_saved_view():
+    model, x = make_case("mlp")
+    be = PlannedBackend("100%", Fixed(min_plan), H100, inner="aot_eager")
+    compile_step(model, x, be)
+    (g,) = be.report().graphs
+    ops = {g.graph.node_of[k]: t.op for k, t in enumerate(g.graph.trace.tensors)}
+    gelus = [n for n, op in ops.items() if op == "gelu"]
+    assert len(gelus) == 3 and set(gelus) < set(g.graph.rebased)  # and the last residual add, for the head
+    assert set(gelus) <= g.lowered.offloaded  # evicted by the plan, offloaded by torch
+    assert_holds_plan(g)

@@ -117,3 +117,22 @@ def test_module_path(path, want):
     n = g.placeholder("x")
     n.meta["nn_module_stack"] = {"k": (path, nn.Module)}
     assert module_path(n) == want
+
+
+def test_a_saved_view_of_an_offloadable_base_is_rebased():
+    # each fc2 reads a view of gelu's output, and the head a view of the last residual add; torch
+    # saves those views, which it cannot offload. rebasable_views names the gelus and the add as
+    # the bases to save instead, with the views to rebuild
+    from swapsched.compiled.graph_trace import rebasable_views
+
+    model, x = make_case("mlp")
+    ((fw, bw, n_out, static),) = partition_of(model, x)
+    joint_like = frozenset(n.name for n in fw.graph.nodes if n.op == "call_function")
+    rebase = rebasable_views(fw, n_out, joint_like)
+    by_name = {n.name: n for n in fw.graph.nodes}
+    assert sorted(str(by_name[b].target) for b in rebase) == ["aten.add.Tensor"] + ["aten.gelu.default"] * 3
+    for base, chain in rebase.items():
+        assert chain and all(by_name[v].target == torch.ops.aten.view.default for v in chain)
+        assert by_name[chain[-1]].args[0] is by_name[base]
+    # a base that is not a joint-graph node cannot be tagged: nothing to rebase
+    assert rebasable_views(fw, n_out, frozenset()) == {}
