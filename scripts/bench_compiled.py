@@ -131,6 +131,7 @@ def sim_part(models: list[str], hardware: list[str], budgets: list[str]) -> list
                 (ktrace,) = compiled_traces(spec, hw, knapsack=frac)
                 b = parse_budget(budget, ctrace, check_feasible=False)
                 row["knapsack_peak_bytes"] = int(ktrace.peak_bytes_no_swap)
+                row["compiled_peak_bytes"] = int(ctrace.peak_bytes_no_swap)  # untagged, nothing offloaded
                 row["budget_bytes"] = b
                 row["knapsack_fits"] = bool(ktrace.peak_bytes_no_swap <= b)
                 row["knapsack_overhead"] = ktrace.ideal_s / ctrace.ideal_s - 1.0

@@ -207,7 +207,8 @@ class PlannedBackend:
         # what stays on the device after this graph's forward, for the graphs after it (byte budgets)
         t = report.graph.trace
         kept = sum(t.tensors[k].bytes for k in range(t.n_tensors) if k not in report.plan.evicted)
-        self._held_after_forward[report.index] = int(t.static_bytes + kept + int(t.other_bytes[t.backward_start]))
+        held = int(t.other_bytes[t.backward_start]) if t.backward_start < t.n_events else 0  # none saved: no event
+        self._held_after_forward[report.index] = int(t.static_bytes + kept + held)
 
     def report(self) -> CompileReport:
         """Every graph compiled so far: what it saves, offloads and recomputes, and the

@@ -48,7 +48,6 @@ class ExecuteStep(StepExecution):
 
     def __init__(self, rt: PolicyRuntime):
         super().__init__(rt)
-        self.budget = present(rt.budget_bytes, "the run's budget in bytes")
         self._load(present(rt.layout, "the plan's layout of an executing step"))
         # after a divergence: the largest ratio seen of a tensor's bytes to the trace's, by which
         # R4 scales the trace's next allocation (a batch of another size is one family, scaled)
@@ -104,6 +103,8 @@ class ExecuteStep(StepExecution):
         """Follow ``layout`` (at the step's start, or at its first saved tensor: another shape's)."""
         self.layout = layout
         self.trace = tr = layout.trace
+        # this shape's budget: a relative one is its own activation peak's share (DESIGN.md, "Budgets")
+        self.budget = present(layout.budget_bytes, "the budget of the shape's layout")
         self.static = tr.static_bytes  # the model's, plus what the profiling found held by others
         self.room = self.budget - self.static  # for saved tensors
         self.out_at, self.prefetch_at = layout.out_at, layout.prefetch_at
@@ -133,6 +134,7 @@ class ExecuteStep(StepExecution):
             if self.marks_in is not None:
                 self.marks_in = [None] * self.trace.n_events
             return True
+        self.rt._note_grads()  # a shape no plan can fit is refused after this step, its gradients undone
         self.profile = ProfileStep(self.rt, since=(self.started, self.n_seen), carried=self.untracked)
         return False
 

@@ -52,6 +52,9 @@ class PlanLayout:
     # the trace was predicted from its family's profiled sizes (runtime/shapes.py), not profiled
     # (its first plan borrowed from a size near it)
     predicted: bool = False
+    # the budget this shape runs under: a relative budget resolved against this shape's own
+    # activation peak, a byte budget as given (DESIGN.md, "Budgets"); None only in hand-made layouts
+    budget_bytes: int | None = None
 
     @property
     def shape_key(self) -> int:
@@ -82,10 +85,11 @@ class RunSummary:
     # executed steps: each step against its own shape's, where shapes vary
     plain_step_s: float | None
     moved_bytes: int  # every byte copied either way, profiling included
-    peak_device_bytes: int | None  # the largest executed step's peak, against...
+    # of the executed steps, the one whose peak came nearest its own budget: its peak, against its
+    # budget (a relative budget is each shape's own: "60%" of that shape's activation peak)
+    peak_device_bytes: int | None
     budget_bytes: int | None
     guard_evictions: int
-    # the budget as given; a relative one ("60%") was resolved once, against the first profiled step
     budget_spec: str | int | float | None = None
     median_overhead: float | None = None  # see ``overhead``
     shapes: int = 0  # shapes with a plan (steps of any of them execute it)
@@ -104,9 +108,10 @@ class RunSummary:
             parts.append(f"median {1e3 * self.median_step_s:.2f} ms{over}")
         parts.append(f"moved {format_bytes(self.moved_bytes)}")
         if self.peak_device_bytes is not None and self.budget_bytes is not None:
-            basis = (f" ({self.budget_spec} of the first profiled step's activation peak)"
-                     if isinstance(self.budget_spec, str) and self.budget_spec.strip().endswith("%") else "")
-            parts.append(f"peak {format_bytes(self.peak_device_bytes)} of {format_bytes(self.budget_bytes)}{basis}")
+            relative = isinstance(self.budget_spec, str) and self.budget_spec.strip().endswith("%")
+            basis = f" ({self.budget_spec} of its shape's activation peak)" if relative else ""
+            nearest = " at the step nearest its budget" if relative and self.shapes > 1 else ""
+            parts.append(f"peak {format_bytes(self.peak_device_bytes)} of {format_bytes(self.budget_bytes)}{basis}{nearest}")
         if self.guard_evictions:
             parts.append(f"{self.guard_evictions} guard evictions")
         if self.shapes > 1:
@@ -138,6 +143,7 @@ class RunTally:
         self.steps = self.profiled = self.executed = self.diverged = self.moved = self.guard = 0
         self.new_shapes = self.predicted_steps = 0
         self.peak: int | None = None
+        self.peak_budget: int | None = None  # the budget of the step whose peak came nearest its own
         self.recent: deque[float] = deque(maxlen=window)
         self.plain: deque[float] = deque(maxlen=window)  # each of those steps' own plain step (its trace's)
 
@@ -153,15 +159,18 @@ class RunTally:
             self.executed += 1
             self.recent.append(rep.step_s)
             self.plain.append(rep.plain_step_s or 0.0)
-            if rep.peak_device_bytes is not None:
-                self.peak = max(self.peak or 0, rep.peak_device_bytes)
+            if rep.peak_device_bytes is not None and rep.budget_bytes:
+                if self.peak is None or self.peak_budget is None or \
+                        rep.peak_device_bytes / rep.budget_bytes > self.peak / self.peak_budget:
+                    self.peak, self.peak_budget = rep.peak_device_bytes, rep.budget_bytes
         return RunSummary(
             steps=self.steps, profiled=self.profiled, executed=self.executed, diverged=self.diverged,
             median_step_s=float(np.median(self.recent)) if self.recent else None,
             plain_step_s=float(np.median(self.plain)) if self.plain else None, moved_bytes=self.moved,
             median_overhead=(float(np.median([s / p - 1.0 for s, p in zip(self.recent, self.plain, strict=True) if p > 0]))
                              if any(p > 0 for p in self.plain) else None),
-            peak_device_bytes=self.peak, budget_bytes=rt.budget_bytes, guard_evictions=self.guard,
+            peak_device_bytes=self.peak, budget_bytes=self.peak_budget if self.peak is not None else rt.budget_bytes,
+            guard_evictions=self.guard,
             budget_spec=rt.budget_spec, shapes=len(rt.layouts), new_shapes=self.new_shapes,
             predicted_steps=self.predicted_steps)
 

@@ -182,9 +182,13 @@ class PolicyRuntime:
         # step's first saved tensor): a step of a shape profiled before executes that shape's plan
         self.layout: PlanLayout | None = None
         self.layouts: dict[int, PlanLayout] = {}
-        # a relative budget is resolved once, against the first profiled step, into bytes for the
-        # whole run: a later step of another shape gets the same bytes, or a clear refusal
+        # the budget in bytes of the current shape: a relative budget is resolved per shape, against
+        # each shape's own activation peak (each layout keeps its own); a byte budget is the same
+        # bytes for every shape, and a shape no plan fits in them is refused
         self.budget_bytes: int | None = None
+        self._budget_high = 0  # the most bytes any shape's budget has stood for in this run
+        self._budget_by_shape: dict[int, int] = {}  # a relative budget per shape (first_bytes), see _budget_for
+        self._grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []  # see _note_grads
         self.predicted_s: float | None = None
         self.steps = 0
         self._report: StepReport | None = None
@@ -316,11 +320,10 @@ class PolicyRuntime:
         if self.layout is None:  # R9's first stage: the steps are profiled again, with the blocks checkpointed
             return
         planned = self.layout
-        budget = present(self.budget_bytes, "the run's budget in bytes")
         for trace, first_sight in reversed(profiled):  # the latest step of each size
             key = first_bytes(trace)
             if (key in self.layouts or first_sight != planned.first_sight or structure(trace) != planned.family
-                    or trace.min_feasible_bytes > budget):  # a size no plan fits is refused when it comes again
+                    or trace.min_feasible_bytes > self._budget_or_none(trace)):  # refused when it comes again
                 continue
             layout = self._layout(trace, *self._borrowed(trace, self._kin(trace, first_sight)), first_sight=first_sight)
             self.layouts[key] = layout
@@ -333,8 +336,17 @@ class PolicyRuntime:
         shapes' plans."""
         if profiled.trace is None:
             return
-        self._forget_executed()
         trace = profiled.trace
+        try:
+            self._shape_budget(trace)
+        except BudgetError:
+            # refused: the step ran on the host (profiling), so nothing but its gradients is left
+            # of it; those are put back as they were, so that the model, the optimizer (it has not
+            # stepped) and this runtime are as if the step had never come
+            self._restore_grads()
+            raise
+        self._grads = []
+        self._forget_executed()
         kin = self._kin(trace, self.first_sight)
         if not (kin and self.background_planning and self.policy is not None):
             self._plan_from(trace)
@@ -403,6 +415,7 @@ class PolicyRuntime:
         if self.trace is None:
             raise UserError("use_plan() needs the profiled trace: run the profiling steps first")
         if budget is not None:
+            self._budget_by_shape.clear()  # another budget: every shape resolves it anew
             self.budget_bytes = self._budget_for(check_budget(budget), self.trace)
             self.budget_spec = budget  # a malformed budget fails here, not after profiling
         if plan.recompute or plan.selective:
@@ -442,10 +455,22 @@ class PolicyRuntime:
         """``spec`` in bytes for this step's trace (``resolved``: the bytes it already stands for
         in this run); below what the step can meet, one error that names the runtime's budget and
         says why the step cannot go lower."""
-        out = parse_budget(spec, trace, check_feasible=False) if resolved is None else resolved
+        relative = isinstance(spec, str) and spec.strip().endswith("%")
+        if relative:
+            # per shape, resolved once, on the shape's first trace: the steps as they run with no
+            # block checkpointed (R9's second stage profiles the same shape again, checkpointed:
+            # the budget stays what it was, or recomputing would shrink it)
+            out = self._budget_by_shape.setdefault(first_bytes(trace), parse_budget(spec, trace, check_feasible=False))
+        else:
+            out = parse_budget(spec, trace, check_feasible=False) if resolved is None else resolved
         if out >= trace.min_feasible_bytes:
+            self._budget_high = max(self._budget_high, out)
             return out
         need, pct = smallest_feasible(trace)
+        if relative and resolved is not None and need <= self._budget_high:
+            # a later shape whose share is below what it can meet (a small batch, whose transients
+            # weigh more) runs at its smallest feasible budget, within the bytes the run already holds
+            return need
         passes = int(trace.meta.get("backward_passes", 1))
         if passes > 1:
             why = (f"; its {passes} backward passes read the same saved tensors (retain_graph=True or "
@@ -457,12 +482,34 @@ class PolicyRuntime:
                    "can move between them")
         else:
             why = ""
-        if resolved is not None:
-            why += (f"; the budget stands for {format_bytes(resolved)}, resolved against the first profiled step, "
-                    "and this step's shape needs more")
+        if resolved is not None and not relative:
+            why += f"; the budget stands for {format_bytes(resolved)} for every shape, and this step's shape needs more"
         raise BudgetError(f"the runtime's budget {spec!r} is below this training step's smallest "
                           f"feasible budget, {format_bytes(need)} ({need} bytes, {pct:.1f}% of its activation "
                           f"peak above static memory, transients included){why}; give at least that")
+
+    def _note_grads(self) -> None:
+        """Before a step of a new shape reaches backward: the model's gradients as they are (None
+        as a rule, a copy where the loop accumulates), to put back if the shape is refused."""
+        if self.model is not None:
+            self._grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in self.model.parameters()]
+
+    def _restore_grads(self) -> None:
+        for p, g in self._grads:
+            p.grad = g
+        self._grads = []
+
+    def _shape_budget(self, trace: Trace) -> int:
+        """The budget in bytes of ``trace``'s shape (see ``budget_bytes``), or the refusal of a shape
+        no plan can fit."""
+        return self._budget_for(self.budget_spec, trace, resolved=self.budget_bytes)
+
+    def _budget_or_none(self, trace: Trace) -> int:
+        """``_shape_budget``, or 0 for a shape no plan fits (for a caller that skips those)."""
+        try:
+            return self._shape_budget(trace)
+        except BudgetError:
+            return 0
 
     def _planned_on(self, trace: Trace) -> Trace:
         """What the policy may plan on: with the blocks already checkpointed, ``trace`` is the steps
@@ -480,10 +527,11 @@ class PolicyRuntime:
     def _take_trace(self, trace: Trace, retimed: bool = False) -> None:
         """``trace`` (profiled, or ``retimed`` by executed steps) is the one plans are made on
         from now, with the run's budget checked against it."""
+        budget = self._budget_for(self.budget_spec, trace, resolved=self.budget_bytes)  # a refusal changes nothing
         self.trace, self._retimed = trace, retimed
         if self.blocks is None or not self.blocks.names:
             self._unwrapped_trace = trace
-        self.budget_bytes = self._budget_for(self.budget_spec, trace, resolved=self.budget_bytes)
+        self.budget_bytes = budget
 
     def _plan_from(self, trace: Trace, retimed: bool = False) -> None:
         """Plan on ``trace`` (profiled, or ``retimed`` by executed steps) and adopt the plan."""
@@ -551,15 +599,15 @@ class PolicyRuntime:
         the simulator's result of ``plan`` on ``trace`` already at hand). Predictions simulate the
         runtime's guard too (R4, guard): a plan that leaves no room runs with the guard's evictions.
         ``family``: the trace's structure where the caller knows it (a size predicted from it)."""
-        res = simulated or simulate(trace, plan, self.hardware, present(self.budget_bytes, "the run's budget in bytes"),
-                                    validate=False, guard=True)
+        budget = self._shape_budget(trace)
+        res = simulated or simulate(trace, plan, self.hardware, budget, validate=False, guard=True)
         out_at, prefetch_at = plan.by_event(trace.n_events)  # as the simulator lays it out
         tb = event_tables(trace)
         out = PlanLayout(
             trace, plan, None if res.oom else res.iteration_s, out_at, prefetch_at,
             expected_codes=[~t if u else t for t, u in zip(tb.tensor, tb.is_unpack, strict=False)],
             work_at=[bool(f or o or p) for f, o, p in zip(tb.free, out_at, prefetch_at, strict=False)],
-            first_sight=first_sight, predicted=predicted)
+            first_sight=first_sight, predicted=predicted, budget_bytes=budget)
         if family is not None:
             out.__dict__["family"] = family  # PlanLayout.family, shared: _kin compares it by identity first
         return out
@@ -575,7 +623,7 @@ class PolicyRuntime:
         trace = self._family_fit([lay.trace for lay in kin if not lay.predicted]).at(s, self._executed_times.get(like.family))
         if trace is None:
             return None
-        budget = self._budget_for(self.budget_spec, trace, resolved=self.budget_bytes)
+        budget = self._shape_budget(trace)
         layout = self._layout(trace, *self._borrowed(trace, kin), first_sight=like.first_sight, predicted=True,
                               family=like.family)
         self.layouts[s] = layout
@@ -630,7 +678,7 @@ class PolicyRuntime:
         larger = [lay for lay in kin if lay.shape_key >= s]
         if larger and (bigger := min(larger, key=lambda lay: lay.shape_key)) not in near:
             near.append(bigger)
-        budget = present(self.budget_bytes, "the run's budget in bytes")
+        budget = self._shape_budget(trace)
         near.sort(key=lambda lay: (lay.shape_key < s, abs(lay.shape_key - s)))  # larger ones first, nearest first
         timed = []
         for lay in near:
@@ -672,7 +720,7 @@ class PolicyRuntime:
         the planner thread. It swaps only: blocks are chosen on the first shape (R9's two stages),
         and later shapes run with those blocks as they are."""
         policy = present(self.policy, "the policy that plans a later shape")
-        budget = present(self.budget_bytes, "the run's budget in bytes")
+        budget = self._shape_budget(trace)
         hardware, first_sight, predicted, family = self.hardware, layout.first_sight, layout.predicted, layout.family
 
         def plan_and_lay_out() -> PlanLayout:
