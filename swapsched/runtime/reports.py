@@ -159,10 +159,9 @@ class RunTally:
             self.executed += 1
             self.recent.append(rep.step_s)
             self.plain.append(rep.plain_step_s or 0.0)
-            if rep.peak_device_bytes is not None and rep.budget_bytes:
-                if self.peak is None or self.peak_budget is None or \
-                        rep.peak_device_bytes / rep.budget_bytes > self.peak / self.peak_budget:
-                    self.peak, self.peak_budget = rep.peak_device_bytes, rep.budget_bytes
+            share = rep.peak_device_bytes / rep.budget_bytes if rep.peak_device_bytes is not None and rep.budget_bytes else None
+            if share is not None and (self.peak is None or not self.peak_budget or share > self.peak / self.peak_budget):
+                self.peak, self.peak_budget = rep.peak_device_bytes, rep.budget_bytes
         return RunSummary(
             steps=self.steps, profiled=self.profiled, executed=self.executed, diverged=self.diverged,
             median_step_s=float(np.median(self.recent)) if self.recent else None,
