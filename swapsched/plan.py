@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Eviction", "SwapPlan", "PlanError", "load_plan", "save_plan",
-    "LEADS", "swap_out_event", "on_demand_plan", "prefetch_event", "lead_eviction",
+    "LEADS", "swap_out_event", "on_demand_plan", "prefetch_event", "lead_eviction", "carry_evictions",
 ]
 
 FORMAT = "swapsched.plan"
@@ -241,3 +241,61 @@ def lead_eviction(trace: Trace, tensor: int, lead_index: int, hardware: Hardware
     lead = LEADS[lead_index] * hardware.h2d_time(trace.tensors[tensor].bytes)
     so = swap_out_event(trace, tensor)
     return Eviction(tensor, so, prefetch_event(trace, tensor, lead, so))
+
+
+def carry_evictions(plan: SwapPlan, before: Trace, after: Trace) -> tuple[Eviction, ...]:
+    """``plan``'s evictions carried from ``before`` onto ``after``, the same steps saving other
+    tensors: R9 in the runtime, for a plan that both recomputes and swaps, given whole
+    (``use_plan``): once its blocks run under checkpoint, the steps are profiled again and the
+    swaps apply to what they still save.
+
+    A tensor of ``before`` outside the recomputed blocks is matched to the next tensor of
+    ``after`` (both in order of first pack) with the same bytes, within a few tensors (a block
+    under checkpoint saves its inputs, where it saved its members). Events are carried by the
+    matched tensors' own events (the k-th event of a tensor to its k-th): an eviction's swap-out
+    goes to the carried event at or before it, its prefetch likewise, both clamped to R7's
+    window of the matched tensor. Evictions of unmatched tensors are dropped."""
+    order_b = sorted(range(before.n_tensors), key=lambda k: int(before.first_pack[k]))
+    order_a = sorted(range(after.n_tensors), key=lambda k: int(after.first_pack[k]))
+    members = {k for s in before.segments if s.name in (*plan.recompute, *plan.selective) for k in s.members}
+    match: dict[int, int] = {}
+    j = 0
+    for k in order_b:
+        if k in members:
+            continue
+        for look in range(j, min(j + 8, len(order_a))):
+            if after.tensors[order_a[look]].bytes == before.tensors[k].bytes:
+                match[k] = order_a[look]
+                j = look + 1
+                break
+    # the k-th event of each matched tensor in both traces
+    def occurrences(trace: Trace) -> dict[tuple[int, int], int]:
+        seen: dict[int, int] = {}
+        out = {}
+        for i, t in enumerate(trace.event_tensor.tolist()):
+            out[(t, seen.get(t, 0))] = i
+            seen[t] = seen.get(t, 0) + 1
+        return out
+
+    occ_a = occurrences(after)
+    carried: list[int] = []  # per event of before: the event of after at or before it (-1: none yet)
+    last = -1
+    seen_b: dict[int, int] = {}
+    for t in before.event_tensor.tolist():
+        n = seen_b.get(t, 0)
+        seen_b[t] = n + 1
+        if t in match and (match[t], n) in occ_a:
+            last = max(last, occ_a[(match[t], n)])
+        carried.append(last)
+    out = []
+    for e in plan.evictions:
+        t = match.get(e.tensor)
+        if t is None:
+            continue
+        fp, fu = int(after.first_pack[t]), int(after.first_unpack[t])
+        so = min(max(carried[e.swap_out_at], fp), fu - 1)
+        if so < fp:
+            continue  # nowhere to swap it out before it is needed (R7)
+        pf = min(max(carried[e.prefetch_at], so), fu)
+        out.append(Eviction(t, so, pf))
+    return tuple(out)

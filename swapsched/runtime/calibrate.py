@@ -163,7 +163,8 @@ def execute_in_rounds(rt: PolicyRuntime, train_step: Callable[[], StepReport],
                       seed: int = 0, on_round: Callable[[], Any] | None = None) -> list[list[list[StepReport]]]:
     """Execute each ``(plan, budget bytes or None)`` on ``rt`` in ``rounds`` rounds, the plans in
     a shuffled order each round, so that the machine's drift hits them alike: after each switch
-    one step that warms the host pool for the plan's sizes, then ``steps`` measured ones.
+    the steps until one executes the plan (one, or the profiling steps of a plan that recomputes,
+    R9), which warms the host pool for its sizes, then ``steps`` measured ones.
     ``train_step`` runs one step under ``rt`` and returns its report. Returns the executed steps'
     reports per plan, per round."""
     reports: list[list[list[StepReport]]] = [[] for _ in plans]
@@ -173,7 +174,11 @@ def execute_in_rounds(rt: PolicyRuntime, train_step: Callable[[], StepReport],
         rng.shuffle(order)
         for k in order:
             rt.use_plan(*plans[k])
-            train_step()
+            # warm-up: a plan that recomputes blocks first profiles the steps as they then run
+            # (R9's two stages), so steps run until one executes it (it warms the host pool too)
+            for _ in range(rt.profile_steps + 2):
+                if train_step().mode == "execute":
+                    break
             reports[k].append([r for r in (train_step() for _ in range(steps)) if r.mode == "execute"])
         if on_round is not None:
             on_round()

@@ -50,7 +50,7 @@ from swapsched.budget import BudgetError, check_budget, format_bytes, parse_budg
 from swapsched.env.simulator import SimResult, analytic_floor, event_tables, simulate
 from swapsched.errors import UserError, internal_assert, present
 from swapsched.hardware import HOST_COSTS, Hardware, default_hardware, load_hardware
-from swapsched.plan import SwapPlan
+from swapsched.plan import SwapPlan, carry_evictions
 from swapsched.policy import Policy
 from swapsched.runtime.accounting import StepExecution
 from swapsched.runtime.backends import Backend, CpuBackend, make_backend, resolve_backend
@@ -176,6 +176,7 @@ class PolicyRuntime:
         self.audit = bool(audit)
         self.trace: Trace | None = None
         self._unwrapped_trace: Trace | None = None  # the last trace profiled with no block checkpointed
+        self._unwrapped_first_sight: dict[int, int] = {}  # and its order of first sight
         self.first_sight: dict[int, int] = {}
         self.plan: SwapPlan | None = None
         # the adopted plan laid out for the hooks, and one per shape seen (keyed by the bytes of the
@@ -187,6 +188,9 @@ class PolicyRuntime:
         # bytes for every shape, and a shape no plan fits in them is refused
         self.budget_bytes: int | None = None
         self._budget_high = 0  # the most bytes any shape's budget has stood for in this run
+        # use_plan's plan that recomputes and swaps: (the trace it was made on, the plan) until the
+        # steps with its blocks checkpointed are profiled and its swaps carried onto them
+        self._given: tuple[Trace, SwapPlan] | None = None
         self._budget_by_shape: dict[int, int] = {}  # a relative budget per shape (first_bytes), see _budget_for
         self._grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []  # see _note_grads
         self.predicted_s: float | None = None
@@ -419,14 +423,23 @@ class PolicyRuntime:
             self.budget_bytes = self._budget_for(check_budget(budget), self.trace)
             self.budget_spec = budget  # a malformed budget fails here, not after profiling
         if plan.recompute or plan.selective:
-            if plan.evictions:
-                raise UserError(f"plan {plan.policy!r} both recomputes and swaps: once its blocks run under checkpoint the "
-                                "steps save other tensors, and the runtime's policy plans their swaps on them; give the "
-                                "plan's recompute alone (SwapPlan(..., evictions=(), recompute=...))")
+            # R9's two stages for a plan given whole: its blocks are checkpointed, the steps are
+            # profiled again, and its swaps are carried onto what they then save (carry_evictions)
+            self._given = (self._unwrapped_trace or self.trace, plan) if plan.evictions else None
             if self.blocks is not None:
                 self.blocks.remove()  # the plan is made on the steps as they run with no block checkpointed
             self._recompute(plan, self._planned_on(self._unwrapped_trace or self.trace))
         else:
+            self._given = None
+            if self.blocks is not None and self.blocks.names and self._unwrapped_trace is not None:
+                # a swap plan for the steps as they run with no block checkpointed (the plan before
+                # recomputed blocks): they run their own forward again, and that trace is back
+                self.blocks.remove()
+                self.layouts.clear()
+                self._background.clear()
+                self._untimed.clear()
+                self._forget_executed()
+                self.trace, self.first_sight = self._unwrapped_trace, self._unwrapped_first_sight
             self._adopt(plan)
         self._policy_planned = False
 
@@ -530,13 +543,19 @@ class PolicyRuntime:
         budget = self._budget_for(self.budget_spec, trace, resolved=self.budget_bytes)  # a refusal changes nothing
         self.trace, self._retimed = trace, retimed
         if self.blocks is None or not self.blocks.names:
-            self._unwrapped_trace = trace
+            self._unwrapped_trace, self._unwrapped_first_sight = trace, dict(self.first_sight)
         self.budget_bytes = budget
 
     def _plan_from(self, trace: Trace, retimed: bool = False) -> None:
         """Plan on ``trace`` (profiled, or ``retimed`` by executed steps) and adopt the plan."""
         self._take_trace(trace, retimed)
         planned_on = self._planned_on(trace)
+        if self._given is not None:  # use_plan's plan, its blocks now checkpointed: its swaps carried over
+            before, given = self._given
+            self._given = None
+            plan = SwapPlan.of(trace, given.policy, carry_evictions(given, before, trace), carried_from=given.trace)
+            self._adopt(self._without_small(plan, trace))
+            return
         if self.policy is None:  # nothing plans: every tensor stays until use_plan()
             plan = SwapPlan.of(trace, "keep-all", [])
         else:

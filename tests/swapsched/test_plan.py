@@ -181,3 +181,23 @@ def test_an_unknown_block_is_named_beside_the_first_six_of_the_trace():
     assert len(tr.segments) == n
     with pytest.raises(PlanError, match=r"\(its blocks: blk\.0, blk\.1, blk\.2, blk\.3, blk\.4, blk\.5, \.\.\.\)"):
         SwapPlan("hand", "hand", (), recompute=("nope",)).validate(tr)
+
+
+def test_carry_evictions_follows_the_tensors_a_checkpointed_block_leaves():
+    from swapsched.plan import carry_evictions
+
+    # before: T0 (input, 100 B), block blk.0 = anchor T1 (200 B) + member T2 (300 B), T3 (400 B)
+    # after checkpointing blk.0 the steps save T0, the block's input (200 B) and T3: three tensors
+    before = make_trace([100, 200, 300, 400], [("pack", 0, 1), ("pack", 1, 1), ("pack", 2, 1), ("pack", 3, 1),
+                                               ("unpack", 3, 1), ("unpack", 2, 1), ("unpack", 1, 1), ("unpack", 0, 1)],
+                        modules=["in", "blk.0.a", "blk.0.b", "head"])
+    after = make_trace([100, 200, 400], [("pack", 0, 1), ("pack", 1, 1), ("pack", 2, 1),
+                                         ("unpack", 2, 1), ("unpack", 1, 1), ("unpack", 0, 1)])
+    plan = SwapPlan.of(before, "hand", [Eviction(0, 0, 6), Eviction(3, 3, 4), Eviction(1, 1, 5)], recompute=["blk.0"])
+    carried = carry_evictions(plan, before, after)
+    # T0: out at e0 -> e0; prefetch at e6 (T1's unpack, its 2nd event) -> after's e4 (T1' unpack)
+    # T3 -> T2': out e3 -> e2, prefetch e4 (its own first unpack, on demand) -> e3
+    # T1 -> T1': out e1 -> e1, prefetch e5 (T2's unpack, a member: not carried) -> the carried event
+    # at or before it, e3 (T3's unpack -> T2' unpack), clamped to T1's window [1, 4]
+    assert carried == (Eviction(0, 0, 4), Eviction(1, 1, 3), Eviction(2, 2, 3))
+    SwapPlan.of(after, "carried", carried).validate(after)
