@@ -34,10 +34,10 @@ step runtime_cuda 70 python scripts/bench_runtime.py --backend cuda --model gpt 
     --out "$out/runtime_cuda.json"
 # 3. sim-to-real on CUDA (calibrates the link first, then every policy)
 step sim2real_cuda 100 python scripts/bench_sim2real.py --backend cuda --rounds 3 --steps 2 --out "$out/sim2real_cuda.json"
-# 4. side by side on a ~350M-parameter GPT at 50%: the learned planner, capuchin, swap-all,
-#    save_on_cpu(pin_memory=True) and full activation checkpointing, against plain training
+# 4. side by side on a ~350M-parameter GPT at 50%, interleaved: the learned planner, capuchin, the peers
+#    (checkpointing, selective checkpointing, save_on_cpu(pin_memory=True), checkpoint-offload), peaks by max_memory_allocated
 step gpt350m_50 110 python -m swapsched.cli run gpt --size 350m --batch-size 4 --seq-len 512 --budget 50% --steps 6 \
-    --backend cuda --compare --compare-policies capuchin,swap-all --no-progress --json "$out/gpt350m_50.json"
+    --backend cuda --compare --compare-policies capuchin --rounds 4 --no-progress --json "$out/gpt350m_50.json"
 # 5. the compiled executor (R10) on the same GPT at 50%: step time and max_memory_allocated beside
 #    the hook runtime, torch.compile with activation_memory_budget=0.5 and SAC (torch's default op list)
 step compiled_gpt350m_50 90 python scripts/check_compiled_gpu.py --budget 50% --steps 4 --out "$out/compiled_gpu.json"

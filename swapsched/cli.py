@@ -311,7 +311,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from swapsched.budget import format_bytes
-    from swapsched.run import PEERS, NothingToSwap, run_peer, run_runtime
+    from swapsched.run import NothingToSwap, run_runtime
 
     common = dict(size=args.size, batch_size=args.batch_size, seq_len=args.seq_len)
     _say_if_shrunk(args.model, args.size)
@@ -330,41 +330,61 @@ def cmd_run(args: argparse.Namespace) -> int:
     except NothingToSwap as exc:
         print(exc)
         return 0
-    results = [main_run]
+    print()
+    print(_run_table([main_run], None))
+    out: dict[str, Any] = {"model": args.model, "size": args.size, "budget": args.budget, "runs": [_run_json(main_run)]}
     if args.compare:
-        from swapsched.agents.registry import policy_names
-        from swapsched.runtime.backends import resolve_backend
-
-        # each planner once: the swap-only forms of joint planners are left to compare, and the
-        # checkpoint peer (plain torch.utils.checkpoint) stands for checkpoint-all; the runtime does
-        # not execute checkpoint-selective (compare simulates it)
-        skip = {args.policy, "optimal", "swapadvisor", "default-swap", "capuchin-swap", "checkpoint-all",
-                "checkpoint-selective"}
-        others = args.compare_policies or [p for p in policy_names() if p not in skip]
         from tqdm import tqdm
 
-        others = [p for p in others if p != args.policy]
-        device = resolve_backend(args.backend)
-        bar = tqdm([*others, *PEERS], desc="compare", unit="method", disable=not progress, file=sys.stderr)
-        for method in bar:
-            bar.set_postfix_str(method)
-            if method in PEERS:
-                results.append(run_peer(method, args.model, args.steps, device=device, **common))
-            else:
-                results.append(run_runtime(args.model, method, args.budget, args.steps, backend=args.backend,
-                                           bandwidth=args.bandwidth, hardware=args.hardware, **common))
-    base = next((r.step_s_median for r in results if r.method == "plain"), None)
-    print()
-    print(_run_table(results, base))
+        from swapsched.agents.registry import policy_names
+        from swapsched.run import compare_live
+
+        # each planner once: the swap-only forms of joint planners are left to compare; the
+        # peers (checkpointing, selective checkpointing, save_on_cpu, checkpoint-offload) are rows of their own
+        skip = {"optimal", "swapadvisor", "default-swap", "capuchin-swap", "checkpoint-all", "checkpoint-selective",
+                "checkpoint-offload", "swap-all", "no-swap", "local-search"}
+        others = args.compare_policies or [p for p in policy_names() if p not in skip]
+        policies = [args.policy, *[p for p in others if p != args.policy]]
+        bar = tqdm(desc="compare", unit="step", disable=not progress, file=sys.stderr)
+
+        def tick(what: str) -> None:
+            bar.set_postfix_str(what)
+            bar.update()
+
+        live = compare_live(args.model, args.budget, policies, backend=args.backend, bandwidth=args.bandwidth,
+                            hardware=args.hardware, rounds=args.rounds, round_steps=args.round_steps, progress=tick, **common)
+        bar.close()
+        print()
+        print(_live_table(live))
+        out["compare"] = live.to_dict()
     if args.json:
-        _write_json({"model": args.model, "size": args.size, "budget": args.budget,
-                     "runs": [_run_json(r) for r in results]}, args.json)
+        _write_json(out, args.json)
     if args.plot:
         from swapsched.plots import plot_runs
 
-        plot_runs(results, args.plot, title=f"{args.model} {args.size or ''} at {args.budget}")
+        plot_runs(live.rows if args.compare else [main_run], args.plot, title=f"{args.model} {args.size or ''} at {args.budget}",
+                  budget_bytes=live.budget_bytes if args.compare else main_run.budget_bytes)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0 if main_run.loss_matches else 1
+
+
+def _live_table(live: Any) -> str:
+    from swapsched.budget import format_bytes
+    from swapsched.report import format_grid
+
+    rows = [[r.method, f"{1e3 * r.step_s_median:.2f}", f"{r.ratio:.2f}x", f"{r.ratio_low:.2f}-{r.ratio_high:.2f}",
+             format_bytes(r.peak_bytes), "yes" if r.fits else "no", "yes" if r.loss_matches else "NO", r.note]
+            for r in live.rows]
+    table = format_grid(["method", "step ms (median)", "vs plain", "over rounds", "peak device", "fits",
+                         "loss matches", "how"], rows)
+    best = live.fastest
+    verdict = (f"fastest that fits {format_bytes(live.budget_bytes)}: {best.method} ({best.ratio:.2f}x the plain step)"
+               if best else f"no method fits {format_bytes(live.budget_bytes)}")
+    return "\n".join([
+        f"interleaved: {live.rounds} shuffled rounds of {live.round_steps} steps per method; vs plain = median over rounds "
+        "of the method's median step over plain's in the same round; peak by one meter for every method (CPU: live "
+        "storages; CUDA: max_memory_allocated), the budget in bytes as the runtime resolves it on this model",
+        table, verdict])
 
 
 def _run_json(r: Any) -> dict[str, Any]:
@@ -535,7 +555,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--backend", choices=["cpu", "cuda"], help="default: cuda when available")
     sp.add_argument("--bandwidth", type=_positive_float, help="CPU backend: throttle both copy engines to this many bytes/s")
     sp.add_argument("--hardware", help="profile the plan is made for (default: cpu-emulated on cpu, h100-pcie5 on cuda)")
-    sp.add_argument("--compare", action="store_true", help="also run the other policies, plain, save_on_cpu and checkpointing")
+    sp.add_argument("--compare", action="store_true",
+                    help="also run the other policies and the peers (plain, checkpointing, selective checkpointing, "
+                         "save_on_cpu, checkpoint-offload) in shuffled interleaved rounds, each with its measured peak")
+    sp.add_argument("--rounds", type=_positive_int, default=6, help="with --compare: interleaved rounds (default 6, at least 2)")
+    sp.add_argument("--round-steps", type=_positive_int, default=2, help="with --compare: steps per method per round (default 2)")
     sp.add_argument("--compare-policies", type=_policy_list, help="with --compare: which other policies (default: all but optimal, swapadvisor)")
     sp.add_argument("--json", metavar="OUT", type=_out_file, help="write one record per method as JSON")
     sp.add_argument("--plot", metavar="PNG", type=_out_file, help="step time and peak memory per method")

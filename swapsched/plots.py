@@ -145,21 +145,21 @@ def plot_compare(rows: Sequence[CaseResult], policies: Sequence[str], path: str 
     return p
 
 
-def plot_runs(results: Sequence[Any], path: str | Path, title: str = "") -> Path:
-    """``swapsched run --compare``: median step time and peak device memory (against the budget)."""
+def plot_runs(results: Sequence[Any], path: str | Path, title: str = "", budget_bytes: int | None = None) -> Path:
+    """``swapsched run``: median step time and peak device memory per method, against the budget
+    (rows of ``run --compare`` or ``RunResult``s)."""
     plt = _pyplot()
     names = [r.method for r in results]
+    peaks_b = [getattr(r, "peak_bytes", None) or getattr(r, "peak_device_bytes", None) or 0 for r in results]
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(max(8, 1.1 * len(names) * 2), 4))
     ax_t.bar(names, [1e3 * r.step_s_median for r in results], color="tab:blue")
     ax_t.set_ylabel("median step (ms)")
-    budgets = [r.budget_bytes for r in results if r.budget_bytes]
-    div, unit = _bytes_unit(max([r.peak_device_bytes or 0 for r in results] + budgets + [1]))
-    peaks = [(r.peak_device_bytes or 0) / div for r in results]
-    ax_m.bar(names, peaks, color="tab:orange")
-    if budgets:
-        ax_m.axhline(budgets[0] / div, color="red", linestyle="--", label="budget")
+    div, unit = _bytes_unit(max([*peaks_b, budget_bytes or 0, 1]))
+    ax_m.bar(names, [p / div for p in peaks_b], color="tab:orange")
+    if budget_bytes:
+        ax_m.axhline(budget_bytes / div, color="red", linestyle="--", label="budget")
         ax_m.legend()
-    ax_m.set_ylabel(f"peak device memory ({unit}; 0 = not measurable here)")
+    ax_m.set_ylabel(f"peak device memory ({unit})")
     for ax in (ax_t, ax_m):
         ax.tick_params(axis="x", rotation=45)
     return _save(plt, fig, path, title)

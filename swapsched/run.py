@@ -2,8 +2,16 @@
 
 Every run trains two copies of the same model on the same synthetic batch: one under the method
 being measured, one plain. The losses are compared bit for bit at every step (``loss_matches``).
-Peers for ``--compare``: PyTorch's ``torch.autograd.graph.save_on_cpu`` and activation
-checkpointing (``torch.utils.checkpoint`` around each block), measured the same way.
+
+``--compare`` (:func:`compare_live`) measures as the benchmarks do: every method (swapsched's
+policies and the peers users choose: plain, ``torch.utils.checkpoint`` per block, selective
+checkpointing with torchtitan's op list, ``save_on_cpu``, and each block checkpointed with its
+input offloaded) trains its own copy of the model, in shuffled interleaved rounds, so that the
+machine's drift hits them alike; each method's step is its median over the plain step of the
+same rounds, with the spread over rounds. Every method's peak device memory is measured by one
+meter that does not depend on the method (:class:`DeviceMeter`: live storages on the CPU,
+``max_memory_allocated`` on CUDA), in one extra step each, so that the meter's cost stays out of
+the times.
 """
 
 from __future__ import annotations
@@ -20,9 +28,10 @@ import torch.nn as nn
 from swapsched.errors import UserError
 from swapsched.zoo import ModelCase, build_model
 
-__all__ = ["RunResult", "NothingToSwap", "run_runtime", "run_peer", "PEERS"]
+__all__ = ["RunResult", "NothingToSwap", "run_runtime", "run_peer", "PEERS", "DeviceMeter", "CompareRow", "compare_live",
+           "LiveComparison"]
 
-PEERS = ("plain", "save_on_cpu", "checkpoint")
+PEERS = ("plain", "save_on_cpu", "checkpoint", "selective-checkpoint", "checkpoint-offload")
 
 
 @dataclass(frozen=True)
@@ -158,12 +167,7 @@ def _checkpoint_blocks(model: nn.Module) -> int:
     Sequential) in ``torch.utils.checkpoint``; returns how many were wrapped."""
     from torch.utils.checkpoint import checkpoint
 
-    from swapsched.zoo import BasicBlock, TransformerBlock
-
-    blocks = [m for m in model.modules() if isinstance(m, (TransformerBlock, BasicBlock))]
-    if not blocks:
-        seqs = [m for m in model.children() if isinstance(m, nn.Sequential)]
-        blocks = [c for s in seqs for c in s.children() if any(p.requires_grad for p in c.parameters())]
+    blocks = _blocks_of(model)
     for m in blocks:
         fwd = m.forward
         m.forward = lambda *a, _f=fwd, **k: checkpoint(_f, *a, use_reentrant=False, **k)  # type: ignore[method-assign]
@@ -173,8 +177,8 @@ def _checkpoint_blocks(model: nn.Module) -> int:
 def run_peer(kind: str, model: str, steps: int, *, size: str | None = None, batch_size: int | None = None,
              seq_len: int | None = None, device: str = "cpu") -> RunResult:
     """``plain`` (no swap), ``save_on_cpu`` (PyTorch's own offload) or ``checkpoint``."""
-    if kind not in PEERS:
-        raise UserError(f"unknown peer {kind!r}; known: {', '.join(PEERS)}")
+    if kind not in ("plain", "save_on_cpu", "checkpoint"):
+        raise UserError(f"unknown peer {kind!r}; known: plain, save_on_cpu, checkpoint")
     case, ref = _pair(model, size, batch_size, seq_len, device)
     extra: dict[str, Any] = {}
     wrap: Callable[[], Any] = contextlib.nullcontext
@@ -194,3 +198,258 @@ def run_peer(kind: str, model: str, steps: int, *, size: str | None = None, batc
     return RunResult(method=kind, steps=len(warm), link=link, step_s_median=statistics.median(warm), step_s=tuple(warm),
                      peak_device_bytes=peak, budget_bytes=None, stall_s=None, loss_matches=matches, extra=extra)
 
+
+
+# ----------------------------------------------------------------------------- --compare, interleaved
+
+
+class DeviceMeter:
+    """Peak device bytes of one training step, whatever the method: on CUDA torch's
+    ``max_memory_allocated``; on the CPU the bytes of every storage an op makes on the main thread
+    while it lives (a ``TorchDispatchMode`` with a finalizer per storage), leaving out the host
+    pool's buffers (``backends.HOST_ALLOCATING``: on the emulated device host and device are both
+    the CPU), plus what was live before the step: parameters, buffers, gradients, optimizer state.
+    Copies made on other threads (the emulated copy engines) write into buffers made here."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: str):
+        self.model, self.optimizer, self.cuda = model, optimizer, device.startswith("cuda")
+        self.peak = 0
+
+    def _resident(self) -> int:
+        seen: dict[int, int] = {}
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
+        if self.optimizer is not None:
+            tensors += [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        for t in tensors:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        return sum(seen.values())
+
+    @contextlib.contextmanager
+    def step(self) -> Any:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            yield
+            torch.cuda.synchronize()
+            self.peak = int(torch.cuda.max_memory_allocated())
+            return
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        from swapsched.runtime.backends import HOST_ALLOCATING
+
+        base = self._resident()
+        state = {"live": 0, "peak": 0}
+        seen: set[int] = set()
+
+        def died(key: int, nbytes: int) -> None:
+            seen.discard(key)
+            state["live"] -= nbytes
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                out = func(*args, **(kwargs or {}))
+                if getattr(HOST_ALLOCATING, "on", False):
+                    return out
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                        st = t.untyped_storage()
+                        key = st.data_ptr()
+                        if key in seen or st.nbytes() == 0:
+                            continue
+                        seen.add(key)
+                        state["live"] += st.nbytes()
+                        state["peak"] = max(state["peak"], state["live"])
+                        weakref.finalize(st, died, key, st.nbytes())
+                return out
+
+        with Mode():
+            yield
+        self.peak = base + state["peak"]
+
+
+@dataclass(frozen=True)
+class CompareRow:
+    """One method of ``run --compare``: its median step over the plain step of the same rounds
+    (``ratio``), the lowest and highest round's ratio, its peak by :class:`DeviceMeter`, whether
+    that fits the budget, whether every loss equalled plain training's bit for bit, and a note
+    (how its copies travel, or why it is not comparable)."""
+
+    method: str
+    step_s_median: float
+    ratio: float
+    ratio_low: float
+    ratio_high: float
+    peak_bytes: int
+    fits: bool | None
+    loss_matches: bool
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _sac_blocks(model: nn.Module) -> int:
+    """Each block under selective activation checkpointing with torchtitan's op list: the outputs
+    of matmuls, convolutions and attention are saved, everything else recomputed
+    (``trace.SELECTIVE_SAVE_OPS``; a random op is always recomputed, as torch requires)."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    from swapsched.trace import SELECTIVE_SAVE_OPS
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        name = getattr(getattr(op, "overloadpacket", op), "__name__", "")
+        return CheckpointPolicy.MUST_SAVE if name in SELECTIVE_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    context = functools.partial(create_selective_checkpoint_contexts, policy)
+    blocks = _blocks_of(model)
+    for m in blocks:
+        fwd = m.forward
+        m.forward = lambda *a, _f=fwd, **k: checkpoint(_f, *a, use_reentrant=False, context_fn=context, **k)  # type: ignore[method-assign]
+    return len(blocks)
+
+
+def _blocks_of(model: nn.Module) -> list[nn.Module]:
+    from swapsched.zoo import BasicBlock, TransformerBlock
+
+    blocks = [m for m in model.modules() if isinstance(m, (TransformerBlock, BasicBlock))]
+    if not blocks:
+        seqs = [m for m in model.children() if isinstance(m, nn.Sequential)]
+        blocks = [c for s in seqs for c in s.children() if any(p.requires_grad for p in c.parameters())]
+    return blocks
+
+
+class _Method:
+    """One method of the comparison: its own copy of the model, its optimizer, what wraps its step."""
+
+    def __init__(self, name: str, case: ModelCase, wrap: Callable[[], Any], note: str = "", runtime: Any = None):
+        self.name, self.case, self.wrap, self.note, self.runtime = name, case, wrap, note, runtime
+        self.opt = torch.optim.SGD(case.model.parameters(), lr=1e-3)
+        self.losses: list[torch.Tensor] = []
+        self.times: list[list[float]] = []
+
+    def step(self, meter: DeviceMeter | None = None) -> float:
+        ctx = meter.step() if meter is not None else contextlib.nullcontext()
+        with ctx:
+            loss, dt = self.case.timed_step(self.wrap)
+        self.losses.append(loss.detach())
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return dt
+
+    def warm(self) -> None:
+        """Steps until the method runs as measured: a runtime through its profiling steps (and
+        R9's second stage) to its first executed step; every method at least one step."""
+        self.step()
+        if self.runtime is not None:
+            for _ in range(3 * self.runtime.profile_steps + 4):
+                if self.runtime.report().mode == "execute":
+                    break
+                self.step()
+
+
+def compare_live(model: str, budget: str, policies: list[str], *, size: str | None = None, batch_size: int | None = None,
+                 seq_len: int | None = None, backend: str | None = None, bandwidth: float | None = None,
+                 hardware: str | None = None, rounds: int = 6, round_steps: int = 2, seed: int = 0,
+                 progress: Callable[[str], None] | None = None) -> LiveComparison:
+    """Every method of ``--compare`` (module docstring) on ``model`` at ``budget``, interleaved."""
+    import random
+
+    from swapsched.budget import parse_budget
+    from swapsched.deploy import SwapRuntime
+    from swapsched.runtime.backends import resolve_backend
+
+    if rounds < 2 or round_steps < 1:
+        raise UserError(f"--rounds must be at least 2 and --round-steps at least 1, got {rounds} and {round_steps}")
+    backend = resolve_backend(backend)
+    device = "cuda" if backend == "cuda" else "cpu"
+
+    def fresh() -> ModelCase:
+        return build_model(model, size, batch_size=batch_size, seq_len=seq_len, device=device, seed=0)
+
+    runtimes = []
+
+    def runtime_method(name: str, policy: str, note: str = "") -> _Method:
+        case = fresh()
+        rt = SwapRuntime(budget=budget, policy=policy, backend=backend, bandwidth=bandwidth, hardware=hardware, model=case.model)
+        runtimes.append(rt)
+        return _Method(name, case, rt.step, note or f"swapsched runtime, link: {rt.backend.link()}", rt)
+
+    methods = [_Method("plain", fresh(), contextlib.nullcontext, "no copies")]
+    ck = fresh()
+    _checkpoint_blocks(ck.model)
+    methods.append(_Method("checkpoint", ck, contextlib.nullcontext, "torch.utils.checkpoint per block, no copies"))
+    sac = fresh()
+    _sac_blocks(sac.model)
+    methods.append(_Method("selective-checkpoint", sac, contextlib.nullcontext,
+                           "torch selective checkpointing per block (torchtitan's op list), no copies"))
+    if device == "cuda":
+        methods.append(_Method("save_on_cpu", fresh(), lambda: torch.autograd.graph.save_on_cpu(pin_memory=True),
+                               "torch.autograd.graph.save_on_cpu(pin_memory=True)"))
+    else:  # on the CPU it would copy nothing (the tensors are on the host already): its schedule, emulated
+        methods.append(runtime_method("save_on_cpu", "swap-all", "save_on_cpu's schedule on the runtime's emulated link "
+                                                                 "(torch's own copies nothing on a CPU-only machine)"))
+    methods.append(runtime_method("checkpoint-offload", "checkpoint-offload",
+                                  "each block checkpointed, its input offloaded (ALST), on the runtime"))
+    for p in policies:
+        methods.append(runtime_method(p, p))
+    try:
+        for m in methods:
+            if progress:
+                progress(f"warm {m.name}")
+            m.warm()
+        rng = random.Random(seed)
+        for r in range(rounds):
+            order = list(methods)
+            rng.shuffle(order)
+            for m in order:
+                if progress:
+                    progress(f"round {r + 1}/{rounds} {m.name}")
+                m.times.append([m.step() for _ in range(round_steps)])
+        peaks = {}
+        for m in methods:  # one metered step each, outside the timed rounds
+            meter = DeviceMeter(m.case.model, m.opt, device)
+            m.step(meter)
+            peaks[m.name] = meter.peak
+    finally:
+        for rt in runtimes:
+            rt.close()
+    plain = methods[0]
+    ref = plain.losses
+    # the budget in bytes as the runtime resolves it on this model (a relative one: parameters,
+    # gradients and optimizer state, plus the share of the step's activation peak)
+    budget_bytes = runtimes[0].budget_bytes if budget.strip().endswith("%") else parse_budget(budget)
+    rows = []
+    for m in methods:
+        ratios = [statistics.median(a) / statistics.median(b) for a, b in zip(m.times, plain.times, strict=True)]
+        n = min(len(m.losses), len(ref))
+        rows.append(CompareRow(m.name, statistics.median(t for ts in m.times for t in ts), statistics.median(ratios),
+                               min(ratios), max(ratios), peaks[m.name], peaks[m.name] <= budget_bytes,
+                               all(torch.equal(a, b) for a, b in zip(m.losses[:n], ref[:n], strict=True)), m.note))
+    return LiveComparison(tuple(rows), budget_bytes, rounds, round_steps)
+
+
+@dataclass(frozen=True)
+class LiveComparison:
+    """What :func:`compare_live` measured: a row per method, the budget in the meter's bytes, and
+    the rounds. ``fastest`` is the fastest method whose peak fits the budget."""
+
+    rows: tuple[CompareRow, ...]
+    budget_bytes: int
+    rounds: int
+    round_steps: int
+
+    @property
+    def fastest(self) -> CompareRow | None:
+        fits = [r for r in self.rows if r.fits]
+        return min(fits, key=lambda r: r.ratio) if fits else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rows": [r.to_dict() for r in self.rows], "budget_bytes": self.budget_bytes, "rounds": self.rounds,
+                "round_steps": self.round_steps, "fastest": self.fastest.method if self.fastest else None}

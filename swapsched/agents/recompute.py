@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from swapsched.agents.local_search import plan_score
 from swapsched.env.simulator import simulate
 from swapsched.hardware import Hardware
-from swapsched.plan import SwapPlan
-from swapsched.trace import Trace
+from swapsched.plan import SwapPlan, lead_eviction
+from swapsched.trace import Trace, segment_of
 
-__all__ = ["CheckpointAll", "CheckpointSelective", "hybridize", "with_all_recomputed"]
+__all__ = ["CheckpointAll", "CheckpointSelective", "CheckpointOffload", "hybridize", "with_all_recomputed"]
 
 
 @dataclass(frozen=True)
@@ -119,3 +119,23 @@ def hybridize(trace: Trace, budget: int, hardware: Hardware, plan: SwapPlan, *, 
             chosen = chosen | {sg.index}
     return SwapPlan.of(trace, name or plan.policy, evictions.values(), recompute=[trace.segments[s].name for s in chosen],
                        **plan.meta)
+
+
+@dataclass(frozen=True)
+class CheckpointOffload:
+    """Every block checkpointed with its input offloaded to the host: the long-context trainers'
+    pattern (axolotl's offloaded ``hidden_states``, ALST). On a trace with blocks: every block
+    recomputed (R9) and each block's anchor (its input, which the checkpoint keeps) evicted with
+    a prefetch one transfer ahead. On a trace whose blocks already run under checkpoint (R9's
+    second stage in the runtime, no segments left): every tensor saved inside a block (the
+    checkpoints' inputs) evicted the same way."""
+
+    name: str = "checkpoint-offload"
+
+    def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
+        if trace.segments:
+            anchors = sorted({s.anchor for s in trace.segments})
+            return SwapPlan.of(trace, self.name, [lead_eviction(trace, k, 1, hardware) for k in anchors],
+                               recompute=[s.name for s in trace.segments])
+        inside = [t.id for t in trace.tensors if segment_of(t.module) is not None]
+        return SwapPlan.of(trace, self.name, [lead_eviction(trace, k, 1, hardware) for k in inside])

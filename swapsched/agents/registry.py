@@ -21,7 +21,7 @@ def _factories() -> dict[str, Callable[..., Policy]]:
     from swapsched.agents.learned import LearnedPolicy
     from swapsched.agents.local_search import LocalSearch
     from swapsched.agents.optimal import Optimal
-    from swapsched.agents.recompute import CheckpointAll, CheckpointSelective
+    from swapsched.agents.recompute import CheckpointAll, CheckpointOffload, CheckpointSelective
     from swapsched.agents.search import SwapAdvisor
 
     return {
@@ -34,6 +34,7 @@ def _factories() -> dict[str, Callable[..., Policy]]:
         "capuchin-swap": lambda **kw: Capuchin(recompute=False, name="capuchin-swap"),
         "checkpoint-all": lambda **kw: CheckpointAll(),
         "checkpoint-selective": lambda **kw: CheckpointSelective(),
+        "checkpoint-offload": lambda **kw: CheckpointOffload(),
         "local-search": lambda seed=0, **kw: LocalSearch(seed=seed),
         "swapadvisor": lambda seed=0, search_seconds=10.0, **kw: SwapAdvisor(seed=seed, search_seconds=search_seconds),
         "optimal": lambda seed=0, **kw: Optimal(seed=seed),

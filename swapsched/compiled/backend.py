@@ -107,6 +107,9 @@ class CompileReport:
             rows.append(f"{g.index:>5} {g.saved:>6} {format_bytes(g.saved_bytes):>12} {g.held:>5} {g.offloaded:>7} "
                         f"{g.recomputed:>6} {format_bytes(g.budget_bytes):>11} {format_bytes(g.predicted_peak_bytes):>11} "
                         f"{g.predicted_step_s * 1e3:>9.3f}ms {g.predicted_overhead:>+9.1%} {g.plan_s:>7.3f}")
+        symbolic = [str(g.index) for g in self.graphs if g.graph.trace.meta.get("symbolic")]
+        if symbolic:
+            rows.append(f"graph(s) {', '.join(symbolic)}: dynamic shapes, planned at the sizes' hints (the sizes traced)")
         basis = {g.budget_basis for g in self.graphs}
         rows.append(f"budget {self.budget_spec!r} on {self.hardware}, inner compiler {self.inner}; "
                     f"split: {'; '.join(sorted(basis))}")

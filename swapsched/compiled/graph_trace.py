@@ -291,7 +291,9 @@ def graph_trace(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, ha
                   tensors=tuple(infos), events=tuple(events),
                   meta={"executor": "compiled", "timing_source": "roofline of the graph's nodes", "tail_flops": tail_flops,
                         "held_bytes": sum(_nbytes(m[0].meta.get("val")) for m in held_first.values()),
-                        "held": len(held)})
+                        "held": len(held),
+                        # dynamic shapes: the sizes are symbolic, and the trace is at their hints
+                        "symbolic": any(isinstance(d, torch.SymInt) for n in saved for d in n.meta["val"].shape)})
     if mutating:
         trace = trace.with_segments(lambda sg: not any(m == sg.name or m.startswith(sg.name + ".") for m in mutating))
     return GraphTrace(trace, tuple(n.name for n in tensors), tuple(event_node), held, len(static))

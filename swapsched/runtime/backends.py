@@ -41,6 +41,12 @@ class CopyError(RuntimeError):
     """A swap copy failed or did not complete in time; the swapper names the tensor."""
 
 
+#: Set while a host pool allocates a buffer on this thread: a device-memory meter that watches
+#: every allocation (``swapsched run --compare``) leaves host buffers out on the emulated device,
+#: where host and "device" are both the CPU.
+HOST_ALLOCATING = threading.local()
+
+
 class HostPool:
     """Reusable host buffers by exact size, so steady-state steps allocate nothing.
 
@@ -60,7 +66,11 @@ class HostPool:
             if bufs:
                 return bufs.pop()
             self.allocated_bytes += self.held_bytes(nbytes)
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        HOST_ALLOCATING.on = True
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        finally:
+            HOST_ALLOCATING.on = False
 
     def held_bytes(self, nbytes: int) -> int:
         """What a buffer of ``nbytes`` really holds: PyTorch's pinned (CachingHostAllocator) blocks

@@ -144,3 +144,17 @@ def test_the_joint_planners_on_blocks(case):
     if best_other is not None:
         assert not runs["default"].oom and runs["default"].iteration_s <= best_other * (1 + 1e-9)
         assert not opt.oom and opt.iteration_s <= runs["default"].iteration_s * (1 + 1e-9)
+
+
+def test_checkpoint_offload_recomputes_every_block_and_offloads_its_input(one_block, hw):
+    from swapsched.agents.recompute import CheckpointOffload
+    from swapsched.plan import lead_eviction
+
+    # one_block: blk.0 = anchor T0 + member T1; T2 ("head") in no block
+    plan = CheckpointOffload().plan(one_block, 300, hw)
+    assert plan.recompute == ("blk.0",) and plan.evictions == (lead_eviction(one_block, 0, 1, hw),)
+    # R9's second stage in the runtime: the block already runs under checkpoint (no segments
+    # left); what it saves inside the block (its input) is offloaded, the rest stays
+    checkpointed = one_block.with_segments(lambda sg: False)
+    plan = CheckpointOffload().plan(checkpointed, 300, hw)
+    assert plan.recompute == () and {e.tensor for e in plan.evictions} == {0, 1}

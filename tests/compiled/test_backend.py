@@ -172,6 +172,8 @@ def test_per_block_compile_and_a_new_length():
     # blocks 1 and 2 share one graph (their input needs a gradient, block 0's does not); the
     # new length compiles again, with symbolic sizes planned at their hints
     assert len(graphs) >= 3 and sum(g.offloaded for g in graphs) > 0
+    # the second length compiled with dynamic sizes (Dynamo's automatic dynamic): said so
+    assert any(g.graph.trace.meta["symbolic"] for g in graphs) and "planned at the sizes' hints" in str(be.report())
     for g in graphs:
         assert_holds_plan(g)
 

@@ -100,6 +100,8 @@ CASES = [
     ("run", "--size", "huge", "huge"),
     ("run", "--batch-size", "0", "positive integer"),
     ("run", "--seq-len", "zero", "positive integer"),
+    ("run", "--rounds", "0", "positive integer"),
+    ("run", "--round-steps", "x", "positive integer"),
     ("run", "--budget", "150%", "budget"),
     ("run", "--policy", "magic", "unknown policy 'magic'"),
     ("run", "--steps", "0", "positive integer"),
