@@ -46,6 +46,28 @@ def _budgets(value: str) -> list[str]:
     return items
 
 
+def _host_budget(value: str) -> int:
+    """A host budget (R11): bytes, like '64GiB' (a percentage has nothing to be a share of)."""
+    from swapsched.budget import BudgetError, parse_budget
+
+    if value.strip().endswith("%"):
+        raise argparse.ArgumentTypeError(f"host budget {value!r}: give bytes, like '64GiB' (pinned host memory for this rank)")
+    try:
+        return parse_budget(value)
+    except BudgetError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("budget", "host budget", 1)) from None
+
+
+def _ranks(value: str) -> list[int]:
+    """A comma list of ranks per host, each a positive integer."""
+    out = []
+    for item in _csv(value):
+        if not item.isdigit() or int(item) < 1:
+            raise argparse.ArgumentTypeError(f"ranks per host must be positive integers, got {item!r}")
+        out.append(int(item))
+    return out
+
+
 def _budget(value: str) -> str:
     """One budget, checked for form where it is given."""
     from swapsched.budget import BudgetError, check_budget
@@ -189,13 +211,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- simulate / plan
 
 
-def _load_case(trace_path: str, hardware: str, budget: str, executor: str = "hooks") -> tuple[Any, Any, int]:
+def _load_case(trace_path: str, hardware: str, budget: str, executor: str = "hooks",
+               host_budget: int | None = None) -> tuple[Any, Any, int]:
     from swapsched.budget import parse_budget
     from swapsched.hardware import load_hardware
     from swapsched.trace import load_trace
 
     trace = load_trace(trace_path)
-    return trace, load_hardware(hardware).for_executor(executor), parse_budget(budget, trace)
+    hw = load_hardware(hardware).for_executor(executor).with_host(host_budget_bytes=host_budget)
+    return trace, hw, parse_budget(budget, trace)
 
 
 def _print_result(r: dict[str, Any]) -> None:
@@ -216,7 +240,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from swapsched.env.simulator import simulate
     from swapsched.plan import load_plan
 
-    trace, hw, budget = _load_case(args.trace, args.hardware, args.budget, args.executor)
+    trace, hw, budget = _load_case(args.trace, args.hardware, args.budget, args.executor, args.host_budget)
     plan = load_plan(args.plan, trace)
     res = simulate(trace, plan, hw, budget, record=bool(args.plot), validate=False)
     d = res.to_dict()
@@ -237,7 +261,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from swapsched.agents.evaluate import run_policy
     from swapsched.agents.registry import get_policy
 
-    trace, hw, budget = _load_case(args.trace, args.hardware, args.budget, args.executor)
+    trace, hw, budget = _load_case(args.trace, args.hardware, args.budget, args.executor, args.host_budget)
     policy = get_policy(args.policy, seed=args.seed, search_seconds=args.search_seconds)
     plan, res, plan_s = run_policy(policy, trace, budget, hw)
     plan.save(args.out)
@@ -266,7 +290,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from swapsched.trace import load_trace
 
     policies = expand_policies(args.policies)
-    hws = [load_hardware(h).for_executor(args.executor) for h in args.hardware]
+    hws = [load_hardware(h).for_executor(args.executor).with_host(ranks_per_host=r, host_budget_bytes=args.host_budget)
+           for h in args.hardware for r in args.ranks_per_host]
     traces = [load_trace(t) for t in args.traces] if args.traces else [*load_corpus("train"), *load_corpus("test")]  # the zoo's
     rows = compare(traces, args.budgets, hws, policies, seed=args.seed, search_seconds=args.search_seconds,
                    progress=not args.no_progress)
@@ -511,6 +536,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--executor", choices=EXECUTORS, default="hooks",
                     help="who executes the plan (R10): hooks (SwapRuntime, its host costs, two copy streams) or "
                          "compiled (CompileBackend: no hook costs, one transfer stream); default hooks")
+    sp.add_argument("--host-budget", type=_host_budget, metavar="BYTES",
+                    help="host memory this rank's swapped tensors may hold at once, like '64GiB' (R11; default unlimited)")
 
     sp = add("plan", cmd_plan, "Make a plan with a policy and write it as JSON.")
     sp.add_argument("--trace", required=True, help="trace file (.json or .json.gz)")
@@ -523,6 +550,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--executor", choices=EXECUTORS, default="hooks",
                     help="who executes the plan (R10): hooks (SwapRuntime, its host costs, two copy streams) or "
                          "compiled (CompileBackend: no hook costs, one transfer stream); default hooks")
+    sp.add_argument("--host-budget", type=_host_budget, metavar="BYTES",
+                    help="host memory this rank's swapped tensors may hold at once, like '64GiB' (R11; default unlimited)")
 
     sp = add("compare", cmd_compare, "Compare policies on traces x budgets x hardware in one table.")
     sp.add_argument("--traces", nargs="+", metavar="T", help="trace files (default: the shipped corpus of zoo models, train and test splits)")
@@ -532,6 +561,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--executor", choices=EXECUTORS, default="hooks",
                     help="who executes the plan (R10): hooks (SwapRuntime, its host costs, two copy streams) or "
                          "compiled (CompileBackend: no hook costs, one transfer stream); default hooks")
+    sp.add_argument("--host-budget", type=_host_budget, metavar="BYTES",
+                    help="host memory this rank's swapped tensors may hold at once, like '64GiB' (R11; default unlimited)")
+    sp.add_argument("--ranks-per-host", type=_ranks, default=[1], metavar="N[,N...]",
+                    help="ranks sharing the host's memory bandwidth (R11: FSDP/DDP ranks on one node), a row per value; default 1")
     sp.add_argument("--policies", default=",".join(FAST_POLICIES),
                     help="'all' or a comma list of: no-swap, swap-all, vdnn-all, vdnn-conv, min, capuchin, capuchin-swap, "
                          "checkpoint-all, checkpoint-selective, local-search, swapadvisor, optimal, optimal:SECONDSs, "

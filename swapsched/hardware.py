@@ -49,6 +49,38 @@ class Hardware:
     # duplex); 1: both directions on one stream in issue order (R10: torch's ``ao.offload`` /
     # ``ao.reload`` ops issue every copy on one transfer stream). Set by for_executor, not in YAML.
     copy_streams: int = 2
+    # R11, host memory. The host's memory bandwidth, which every rank's copies on the node share
+    # (YAML, optional: None = never the bottleneck), and how many ranks share it (a node's GPUs
+    # under FSDP/DDP). Each rank's copies run at most at host_memory_bytes_per_s / (ranks_per_host
+    # x copy_streams) in each direction: every rank's copies, both directions at once, share it.
+    host_memory_bytes_per_s: float | None = None
+    ranks_per_host: int = 1
+    # R11: the host bytes this rank's swapped tensors may hold at once (pinned memory is finite;
+    # None = unlimited). Set per run (--host-budget, SwapRuntime(host_budget=)), not in YAML.
+    host_budget_bytes: int | None = None
+
+    def link_bytes_per_s(self, direction: str) -> float:
+        """R11: the bandwidth one rank's copies get in ``direction`` (``"d2h"`` or ``"h2d"``): its
+        link, or its share of the host's memory bandwidth where that is less."""
+        link = self.d2h_bytes_per_s if direction == "d2h" else self.h2d_bytes_per_s
+        if self.host_memory_bytes_per_s is None:
+            return link
+        # every rank's copies in both directions (each stream) draw on the one memory
+        return min(link, self.host_memory_bytes_per_s / (self.ranks_per_host * self.copy_streams))
+
+    def with_host(self, *, ranks_per_host: int | None = None, host_budget_bytes: int | None = None) -> Hardware:
+        """This hardware shared by ``ranks_per_host`` ranks, or with a host budget (R11)."""
+        out = self
+        if ranks_per_host is not None:
+            if ranks_per_host < 1:
+                raise HardwareError(f"ranks per host must be at least 1, got {ranks_per_host}")
+            out = replace(out, ranks_per_host=int(ranks_per_host),
+                          name=out.name if ranks_per_host == 1 else f"{self.name.split('@')[0]}@{ranks_per_host}ranks")
+        if host_budget_bytes is not None:
+            if host_budget_bytes <= 0:
+                raise HardwareError(f"host budget must be positive, got {host_budget_bytes}")
+            out = replace(out, host_budget_bytes=int(host_budget_bytes))
+        return out
 
     def for_executor(self, executor: str) -> Hardware:
         """This hardware as ``executor`` pays for a plan (R10). ``"hooks"``: as given (the live
@@ -63,10 +95,10 @@ class Hardware:
         raise HardwareError(f"unknown executor {executor!r}; use one of {list(EXECUTORS)}")
 
     def d2h_time(self, nbytes: float) -> float:
-        return self.copy_latency_s + nbytes / self.d2h_bytes_per_s
+        return self.copy_latency_s + nbytes / self.link_bytes_per_s("d2h")
 
     def h2d_time(self, nbytes: float) -> float:
-        return self.copy_latency_s + nbytes / self.h2d_bytes_per_s
+        return self.copy_latency_s + nbytes / self.link_bytes_per_s("h2d")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,6 +108,8 @@ class Hardware:
         comments = comments or {}
         lines = []
         for k, v in self.to_dict().items():
+            if k in _PER_RUN or v is None:
+                continue  # a run's settings, not the device's (R10, R11)
             val = repr(v) if isinstance(v, str) else (f"{v:.6e}" if isinstance(v, float) else str(v))
             line = f"{k}: {val}"
             if k in comments:
@@ -89,6 +123,8 @@ class Hardware:
 
 _REQUIRED = ("d2h_bytes_per_s", "h2d_bytes_per_s", "copy_latency_s", "device_memory_bytes", "peak_flops", "memory_bytes_per_s")
 _POSITIVE = ("d2h_bytes_per_s", "h2d_bytes_per_s", "device_memory_bytes", "peak_flops", "memory_bytes_per_s")
+#: Fields a run sets (the executor, the ranks on the node, the host budget), never a hardware file
+_PER_RUN = ("copy_streams", "ranks_per_host", "host_budget_bytes")
 EXECUTORS = ("hooks", "compiled")  # R10: who executes a plan, see Hardware.for_executor
 HOST_COSTS = ("hook_cost_s", "copy_issue_s", "wait_resume_s", "copy_host_s_per_byte")  # optional, 0 = not measured
 _NUMBER_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
@@ -120,7 +156,11 @@ def hardware_from_dict(data: Any, source: str) -> Hardware:
             raise HardwareError(f"{source}: field {k}: missing")
     if not isinstance(data["name"], str) or not data["name"]:
         raise HardwareError(f"{source}: field name: expected a non-empty string, got {data['name']!r}")
-    vals = {k: _as_number(data[k], f"{source}: field {k}") for k in (*_REQUIRED, *HOST_COSTS) if k in data}
+    vals = {k: _as_number(data[k], f"{source}: field {k}") for k in (*_REQUIRED, *HOST_COSTS, "host_memory_bytes_per_s")
+            if k in data}
+    for k in _PER_RUN:
+        if k in data:
+            raise HardwareError(f"{source}: field {k}: set per run, not in a hardware file (see Hardware)")
     for k in _POSITIVE:
         if vals[k] <= 0:
             raise HardwareError(f"{source}: field {k}: must be > 0, got {data[k]!r}")

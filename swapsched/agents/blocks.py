@@ -114,7 +114,7 @@ def features(trace: Trace, budget: int, hardware: Hardware) -> np.ndarray:
     return np.array([
         (budget - low) / max(peak - low, 1),
         log_ratio(hardware.h2d_time(over), ideal),
-        min(hardware.h2d_bytes_per_s * trace.backward_compute_s / over, 4.0) / 4.0,
+        min(hardware.link_bytes_per_s("h2d") * trace.backward_compute_s / over, 4.0) / 4.0,
         min(total / over, 4.0) / 4.0,
         min(cheap / over, 4.0) / 4.0,
         cheap / total,

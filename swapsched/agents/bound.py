@@ -120,8 +120,8 @@ def lower_bound(trace: Trace, budget: int, hardware: Hardware, *, time_limit_s: 
     checked = np.unique(np.concatenate((top, _spread(over, max_gaps - top.size))))
     fp, fu, rel = trace.first_pack, trace.first_unpack, trace.release
     b = trace.tensor_bytes.astype(np.float64)
-    d = hardware.copy_latency_s + b / hardware.d2h_bytes_per_s
-    h = hardware.copy_latency_s + b / hardware.h2d_bytes_per_s
+    d = hardware.copy_latency_s + b / hardware.link_bytes_per_s("d2h")
+    h = hardware.copy_latency_s + b / hardware.link_bytes_per_s("h2d")
 
     # variables: S_0..S_n, then e[k, j] for the eligible pairs, then r_s and q_s per block (R9)
     pairs = [(int(k), int(j)) for j in checked for k in np.flatnonzero((rel < j) & (fu >= j) & (fp < j))]

@@ -294,7 +294,7 @@ class Capuchin:
         b = trace.tensor_bytes
         lfp = trace.last_forward_pack
         free_time = (times[fu] - times[lfp]
-                     - 2 * hardware.copy_latency_s - b / hardware.d2h_bytes_per_s - b / hardware.h2d_bytes_per_s)
+                     - 2 * hardware.copy_latency_s - b / hardware.link_bytes_per_s("d2h") - b / hardware.link_bytes_per_s("h2d"))
         demand = planned_demand(trace, [], hardware)
         planned_pf: dict[int, int] = {}
 

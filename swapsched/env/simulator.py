@@ -73,6 +73,10 @@ class SimResult:
     recompute_s: float = 0.0
     # R4, guard (simulate(guard=True)): tensors evicted on the spot where the plan left no room
     guard_evictions: int = 0
+    # R11: the most host bytes swapped tensors held at once, and the planned swap-outs left on the
+    # device because the host budget had no room for them
+    host_peak_bytes: int = 0
+    host_skipped: int = 0
 
     @property
     def overhead(self) -> float:
@@ -98,6 +102,8 @@ class SimResult:
             "host_s": num(self.host_s),
             "recompute_s": self.recompute_s,
             "guard_evictions": self.guard_evictions,
+            "host_peak_bytes": self.host_peak_bytes,
+            "host_skipped": self.host_skipped,
         }
 
 
@@ -208,8 +214,13 @@ class Simulation:
         self.host_debt = 0.0
         self.host_s = 0.0
         self.lat = hardware.copy_latency_s
-        self.inv_d2h = 1.0 / hardware.d2h_bytes_per_s
-        self.inv_h2d = 1.0 / hardware.h2d_bytes_per_s
+        self.inv_d2h = 1.0 / hardware.link_bytes_per_s("d2h")  # R11: a rank's share of the host's bandwidth
+        self.inv_h2d = 1.0 / hardware.link_bytes_per_s("h2d")
+        # R11: host bytes held by swapped tensors (from the swap-out's issue to the step's end, as
+        # the runtime's pool holds them), their peak, and the host budget a swap-out must fit
+        self.host_used = self.host_peak = 0
+        self.host_budget = hardware.host_budget_bytes
+        self.host_skipped = 0
         self.one_stream = hardware.copy_streams == 1  # R10: both directions queue on one transfer stream
         self.record = record
         if record:
@@ -325,9 +336,10 @@ class Simulation:
         whole. Either comes back on demand (R5a). False where there is none."""
         fu, loc = self.trace.first_unpack, self.loc
         best, far = -1, event
+        host_room = math.inf if self.host_budget is None else self.host_budget - self.host_used
         for k in range(len(loc)):
-            if (loc[k] == RESIDENT or loc[k] == IN) and k != keep and fu[k] > far:
-                best, far = k, int(fu[k])
+            if ((loc[k] == RESIDENT and self.tb.bytes[k] <= host_room) or loc[k] == IN) and k != keep and fu[k] > far:
+                best, far = k, int(fu[k])  # R11: a swap-out needs room on the host
         if best < 0:
             return False
         self.guard_evictions += 1
@@ -342,6 +354,9 @@ class Simulation:
     def _issue_swapout(self, k: int) -> None:
         """R6: ``k``'s swap-out, queued on the device-to-host engine behind the ones in flight."""
         b = self.tb.bytes[k]
+        self.host_used += b  # R11: held on the host until the step ends
+        if self.host_used > self.host_peak:
+            self.host_peak = self.host_used
         start = self.t if self.t > self.d2h_free else self.d2h_free
         if self.one_stream and self.h2d_free > start:
             start = self.h2d_free
@@ -504,6 +519,9 @@ class Simulation:
                 if self.guard_evictions and loc[k] != RESIDENT:
                     continue  # the guard evicted it already (R4, guard): the runtime skips it too
                 assert loc[k] == RESIDENT, "swap-out of a tensor that is not resident (plan breaks R7)"
+                if self.host_budget is not None and self.host_used + tb.bytes[k] > self.host_budget:
+                    self.host_skipped += 1  # R11: no room on the host: it stays on the device
+                    continue
                 self._issue_swapout(k)
             # -- (d) prefetches planned at i
             pf = self.prefetch_at[i]
@@ -547,6 +565,8 @@ class Simulation:
             host_s=math.inf if oom else self.host_s,
             recompute_s=self.recompute_s,
             guard_evictions=self.guard_evictions,
+            host_peak_bytes=int(self.host_peak),
+            host_skipped=self.host_skipped,
         )
 
 
@@ -586,7 +606,7 @@ def analytic_floor(trace: Trace, budget: int, hardware: Hardware) -> float:
     if trace.n_events == 0:
         return trace.ideal_s
     _, before, after, must = _floor_terms(trace, budget, hardware)
-    bound = np.maximum(before, must / hardware.d2h_bytes_per_s) + np.maximum(after, must / hardware.h2d_bytes_per_s)
+    bound = np.maximum(before, must / hardware.link_bytes_per_s("d2h")) + np.maximum(after, must / hardware.link_bytes_per_s("h2d"))
     return float(bound.max())
 
 
@@ -619,7 +639,7 @@ def joint_floor(trace: Trace, budget: int, hardware: Hardware) -> float:
         return analytic_floor(trace, budget, hardware)
     gaps, before, after, must = _floor_terms(trace, budget, hardware)
     rel, b = trace.release, trace.tensor_bytes
-    inv_d, inv_h = 1.0 / hardware.d2h_bytes_per_s, 1.0 / hardware.h2d_bytes_per_s
+    inv_d, inv_h = 1.0 / hardware.link_bytes_per_s("d2h"), 1.0 / hardware.link_bytes_per_s("h2d")
     # Knapsack items, two per block: its cheap members (what a selective recompute rebuilds, for
     # its cheap forward time) and the rest (for the remaining forward time). A whole recompute
     # takes both, a selective one the first; taking the second alone is no plan, but allowing it

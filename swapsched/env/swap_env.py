@@ -275,7 +275,7 @@ class _DecisionTable:
         # keeping occupies the gaps after the program releases it (R2; its last forward pack by default)
         self.keep_from = (tr.release[order] + 1).tolist()
         times = tr.event_times
-        h2d = hw.copy_latency_s + b / hw.h2d_bytes_per_s
+        h2d = hw.copy_latency_s + b / hw.link_bytes_per_s("h2d")
         pf_cols = []
         for lead in LEADS:  # the same placement as swapsched.plan.lead_eviction, for all tensors at once
             if lead == 0:
@@ -291,7 +291,7 @@ class _DecisionTable:
         # an evicted tensor occupies the gaps from its prefetch (after the swap-out's gap) to its unpack
         self.occupy_from = np.maximum(pf_mat, (so + 1)[:, None]).tolist()
         free = times[fu] - times[so]
-        rt = 2 * hw.copy_latency_s + b / hw.d2h_bytes_per_s + b / hw.h2d_bytes_per_s
+        rt = 2 * hw.copy_latency_s + b / hw.link_bytes_per_s("d2h") + b / hw.link_bytes_per_s("h2d")
         x = free / rt
         ideal = tr.ideal_s + hw.hook_cost_s * tr.n_events
         self.static_features = np.stack([

@@ -59,13 +59,21 @@ class HostPool:
         self.free: dict[int, list[torch.Tensor]] = {}
         self.allocated_bytes = 0
         self.lock = threading.Lock()
+        # R11: the most bytes the pool may hold (the runtime's host budget; None: unlimited). Cached
+        # buffers of other sizes are released to make room; what is in use, the step keeps within it
+        self.limit: int | None = None
 
     def take(self, nbytes: int) -> torch.Tensor:
         with self.lock:
             bufs = self.free.get(nbytes)
             if bufs:
                 return bufs.pop()
-            self.allocated_bytes += self.held_bytes(nbytes)
+            need = self.held_bytes(nbytes)
+            if self.limit is not None:
+                for size in sorted(self.free, reverse=True):
+                    while self.free[size] and self.allocated_bytes + need > self.limit:
+                        self.allocated_bytes -= self.held_bytes(self.free[size].pop().numel())
+            self.allocated_bytes += need
         HOST_ALLOCATING.on = True
         try:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)

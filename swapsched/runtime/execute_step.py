@@ -44,7 +44,7 @@ class ExecuteStep(StepExecution):
     __slots__ = ("layout", "trace", "budget", "room", "out_at", "prefetch_at", "tensor_bytes", "frees", "expected",
                  "work", "keys", "by_tid", "i", "outs", "waiting", "ins", "n_seen", "first_sight", "gaps", "hook_s",
                  "last_exit", "tail_s", "deaths", "alloc", "other", "marks_in", "marks_out", "mark_start", "mark_end",
-                 "scale", "profile", "started", "untracked")
+                 "scale", "profile", "started", "untracked", "host_held", "host_skipped")
 
     def __init__(self, rt: PolicyRuntime):
         super().__init__(rt)
@@ -60,6 +60,8 @@ class ExecuteStep(StepExecution):
         # a profiling step passes on the ones seen so far, whose bytes its trace counts as static
         self.untracked: list[tuple[weakref.ref[Any], int, int]] = []
         self.started = time.perf_counter()
+        self.host_held = 0  # R11: host bytes of this step's swapped tensors (held until the step ends)
+        self.host_skipped = 0
         # live storage key -> record. A resident record's handles keep its storage alive; an
         # evicted one gets a weakref.finalize as the runtime lets go of it, and a freed one is
         # forgotten at its last use, so no key ever outlives its storage (R2; see StorageIds).
@@ -214,7 +216,8 @@ class ExecuteStep(StepExecution):
         HOST with no copy, once its swap-in has landed."""
         fu = self.trace.first_unpack
         cands = [r for r in self.records if r.tid != now_tid and r.nbytes >= self.rt.min_bytes and fu[r.tid] > self.i
-                 and ((r.state == RESIDENT and (r.flat is not None or any(h.tensor is not None for h in r.live_handles())))
+                 and ((r.state == RESIDENT and self._host_room(r.nbytes)
+                       and (r.flat is not None or any(h.tensor is not None for h in r.live_handles())))
                       or (r.state == IN and r.host is not None))]
         if not cands:
             return False
@@ -239,7 +242,18 @@ class ExecuteStep(StepExecution):
         self.ins.remove(rec)
         self._count_deaths()
 
+    def _host_room(self, nbytes: int) -> bool:
+        """R11: whether the host budget has room for ``nbytes`` more this step (the pool holds a
+        swapped tensor's buffer until the step ends)."""
+        limit = self.rt.hardware.host_budget_bytes
+        return limit is None or self.host_held + self._host_bytes(nbytes) <= limit
+
+    def _host_bytes(self, nbytes: int) -> int:
+        pool = getattr(self.backend, "pool", None)
+        return pool.held_bytes(nbytes) if pool is not None else nbytes
+
     def _issue_out(self, rec: Record) -> None:
+        self.host_held += self._host_bytes(rec.nbytes)
         flat = rec.flat
         if flat is None:
             flat = flat_bytes(next(h.tensor for h in rec.live_handles() if h.tensor is not None))
@@ -437,6 +451,9 @@ class ExecuteStep(StepExecution):
         for tid in self.out_at[i]:
             rec = self.by_tid.get(tid)
             if rec is not None and rec.state == RESIDENT:
+                if not self._host_room(rec.nbytes):
+                    self.host_skipped += 1  # R11: no room on the host, it stays (as the simulator has it)
+                    continue
                 self._issue_out(rec)
         # (d) prefetches planned here, in issue order, waiting for room (R6)
         pf = self.prefetch_at[i]
@@ -542,5 +559,6 @@ class ExecuteStep(StepExecution):
             recomputed_blocks=self.rt.blocks.names if self.rt.blocks is not None else (),
             selective_blocks=self.rt.blocks.selective if self.rt.blocks is not None else (),
             shape_predicted=self.layout.predicted, plain_step_s=self.trace.ideal_s,
+            host_peak_bytes=self.host_held, host_skipped=self.host_skipped,
         )
 

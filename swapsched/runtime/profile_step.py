@@ -122,7 +122,10 @@ class ProfileStep(StepExecution):
                     self.cast_bytes += st.nbytes()
             return Packed(None, t, profiled=True)
         st = t.untyped_storage()
-        if st.nbytes() < self.rt.min_bytes:
+        limit = self.rt.hardware.host_budget_bytes
+        if st.nbytes() < self.rt.min_bytes or (limit is not None and self.ids.get(t) is None
+                                               and self.moved + st.nbytes() > limit):
+            # small, or (R11) no room left on the host: it stays on the device for this step
             p = Packed(None, t, tid=tid, profiled=True)
             self._own(tid, st, p)
             return p

@@ -217,6 +217,10 @@ class StepReport:
     # predicted shape at its first saved tensor, and what it did after the step (the policy's plan,
     # a re-layout); plans made on the planner thread are not in it
     planning_s: float = 0.0
+    # R11: host bytes this step's swapped tensors held (the pool's buffers, until the step's end),
+    # and planned swap-outs left on the device because the host budget had no room
+    host_peak_bytes: int = 0
+    host_skipped: int = 0
     run: RunSummary | None = None  # the whole run so far
 
     def __str__(self) -> str:

@@ -126,7 +126,7 @@ class PolicyRuntime:
                  backend: str | Backend | None = None, *, bandwidth: float | None = None, min_bytes: int = 0,
                  model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  profile_steps: int = 3, retime_steps: int = 3, audit: bool = False, strict: bool = False,
-                 background_planning: bool = True):
+                 background_planning: bool = True, host_budget: str | int | None = None):
         self.strict = bool(strict)
         self.budget_spec = check_budget(budget)  # a malformed budget fails here, not after profiling
         if policy is not None and not isinstance(policy, Policy):
@@ -142,6 +142,10 @@ class PolicyRuntime:
                 hw = replace(hw, name=f"{hw.name}@{bandwidth:.3g}B/s", d2h_bytes_per_s=bandwidth, h2d_bytes_per_s=bandwidth)
         else:
             hw = load_hardware(hardware)  # e.g. a calibrated profile: used for planning as it is
+        if host_budget is not None:  # R11: the host bytes swapped tensors may hold; plans and the pool keep to it
+            if isinstance(host_budget, str) and host_budget.strip().endswith("%"):
+                raise UserError(f"host_budget {host_budget!r}: give bytes, like '64GiB' (pinned host memory for this rank)")
+            hw = hw.with_host(host_budget_bytes=parse_budget(host_budget))
         self.hardware = hw
         if isinstance(backend, Backend):
             self.backend = backend
@@ -149,6 +153,8 @@ class PolicyRuntime:
             self.backend = CpuBackend(bandwidth, bandwidth, 0.0)  # the link alone; its latency was measured
         else:
             self.backend = make_backend(name, hw)
+        if hasattr(self.backend, "pool"):
+            self.backend.pool.limit = hw.host_budget_bytes
         self.min_bytes = int(min_bytes)
         if profile_steps < 1:
             raise UserError(f"profile_steps must be at least 1, got {profile_steps}")

@@ -800,3 +800,57 @@ def test_the_compiled_executor_pays_no_host_cost(two_tensors, hw):
     assert costly.for_executor("hooks") is costly
     with pytest.raises(Exception, match="unknown executor"):
         costly.for_executor("jit")
+
+
+def test_the_host_peak_is_every_swapped_byte_held_to_the_steps_end(two_tensors, hw):
+    # R11: T0 and T1 (100 B each) both swapped: the host holds 200 B at once (the pool keeps a
+    # swapped tensor's buffer until the step ends), however early T0 came back
+    r = simulate(two_tensors, [Eviction(0, 0, 1), Eviction(1, 1, 2)], hw, 300)
+    assert r.host_peak_bytes == 200 and r.host_skipped == 0
+
+
+def test_a_swap_out_the_host_budget_cannot_hold_stays_on_the_device(two_tensors, hw):
+    # R11: host budget 150 B: T0's swap-out (100 B) fits, T1's does not; T1 stays resident, no
+    # copy, no stall for it. At a device budget of 300 B that is fine (step 5 s, ideal); at 100 B
+    # T1 cannot be made room for: OOM at e1, the plan cannot meet both budgets
+    small_host = replace(hw, host_budget_bytes=150)
+    plan = [Eviction(0, 0, 2), Eviction(1, 1, 2)]
+    r = simulate(two_tensors, plan, small_host, 300)
+    assert r.host_peak_bytes == 100 and r.host_skipped == 1 and r.d2h_bytes == 100 and r.iteration_s == 5.0
+    assert simulate(two_tensors, plan, hw.with_host(host_budget_bytes=10**6), 100).oom is False
+    r = simulate(two_tensors, [Eviction(0, 0, 2)], replace(hw, host_budget_bytes=50), 100)
+    assert r.oom and r.oom_event == 1 and r.host_skipped == 1
+
+
+def test_ranks_sharing_the_host_share_its_bandwidth(two_tensors, hw):
+    # R11: the host's memory moves 200 B/s, shared by every rank's two copy streams. One rank:
+    # 100 B/s a direction, the link's own: T0 out 1 -> 2. Two ranks: 50 B/s each, so 1 -> 3: the
+    # copy time doubles, and the on-demand copy back at e3 (t=5) takes 2 s: step 7 s against 6 s
+    host = replace(hw, host_memory_bytes_per_s=200.0)
+    one = simulate(two_tensors, [Eviction(0, 0, 3)], host, 300, record=True)
+    two = simulate(two_tensors, [Eviction(0, 0, 3)], host.with_host(ranks_per_host=2), 300, record=True)
+    assert one.timeline.d2h == ((1.0, 2.0, 0),) and two.timeline.d2h == ((1.0, 3.0, 0),)
+    assert one.iteration_s == 6.0 and two.iteration_s == 7.0
+    assert host.with_host(ranks_per_host=2).name == "hand@2ranks"
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(share=st.floats(0.05, 1.0), which=st.sampled_from(["swap-all", "min", "capuchin", "vdnn-all", "checkpoint-offload"]))
+def test_no_policys_plan_holds_more_on_the_host_than_the_host_budget(share, which):
+    # R11, a property: whatever a policy plans, what the step holds on the host stays within the
+    # host budget (a swap-out without room stays on the device), guard or not
+    from swapsched.agents.registry import get_policy
+    from swapsched.env.corpus import load_corpus
+    from swapsched.hardware import load_hardware
+
+    trace = load_corpus("test")[0]
+    hw = load_hardware("h100-pcie5")
+    budget = trace.static_bytes + (trace.peak_bytes_no_swap - trace.static_bytes) // 2
+    plan = get_policy(which).plan(trace, budget, hw)
+    everything = sum(trace.tensors[e.tensor].bytes for e in plan.evictions)
+    limit = max(1, int(share * everything))
+    for guard in (False, True):
+        r = simulate(trace, plan, hw.with_host(host_budget_bytes=limit), budget, guard=guard)
+        assert r.host_peak_bytes <= limit
+        if limit < everything and not guard:
+            assert r.host_skipped > 0 or r.oom  # it did not all fit: some swap-outs stayed (unless it stopped first)

@@ -742,3 +742,37 @@ def test_a_shape_that_cannot_fit_the_resolved_budget_is_refused_with_what_it_nee
                 with rt.step():
                     case.model(big).sum().backward()
         assert rt.budget_bytes == resolved  # the run's bytes stand
+
+
+def test_a_host_budget_bounds_what_the_steps_and_the_pool_hold():
+    # R11: swap-all would put every saved tensor on the host; a host budget of a third of them
+    # stops the swap-outs that do not fit (they stay on the device), in the executed steps as in
+    # the profiling ones, and the pool never holds more; training stays bit-identical
+    from tests.conftest import train_together
+
+    case = build_model("mlp", "tiny", seed=3)
+    ref = build_model("mlp", "tiny", seed=3)
+    with SwapRuntime(budget="100%", policy="swap-all", backend="cpu", model=case.model) as probe:
+        for _ in range(4):
+            with probe.step():
+                case.loss().backward()
+        all_out = probe.report().host_peak_bytes
+    case = build_model("mlp", "tiny", seed=3)
+    limit = all_out // 3
+    rt = SwapRuntime(budget="100%", policy="swap-all", backend="cpu", model=case.model, host_budget=limit)
+    try:
+        reports = train_together(case.model, ref.model, rt, 6, lambda m, i: _loss_of(m, case))
+        executed = [r for r in reports if r.mode == "execute"]
+        assert executed and all(0 < r.host_peak_bytes <= limit and r.host_skipped > 0 for r in executed)
+        assert rt.backend.pool.allocated_bytes <= limit
+        assert rt.hardware.host_budget_bytes == limit
+    finally:
+        rt.close()
+    with pytest.raises(UserError, match="give bytes"):
+        SwapRuntime(budget="60%", policy=None, backend="cpu", host_budget="50%")
+
+
+def _loss_of(model, case):
+    loss = case.loss_fn(model(*case.inputs))
+    loss.backward()
+    return loss
