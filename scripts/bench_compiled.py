@@ -56,7 +56,7 @@ class Recorder:
         return SwapPlan.of(trace, self.name, [])
 
 
-def build(spec: str) -> tuple[torch.nn.Module, tuple[Any, ...], Any]:
+def build(spec: str) -> tuple[torch.nn.Module, tuple[Any, ...], Any, Any]:
     """A model on meta, its inputs and its loss: ``MODEL:SIZE`` from the zoo, or ``llama-1b``
     (a Llama-3.2-1B-shaped decoder from ``transformers``: 16 layers, width 2048, 32 heads, 8 key
     and value heads, MLP 8192; batch 2 of 2,048 tokens; SDPA attention)."""
@@ -69,7 +69,7 @@ def build(spec: str) -> tuple[torch.nn.Module, tuple[Any, ...], Any]:
             model = LlamaForCausalLM(cfg)
         ids = torch.randint(0, 32000, (2, 2048), device="meta")
 
-        class Wrapped(torch.nn.Module):  # one tensor in, the loss out: what the profiler and compile take
+        class Wrapped(torch.nn.Module):  # one tensor in, the loss out: what the eager profiler takes
             def __init__(self) -> None:
                 super().__init__()
                 self.inner = model
@@ -77,10 +77,11 @@ def build(spec: str) -> tuple[torch.nn.Module, tuple[Any, ...], Any]:
             def forward(self, x: torch.Tensor) -> torch.Tensor:
                 return self.inner(input_ids=x, labels=x, use_cache=False).loss
 
-        return Wrapped(), (ids,), lambda out: out
+        # compiled: the model itself, called as users call it (a module wrapped around it hid its graph)
+        return Wrapped(), (ids,), lambda out: out, lambda m: m(input_ids=ids, labels=ids, use_cache=False).loss
     model_name, size = spec.split(":")
     case = build_model(model_name, size, device="meta")
-    return case.model, case.inputs, case.loss_fn
+    return case.model, case.inputs, case.loss_fn, lambda m: case.loss_fn(m(*case.inputs))
 
 
 def compiled_traces(spec: str, hw: Any, knapsack: float | None = None) -> list[Any]:
@@ -89,13 +90,13 @@ def compiled_traces(spec: str, hw: Any, knapsack: float | None = None) -> list[A
     run). With ``knapsack``, partitioned under torch's ``activation_memory_budget`` instead: the
     trace then is the step torch's knapsack chose (its recomputes are backward nodes, timed)."""
     torch._dynamo.reset()
-    model, inputs, loss_fn = build(spec)
+    model, _, _, call = build(spec)
     rec = Recorder()
     backend = PlannedBackend("100%", rec, hw, inner="aot_eager_decomp")
     from torch._functorch import config as functorch_config
 
     with functorch_config.patch(activation_memory_budget=1.0 if knapsack is None else knapsack):
-        loss_fn(torch.compile(model, backend=backend)(*inputs)).backward()
+        call(torch.compile(getattr(model, "inner", model), backend=backend)).backward()
     return rec.traces
 
 
@@ -107,7 +108,7 @@ def sim_part(models: list[str], hardware: list[str], budgets: list[str]) -> list
             hw = load_hardware(hw_name)
             compiled_hw = hw.for_executor("compiled")
             (ctrace,) = compiled_traces(spec, hw)
-            model, inputs, loss_fn = build(spec)
+            model, inputs, loss_fn, _ = build(spec)
             try:
                 etrace = profile(model, inputs, loss_fn, hardware=hw, name=f"{spec}-hooks")
             except RuntimeError as exc:  # the eager profiler on meta cannot run every model (issue 37: .item())

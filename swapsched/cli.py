@@ -399,7 +399,7 @@ def _live_table(live: Any) -> str:
 
     rows = [[r.method, f"{1e3 * r.step_s_median:.2f}", f"{r.ratio:.2f}x", f"{r.ratio_low:.2f}-{r.ratio_high:.2f}",
              format_bytes(r.peak_bytes), "yes" if r.fits else "no", "yes" if r.loss_matches else "NO", r.note]
-            for r in live.rows]
+            if r.peak_bytes else [r.method, "-", "-", "-", "-", "no", "-", r.note] for r in live.rows]
     table = format_grid(["method", "step ms (median)", "vs plain", "over rounds", "peak device", "fits",
                          "loss matches", "how"], rows)
     best = live.fastest

@@ -383,12 +383,12 @@ def compare_live(model: str, budget: str, policies: list[str], *, size: str | No
 
     methods = [_Method("plain", fresh(), contextlib.nullcontext, "no copies")]
     ck = fresh()
-    _checkpoint_blocks(ck.model)
-    methods.append(_Method("checkpoint", ck, contextlib.nullcontext, "torch.utils.checkpoint per block, no copies"))
+    n = _checkpoint_blocks(ck.model)
+    methods.append(_Method("checkpoint", ck, contextlib.nullcontext, f"torch.utils.checkpoint on {n} blocks, no copies"))
     sac = fresh()
-    _sac_blocks(sac.model)
+    n = _sac_blocks(sac.model)
     methods.append(_Method("selective-checkpoint", sac, contextlib.nullcontext,
-                           "torch selective checkpointing per block (torchtitan's op list), no copies"))
+                           f"torch selective checkpointing on {n} blocks (torchtitan's op list), no copies"))
     if device == "cuda":
         methods.append(_Method("save_on_cpu", fresh(), lambda: torch.autograd.graph.save_on_cpu(pin_memory=True),
                                "torch.autograd.graph.save_on_cpu(pin_memory=True)"))
@@ -399,11 +399,16 @@ def compare_live(model: str, budget: str, policies: list[str], *, size: str | No
                                   "each block checkpointed, its input offloaded (ALST), on the runtime"))
     for p in policies:
         methods.append(runtime_method(p, p))
+    refused: dict[str, str] = {}
     try:
         for m in methods:
             if progress:
                 progress(f"warm {m.name}")
-            m.warm()
+            try:
+                m.warm()
+            except UserError as exc:  # a method that cannot run at this budget: a row that says why
+                refused[m.name] = str(exc).split("; give")[0]
+        methods = [m for m in methods if m.name not in refused]
         rng = random.Random(seed)
         for r in range(rounds):
             order = list(methods)
@@ -432,6 +437,8 @@ def compare_live(model: str, budget: str, policies: list[str], *, size: str | No
         rows.append(CompareRow(m.name, statistics.median(t for ts in m.times for t in ts), statistics.median(ratios),
                                min(ratios), max(ratios), peaks[m.name], peaks[m.name] <= budget_bytes,
                                all(torch.equal(a, b) for a, b in zip(m.losses[:n], ref[:n], strict=True)), m.note))
+    nan = float("nan")
+    rows += [CompareRow(name, nan, nan, nan, nan, 0, False, False, f"refused: {why}") for name, why in refused.items()]
     return LiveComparison(tuple(rows), budget_bytes, rounds, round_steps)
 
 
