@@ -51,8 +51,9 @@ class Hardware:
     copy_streams: int = 2
     # R11, host memory. The host's memory bandwidth, which every rank's copies on the node share
     # (YAML, optional: None = never the bottleneck), and how many ranks share it (a node's GPUs
-    # under FSDP/DDP). Each rank's copies run at most at host_memory_bytes_per_s / (ranks_per_host
-    # x copy_streams) in each direction: every rank's copies, both directions at once, share it.
+    # under FSDP/DDP). Sharing it, each rank's copies run at most at host_memory_bytes_per_s /
+    # (ranks_per_host x copy_streams) in each direction: every rank's copies, both directions at
+    # once, draw on it. One rank gets its link's own figure, measured with the host in the path.
     host_memory_bytes_per_s: float | None = None
     ranks_per_host: int = 1
     # R11: the host bytes this rank's swapped tensors may hold at once (pinned memory is finite;
@@ -63,8 +64,8 @@ class Hardware:
         """R11: the bandwidth one rank's copies get in ``direction`` (``"d2h"`` or ``"h2d"``): its
         link, or its share of the host's memory bandwidth where that is less."""
         link = self.d2h_bytes_per_s if direction == "d2h" else self.h2d_bytes_per_s
-        if self.host_memory_bytes_per_s is None:
-            return link
+        if self.host_memory_bytes_per_s is None or self.ranks_per_host == 1:
+            return link  # one rank: its link's figure was measured with the host's memory in the path
         # every rank's copies in both directions (each stream) draw on the one memory
         return min(link, self.host_memory_bytes_per_s / (self.ranks_per_host * self.copy_streams))
 

@@ -80,6 +80,11 @@ class Phase(enum.Enum):
     EXECUTE = "execute"
 
 
+#: budget="device": the share of the device's capacity left out, for the caching allocator's
+#: fragmentation and the CUDA context (PyTorch's own guidance keeps a few percent in reserve)
+DEVICE_MARGIN = 0.05
+
+
 class PolicyRuntime:
     """Executes a swap plan in real training; see the module docstring.
 
@@ -128,12 +133,18 @@ class PolicyRuntime:
                  profile_steps: int = 3, retime_steps: int = 3, audit: bool = False, strict: bool = False,
                  background_planning: bool = True, host_budget: str | int | None = None):
         self.strict = bool(strict)
-        self.budget_spec = check_budget(budget)  # a malformed budget fails here, not after profiling
+        # budget="device" (CUDA): the device's capacity less what the process holds beyond the
+        # model's static bytes at the first step, less DEVICE_MARGIN; resolved then, into bytes
+        self._device_budget = budget == "device"
+        self.budget_spec = budget if self._device_budget else check_budget(budget)  # malformed: fails here
         if policy is not None and not isinstance(policy, Policy):
             raise UserError(f"policy must be an object with plan(trace, budget, hardware), got {policy!r}; "
                             "for a name such as 'default' use swapsched.SwapRuntime or swapsched.get_policy(name)")
         self.policy = policy
         name = backend.name if isinstance(backend, Backend) else resolve_backend(backend)
+        if self._device_budget and name != "cuda":
+            raise UserError("budget='device' is the CUDA device's own capacity; on the CPU backend give bytes "
+                            "('6GiB') or a share of the step's activation peak ('60%')")
         if bandwidth is not None and not bandwidth > 0:
             raise UserError(f"bandwidth must be positive bytes/s, got {bandwidth!r}")
         if hardware is None:
@@ -232,6 +243,8 @@ class PolicyRuntime:
         self.backend.synchronize()
         self.backend.take_device_stall_s()  # waits of an earlier, aborted step do not count
         self.steps += 1
+        if self._device_budget:
+            self._resolve_device_budget()
         t_install = time.perf_counter()
         if self._background:
             self._install_plans()  # laying out the plans made in the background counts as planning too
@@ -506,6 +519,19 @@ class PolicyRuntime:
         raise BudgetError(f"the runtime's budget {spec!r} is below this training step's smallest "
                           f"feasible budget, {format_bytes(need)} ({need} bytes, {pct:.1f}% of its activation "
                           f"peak above static memory, transients included){why}; give at least that")
+
+    def _resolve_device_budget(self) -> None:
+        """budget="device", at the first step: the device's capacity, less what the process holds
+        there beyond the model's static bytes (other models, data, the CUDA context's allocations
+        through torch), less ``DEVICE_MARGIN`` of the capacity (the allocator's fragmentation)."""
+        total = int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+        others = max(0, int(torch.cuda.memory_allocated()) - self.static_bytes)
+        self.budget_spec = int(total * (1 - DEVICE_MARGIN)) - others
+        self._device_budget = False
+        if self.budget_spec <= self.static_bytes:
+            raise BudgetError(f"budget='device': the device's {format_bytes(total)} less {DEVICE_MARGIN:.0%} and the "
+                              f"{format_bytes(others)} the process holds leave nothing beyond the model's "
+                              f"{format_bytes(self.static_bytes)}")
 
     def _note_grads(self) -> None:
         """Before a step of a new shape reaches backward: the model's gradients as they are (None

@@ -824,7 +824,7 @@ def test_a_swap_out_the_host_budget_cannot_hold_stays_on_the_device(two_tensors,
 
 def test_ranks_sharing_the_host_share_its_bandwidth(two_tensors, hw):
     # R11: the host's memory moves 200 B/s, shared by every rank's two copy streams. One rank:
-    # 100 B/s a direction, the link's own: T0 out 1 -> 2. Two ranks: 50 B/s each, so 1 -> 3: the
+    # the link's own 100 B/s: T0 out 1 -> 2. Two ranks: 200 / (2 x 2) = 50 B/s each, so 1 -> 3: the
     # copy time doubles, and the on-demand copy back at e3 (t=5) takes 2 s: step 7 s against 6 s
     host = replace(hw, host_memory_bytes_per_s=200.0)
     one = simulate(two_tensors, [Eviction(0, 0, 3)], host, 300, record=True)
@@ -832,6 +832,9 @@ def test_ranks_sharing_the_host_share_its_bandwidth(two_tensors, hw):
     assert one.timeline.d2h == ((1.0, 2.0, 0),) and two.timeline.d2h == ((1.0, 3.0, 0),)
     assert one.iteration_s == 6.0 and two.iteration_s == 7.0
     assert host.with_host(ranks_per_host=2).name == "hand@2ranks"
+    # one rank: the link's figure, even where the host's memory is slower (it was measured so)
+    slow = replace(hw, host_memory_bytes_per_s=10.0)
+    assert simulate(two_tensors, [Eviction(0, 0, 3)], slow, 300).iteration_s == 6.0
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

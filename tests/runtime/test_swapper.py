@@ -776,3 +776,24 @@ def _loss_of(model, case):
     loss = case.loss_fn(model(*case.inputs))
     loss.backward()
     return loss
+
+
+def test_a_device_budget_is_refused_on_the_cpu_with_what_to_pass():
+    with pytest.raises(UserError, match=r"give bytes \('6GiB'\) or a share"):
+        SwapRuntime(budget="device", policy="min", backend="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_device_budget_is_the_devices_capacity_less_what_the_process_holds():
+    from swapsched.runtime.swapper import DEVICE_MARGIN
+
+    case = build_model("mlp", "tiny", seed=1, device="cuda")
+    other = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")  # something else the process holds
+    with SwapRuntime(budget="device", policy="min", backend="cuda", model=case.model) as rt:
+        with rt.step():
+            case.loss().backward()
+        total = torch.cuda.get_device_properties(0).total_memory
+        assert isinstance(rt.budget_spec, int)
+        assert rt.budget_spec <= int(total * (1 - DEVICE_MARGIN)) - other.numel()
+    del other
