@@ -255,11 +255,14 @@ class DeviceMeter:
                 out = func(*args, **(kwargs or {}))
                 if getattr(HOST_ALLOCATING, "on", False):
                     return out
+                # an output on an input's storage is a view or an in-place result: no new bytes
+                # (a weight's transpose is the weight's storage, made before the step)
+                inputs = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
                 for t in tree_flatten(out)[0]:
                     if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                         st = t.untyped_storage()
                         key = st.data_ptr()
-                        if key in seen or st.nbytes() == 0:
+                        if key in seen or key in inputs or st.nbytes() == 0:
                             continue
                         seen.add(key)
                         state["live"] += st.nbytes()

@@ -13,10 +13,11 @@ def test_the_device_meter_counts_live_storages_at_their_peak():
     with meter.step():
         a = torch.empty(1000, dtype=torch.uint8)
         b = torch.empty(500, dtype=torch.uint8)
+        w = model.weight.t()  # a view of a storage made before the step: no new bytes
+        v = b.view(5, 100)  # a view: the same storage, counted once
         del a  # 1,500 B were live at once; now 500
         c = torch.empty(200, dtype=torch.uint8)
-        v = b.view(5, 100)  # a view: the same storage, counted once
-        del c, v
+        del c, v, w
     assert meter.peak == 24 + 1500
     del b
 
