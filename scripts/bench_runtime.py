@@ -42,6 +42,9 @@ def overhead_nothing_evicted(model: str, size: str, backend: str, rounds: int) -
     device = "cuda" if backend == "cuda" else "cpu"
     case = build_model(model, size, device=device)
     rt = SwapRuntime(budget="100%", policy="no-swap", backend=backend, model=case.model)
+    # the same runtime with its hooks kept on every step (strict watches each one): what the
+    # runtime cost before a plan that moves nothing ran without hooks
+    kept = SwapRuntime(budget="100%", policy="no-swap", backend=backend, model=case.model, strict=True)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def plain() -> None:
@@ -59,9 +62,18 @@ def overhead_nothing_evicted(model: str, size: str, backend: str, rounds: int) -
         with rt.step():
             case.loss().backward()
 
-    for _ in range(rt.profile_steps + 2):
+    def runtime_hooks_kept() -> None:
+        with kept.step():
+            case.loss().backward()
+
+    from swapsched.runtime.swapper import UNHOOK_AFTER
+
+    for _ in range(rt.profile_steps + rt.retime_steps + UNHOOK_AFTER + 1):  # to its unhooked steps
         runtime()
-    variants = {"plain": plain, "identity hooks": identity_hooks, "wrapper hooks": wrapper_hooks, "runtime": runtime}
+        runtime_hooks_kept()
+        case.model.zero_grad(set_to_none=True)
+    variants = {"plain": plain, "identity hooks": identity_hooks, "wrapper hooks": wrapper_hooks, "runtime": runtime,
+                "runtime, hooks kept": runtime_hooks_kept}
     times: dict[str, list[float]] = {k: [] for k in variants}
     rng = random.Random(0)
     for _ in range(rounds):
@@ -76,6 +88,7 @@ def overhead_nothing_evicted(model: str, size: str, backend: str, rounds: int) -
             case.model.zero_grad(set_to_none=True)
     rep = rt.report()
     rt.close()
+    kept.close()
 
     def ratios(k: str) -> tuple[float, float, float]:
         q = statistics.quantiles([a / b - 1.0 for a, b in zip(times[k], times["plain"], strict=False)], n=4)
@@ -88,6 +101,7 @@ def overhead_nothing_evicted(model: str, size: str, backend: str, rounds: int) -
             "overhead": ratios("runtime")[0], "overhead_iqr": ratios("runtime")[1:],
             "identity_hooks_overhead": ratios("identity hooks")[0],
             "wrapper_hooks_overhead": ratios("wrapper hooks")[0],
+            "hooks_kept_overhead": ratios("runtime, hooks kept")[0], "unhooked": rep.unhooked,
             "hook_python_us_per_call": _hook_python_us(rt_case=case, backend=backend),
             "evicted_bytes": rep.evicted_bytes, "plan_followed": rep.plan_followed}
 
@@ -95,7 +109,8 @@ def overhead_nothing_evicted(model: str, size: str, backend: str, rounds: int) -
 def _hook_python_us(rt_case, backend: str) -> float:
     """The runtime's own Python per hook call: one step's pack/unpack calls recorded, then replayed
     straight into the runtime's hooks outside autograd (warm caches, so a lower bound)."""
-    rt = SwapRuntime(budget="100%", policy="no-swap", backend=backend, model=rt_case.model)
+    # strict: the hooks stay on every step (a plan that moves nothing would else take them off)
+    rt = SwapRuntime(budget="100%", policy="no-swap", backend=backend, model=rt_case.model, strict=True)
     for _ in range(rt.profile_steps):
         with rt.step():
             rt_case.loss().backward()
@@ -140,18 +155,23 @@ def main() -> int:
     ap.add_argument("--budgets", default="30%,50%,80%")
     ap.add_argument("--policies", default="swap-all,vdnn-all,min,capuchin,default")
     ap.add_argument("--out", default="bench_results/runtime.json")
+    ap.add_argument("--nothing-evicted-only", action="store_true", help="only the nothing-evicted comparison")
     args = ap.parse_args()
 
     models = dict.fromkeys([(args.model, args.size), (args.model, "medium"), ("resnet", "small"), ("resnet", "medium")])
     over = [overhead_nothing_evicted(m, s, args.backend, args.rounds) for m, s in models]
     print("nothing evicted (budget 100%, plan no-swap): median over rounds of step / plain step - 1, [quartiles]")
-    print(table(["model", "events", "plain ms", "runtime ms", "runtime overhead", "identity hooks",
+    print(table(["model", "events", "plain ms", "runtime ms", "runtime overhead", "hooks kept", "identity hooks",
                  "wrapper hooks", "hook python us/call", "target"],
                 [[o["model"], o["events"], f"{o['plain_ms']:.2f}", f"{o['runtime_ms']:.2f}",
                   f"{100 * o['overhead']:+.1f}% [{100 * o['overhead_iqr'][0]:+.0f}, {100 * o['overhead_iqr'][1]:+.0f}]",
+                  f"{100 * o['hooks_kept_overhead']:+.1f}%",
                   f"{100 * o['identity_hooks_overhead']:+.1f}%", f"{100 * o['wrapper_hooks_overhead']:+.1f}%",
                   f"{o['hook_python_us_per_call']:.2f}", "<= 3%"]
                  for o in over]))
+    if args.nothing_evicted_only:
+        write(args.out, {"nothing_evicted": over})
+        return
     bw = args.bandwidth if args.backend == "cpu" else None
     rows, runs = [], []
     for budget in args.budgets.split(","):

@@ -44,7 +44,7 @@ class ExecuteStep(StepExecution):
     __slots__ = ("layout", "trace", "budget", "room", "out_at", "prefetch_at", "tensor_bytes", "frees", "expected",
                  "work", "keys", "by_tid", "i", "outs", "waiting", "ins", "n_seen", "first_sight", "gaps", "hook_s",
                  "last_exit", "tail_s", "deaths", "alloc", "other", "marks_in", "marks_out", "mark_start", "mark_end",
-                 "scale", "profile", "started", "untracked", "host_held", "host_skipped")
+                 "scale", "profile", "started", "untracked", "host_held", "host_skipped", "may_unhook", "unhooked")
 
     def __init__(self, rt: PolicyRuntime):
         super().__init__(rt)
@@ -60,6 +60,11 @@ class ExecuteStep(StepExecution):
         # a profiling step passes on the ones seen so far, whose bytes its trace counts as static
         self.untracked: list[tuple[weakref.ref[Any], int, int]] = []
         self.started = time.perf_counter()
+        # a plan that moves nothing needs no hooks: where this shape's plan evicts nothing and its
+        # steps have followed it, the step's first saved tensor confirms the shape and the hooks
+        # come off for the rest of the step (no Python runs per saved tensor; runtime._unhook)
+        self.may_unhook = rt._may_unhook(self.layout)
+        self.unhooked = False
         self.host_held = 0  # R11: host bytes of this step's swapped tensors (held until the step ends)
         self.host_skipped = 0
         # live storage key -> record. A resident record's handles keep its storage alive; an
@@ -313,6 +318,10 @@ class ExecuteStep(StepExecution):
             # ids in order of first sight, as the profiling step numbered them; a storage the
             # trace does not have (never unpacked there) is not tracked and just stays
             tid = self.first_sight.get(self.n_seen, -1)
+            if self.may_unhook and i == 0 and tid >= 0 and self.tensor_bytes[tid] == nbytes:
+                self.rt._unhook()  # the shape is the plan's, and the plan moves nothing
+                self.unhooked = True
+                return Packed(None, t)
             if i == 0 and tid >= 0 and self.tensor_bytes[tid] != nbytes:
                 if not self._first_tensor(nbytes):  # a new shape: this step profiles it
                     return self.profile.pack(t)
@@ -469,6 +478,9 @@ class ExecuteStep(StepExecution):
         if self.profile is not None:
             self.profile.finish()
             return
+        if self.unhooked:  # nothing was watched after the first saved tensor: nothing to check
+            self._settle()
+            return
         self.tail_s = time.perf_counter() - self.last_exit
         if self.marks_in is not None:
             self.mark_end = self.backend.mark()
@@ -540,6 +552,15 @@ class ExecuteStep(StepExecution):
         if self.profile is not None:
             return self.profile.report(step_s)
         cuda_peak = self.backend.peak_bytes()
+        if self.unhooked:
+            # unwatched: no peak of ours (on CUDA torch's), no gaps; the plan moves nothing
+            return StepReport(
+                step=self.rt.steps, mode="execute", step_s=step_s, stall_s=0.0, predicted_step_s=self.layout.predicted_s,
+                evicted_bytes=0, prefetched_bytes=0, on_demand_bytes=0, peak_device_bytes=None, budget_bytes=self.budget,
+                plan_followed=True, guard_evictions=0, kept_small=int(self.rt.plan.meta.get("kept_small", 0)),
+                cuda_peak_bytes=cuda_peak, recomputed_blocks=self.rt.blocks.names if self.rt.blocks is not None else (),
+                selective_blocks=self.rt.blocks.selective if self.rt.blocks is not None else (),
+                shape_predicted=self.layout.predicted, plain_step_s=self.trace.ideal_s, unhooked=True)
         # host-clock gaps mean compute only where compute is synchronous, and only for a whole step
         timed = self.backend.emulated and not self.diverged and len(self.gaps) == self.trace.n_events
         gaps, tail = (tuple(self.gaps), self.tail_s) if timed else self._device_gaps()

@@ -221,6 +221,9 @@ class StepReport:
     # and planned swap-outs left on the device because the host budget had no room
     host_peak_bytes: int = 0
     host_skipped: int = 0
+    # the plan moved nothing and the shape's steps had followed it: the hooks came off after the
+    # step's first saved tensor (no Python per saved tensor; nothing watched, so no peak of ours)
+    unhooked: bool = False
     run: RunSummary | None = None  # the whole run so far
 
     def __str__(self) -> str:

@@ -80,6 +80,9 @@ class Phase(enum.Enum):
     EXECUTE = "execute"
 
 
+#: Executed steps of a shape that follow a plan moving nothing, before its steps run unhooked
+UNHOOK_AFTER = 2
+
 #: budget="device": the share of the device's capacity left out, for the caching allocator's
 #: fragmentation and the CUDA context (PyTorch's own guidance keeps a few percent in reserve)
 DEVICE_MARGIN = 0.05
@@ -205,6 +208,8 @@ class PolicyRuntime:
         # bytes for every shape, and a shape no plan fits in them is refused
         self.budget_bytes: int | None = None
         self._budget_high = 0  # the most bytes any shape's budget has stood for in this run
+        self._hooked = False  # the step's hooks are on the stack (see step and _unhook)
+        self._followed: dict[int, int] = {}  # shape -> executed steps in a row that followed its plan
         # use_plan's plan that recomputes and swaps: (the trace it was made on, the plan) until the
         # steps with its blocks checkpointed are profiled and its swaps carried onto them
         self._given: tuple[Trace, SwapPlan] | None = None
@@ -253,8 +258,16 @@ class PolicyRuntime:
         self._exec = ex
         t0 = time.perf_counter()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(ex.pack, ex.unpack):
+            # saved_tensors_hooks' own push and pop, by hand: an executing step may take the hooks
+            # off after its first saved tensor (_unhook), and the pop must not then take another's
+            torch._C._autograd._push_saved_tensors_default_hooks(ex.pack, ex.unpack)
+            self._hooked = True
+            try:
                 yield self
+            finally:
+                if self._hooked:
+                    torch._C._autograd._pop_saved_tensors_default_hooks()
+                    self._hooked = False
             ex.finish()
         except BaseException:
             ex.abort()  # leave no held buffers; the next step starts clean
@@ -269,8 +282,33 @@ class PolicyRuntime:
         self._after_step(ex)
         self._report = replace(self._report, planning_s=installing_s + ex.planning_s + time.perf_counter() - t_after)
 
+    def _may_unhook(self, layout: PlanLayout) -> bool:
+        """Whether a step of ``layout``'s shape may run without hooks once its first saved tensor
+        confirms the shape: its plan moves nothing, the trace was re-timed once (later re-timing
+        only follows the host's costs, which such a step does not pay), nobody asked to watch (audit, strict), and ``UNHOOK_AFTER`` steps of the shape
+        have executed it as planned within the budget."""
+        return (not self.audit and not self.strict and (self._retimed or not self.retime_steps)
+                and not layout.plan.evictions and self._followed.get(layout.shape_key, 0) >= UNHOOK_AFTER)
+
+    def _unhook(self) -> None:
+        """Take the step's hooks off (from inside its first pack: they are the innermost ones)."""
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        self._hooked = False
+
+    def _note_followed(self, ex: ExecuteStep) -> None:
+        rep = present(self._report, "the report of the step that just ran")
+        key = ex.layout.shape_key
+        if rep.unhooked:
+            return
+        if rep.plan_followed and rep.guard_evictions == 0 and not ex.diverged:
+            self._followed[key] = self._followed.get(key, 0) + 1
+        else:
+            self._followed.pop(key, None)
+
     def _after_step(self, ex: StepExecution) -> None:
         """The after-step work of the kind of step ``ex`` was (one method per kind)."""
+        if isinstance(ex, ExecuteStep) and ex.profile is None:
+            self._note_followed(ex)
         if isinstance(ex, ExecuteStep) and ex.profile is None and not ex.diverged:
             self._note_times(ex.layout)
         if isinstance(ex, ProfileStep):

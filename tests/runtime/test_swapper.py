@@ -797,3 +797,43 @@ def test_a_device_budget_is_the_devices_capacity_less_what_the_process_holds():
         assert isinstance(rt.budget_spec, int)
         assert rt.budget_spec <= int(total * (1 - DEVICE_MARGIN)) - other.numel()
     del other
+
+
+def test_a_plan_that_moves_nothing_runs_without_hooks_and_a_new_shape_is_still_seen():
+    # the plan evicts nothing (100%): after the trace is re-timed and two steps followed the plan,
+    # each step takes its hooks off at its first saved tensor. Gradients stay bit-identical, and
+    # a batch of another size is still caught at its first saved tensor (profiled as it runs)
+    from tests.conftest import train_together
+
+    case = build_model("mlp", "tiny", seed=5)
+    ref = build_model("mlp", "tiny", seed=5)
+    small = torch.randn(case.inputs[0].shape[0] - 2, *case.inputs[0].shape[1:])
+
+    def run(model, i):
+        loss = model(small if i == 12 else case.inputs[0]).pow(2).mean()
+        loss.backward()
+        return loss
+
+    rt = SwapRuntime(budget="100%", policy="min", backend="cpu", model=case.model)
+    try:
+        reports = train_together(case.model, ref.model, rt, 13, run)
+    finally:
+        rt.close()
+    assert rt.plan is not None
+    unhooked = [r.unhooked for r in reports]
+    assert any(unhooked[:12]) and all(unhooked[i] for i in range(unhooked.index(True), 12))
+    first = unhooked.index(True)
+    assert all(r.mode == "execute" and r.plan_followed for r in reports[first - 2:first])  # two followed first
+    assert reports[first].peak_device_bytes is None and reports[first].evicted_bytes == 0
+    assert reports[12].mode == "profile" and reports[12].new_shape and not reports[12].unhooked
+    # watching was asked for: never unhooked
+    audited = SwapRuntime(budget="100%", policy="min", backend="cpu", model=build_model("mlp", "tiny", seed=5).model,
+                          audit=True)
+    try:
+        m = audited.model
+        for _ in range(10):
+            with audited.step():
+                m(case.inputs[0]).pow(2).mean().backward()
+            assert not audited.report().unhooked
+    finally:
+        audited.close()
