@@ -42,9 +42,9 @@ def overhead_nothing_evicted(model: str, size: str, backend: str, rounds: int) -
     device = "cuda" if backend == "cuda" else "cpu"
     case = build_model(model, size, device=device)
     rt = SwapRuntime(budget="100%", policy="no-swap", backend=backend, model=case.model)
-    # the same runtime with its hooks kept on every step (strict watches each one): what the
-    # runtime cost before a plan that moves nothing ran without hooks
-    kept = SwapRuntime(budget="100%", policy="no-swap", backend=backend, model=case.model, strict=True)
+    # the same runtime with its hooks kept on every step: what the runtime cost before a plan
+    # that moves nothing ran without hooks
+    kept = SwapRuntime(budget="100%", policy="no-swap", backend=backend, model=case.model, unhook=False)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def plain() -> None:
@@ -109,8 +109,8 @@ def overhead_nothing_evicted(model: str, size: str, backend: str, rounds: int) -
 def _hook_python_us(rt_case, backend: str) -> float:
     """The runtime's own Python per hook call: one step's pack/unpack calls recorded, then replayed
     straight into the runtime's hooks outside autograd (warm caches, so a lower bound)."""
-    # strict: the hooks stay on every step (a plan that moves nothing would else take them off)
-    rt = SwapRuntime(budget="100%", policy="no-swap", backend=backend, model=rt_case.model, strict=True)
+    # unhook=False: the hooks stay on every step (a plan that moves nothing would else take them off)
+    rt = SwapRuntime(budget="100%", policy="no-swap", backend=backend, model=rt_case.model, unhook=False)
     for _ in range(rt.profile_steps):
         with rt.step():
             rt_case.loss().backward()

@@ -103,8 +103,9 @@ def measure_model(model: str, size: str, budgets: list[str], policies: list[str]
     hw.save(hw_path)
     device = "cuda" if backend == "cuda" else "cpu"
     case = build_model(model, size, device=device)
+    # unhook=False: the no-eviction plan is measured as the simulator predicts it, hooks included
     rt = SwapRuntime(budget="100%", policy="no-swap", backend=backend, bandwidth=bandwidth, hardware=str(hw_path),
-                     model=case.model)
+                     model=case.model, unhook=False)
     train_step = training_step(rt, case)
     for _ in range(rt.profile_steps + rt.retime_steps + 1):
         train_step()

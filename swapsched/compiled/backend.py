@@ -33,7 +33,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from swapsched.budget import BudgetError, check_budget, format_bytes, parse_budget
 from swapsched.compiled.graph_trace import GraphTrace, graph_trace, rebasable_views, saved_nodes
 from swapsched.compiled.lowering import Lowered, lowered_decisions, place_copies, rebase_views, tag_joint
-from swapsched.env.simulator import SimResult, simulate
+from swapsched.env.simulator import simulate
 from swapsched.errors import UserError
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
@@ -205,7 +205,7 @@ class PlannedBackend:
                               f"{format_bytes(need)} ({need} bytes)")
         return mine, ("whole-device bytes, less what the step's earlier graphs hold" if earlier else "whole-device bytes")
 
-    def record(self, report: GraphReport, sim: SimResult) -> None:
+    def record(self, report: GraphReport) -> None:
         self._graphs.append(report)
         # what stays on the device after this graph's forward, for the graphs after it (byte budgets)
         t = report.graph.trace
@@ -285,6 +285,6 @@ class _Partitioner(CustomPartitionerFn):
         be.record(GraphReport(self.index, gt.trace.n_tensors + len(gt.held), saved_bytes, len(gt.held),
                               len(lowered.offloaded), len(plan.recompute) + len(plan.selective), budget, basis,
                               sim.iteration_s, sim.ideal_s, sim.peak_bytes, plan_s, be.policy.name, lowered, plan,
-                              gt), sim)
+                              gt))
         return fw, bw
 

@@ -50,7 +50,6 @@ class GraphTrace:
     node_of: tuple[str, ...]
     event_node: tuple[str, ...]
     held: dict[str, str]
-    static_inputs: int
     #: bases saved in place of the views of them torch's partition saved (R10): the partition
     #: this trace reads was made with those views tagged to be rebuilt in backward
     rebased: tuple[str, ...] = ()
@@ -296,7 +295,7 @@ def graph_trace(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, ha
                         "symbolic": any(isinstance(d, torch.SymInt) for n in saved for d in n.meta["val"].shape)})
     if mutating:
         trace = trace.with_segments(lambda sg: not any(m == sg.name or m.startswith(sg.name + ".") for m in mutating))
-    return GraphTrace(trace, tuple(n.name for n in tensors), tuple(event_node), held, len(static))
+    return GraphTrace(trace, tuple(n.name for n in tensors), tuple(event_node), held)
 
 
 #: Ops whose functional form in a joint graph stands for an in-place update of a module's buffers

@@ -21,7 +21,6 @@ backend's report) can check that it holds exactly the plan.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -171,7 +170,7 @@ def place_copies(fw: fx.GraphModule, bw: fx.GraphModule, gt: GraphTrace, plan: S
 
 
 def lowered_decisions(fw: fx.GraphModule, bw: fx.GraphModule, forward_nodes: frozenset[str],
-                      num_fwd_outputs: int, is_copy: Callable[[fx.Node], bool] | None = None) -> Lowered:
+                      num_fwd_outputs: int) -> Lowered:
     """Read back what a lowered graph pair does (module docstring)."""
     offloads = _by_suffix(fw.graph, OFFLOAD_PREFIXES)
     reloads = _by_suffix(bw.graph, RELOAD_PREFIXES)

@@ -194,7 +194,8 @@ def _measure_workload(model: str, size: str, backend_name: str, bandwidth: float
 
     device = "cuda" if backend_name == "cuda" else "cpu"
     case = build_model(model, size, device=device)
-    rt = PolicyRuntime(budget="100%", policy=None, backend=backend_name, model=case.model, bandwidth=bandwidth)
+    # unhook=False: the no-eviction steps measure what the hooks cost, so they keep them
+    rt = PolicyRuntime(budget="100%", policy=None, backend=backend_name, model=case.model, bandwidth=bandwidth, unhook=False)
     train_step = training_step(rt, case)
 
     try:

@@ -553,9 +553,10 @@ class ExecuteStep(StepExecution):
             return self.profile.report(step_s)
         cuda_peak = self.backend.peak_bytes()
         if self.unhooked:
-            # unwatched: no peak of ours (on CUDA torch's), no gaps; the plan moves nothing
+            # unwatched: no peak of ours (on CUDA torch's), no gaps; the plan moves nothing and no
+            # hook runs, so the prediction is the trace's ideal step
             return StepReport(
-                step=self.rt.steps, mode="execute", step_s=step_s, stall_s=0.0, predicted_step_s=self.layout.predicted_s,
+                step=self.rt.steps, mode="execute", step_s=step_s, stall_s=0.0, predicted_step_s=self.trace.ideal_s,
                 evicted_bytes=0, prefetched_bytes=0, on_demand_bytes=0, peak_device_bytes=None, budget_bytes=self.budget,
                 plan_followed=True, guard_evictions=0, kept_small=int(self.rt.plan.meta.get("kept_small", 0)),
                 cuda_peak_bytes=cuda_peak, recomputed_blocks=self.rt.blocks.names if self.rt.blocks is not None else (),

@@ -54,8 +54,9 @@ class LiveSwapEnv(gym.Env):
         super().__init__()
         device = "cuda" if backend == "cuda" else "cpu"
         self.case = model if isinstance(model, ModelCase) else build_model(model, size, device=device)
+        # unhook=False: every plan's step is measured as the simulator predicts it, hooks included
         self.runtime = PolicyRuntime(budget=budget, policy=None, backend=backend, bandwidth=bandwidth,
-                                   hardware=hardware, model=self.case.model)
+                                     hardware=hardware, model=self.case.model, unhook=False)
         for _ in range(self.runtime.profile_steps):
             self._train_step(self.runtime.step)
         if self.runtime.trace is None:

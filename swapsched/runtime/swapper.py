@@ -134,8 +134,9 @@ class PolicyRuntime:
                  backend: str | Backend | None = None, *, bandwidth: float | None = None, min_bytes: int = 0,
                  model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  profile_steps: int = 3, retime_steps: int = 3, audit: bool = False, strict: bool = False,
-                 background_planning: bool = True, host_budget: str | int | None = None):
+                 background_planning: bool = True, host_budget: str | int | None = None, unhook: bool = True):
         self.strict = bool(strict)
+        self.unhook = bool(unhook)  # a plan that moves nothing may run without hooks (_may_unhook)
         # budget="device" (CUDA): the device's capacity less what the process holds beyond the
         # model's static bytes at the first step, less DEVICE_MARGIN; resolved then, into bytes
         self._device_budget = budget == "device"
@@ -285,9 +286,10 @@ class PolicyRuntime:
     def _may_unhook(self, layout: PlanLayout) -> bool:
         """Whether a step of ``layout``'s shape may run without hooks once its first saved tensor
         confirms the shape: its plan moves nothing, the trace was re-timed once (later re-timing
-        only follows the host's costs, which such a step does not pay), nobody asked to watch (audit, strict), and ``UNHOOK_AFTER`` steps of the shape
-        have executed it as planned within the budget."""
-        return (not self.audit and not self.strict and (self._retimed or not self.retime_steps)
+        only follows the host's costs, which such a step does not pay), nobody asked to watch
+        (``audit``, ``strict``, ``unhook=False``: what measures the hooks themselves), and
+        ``UNHOOK_AFTER`` steps of the shape have executed it as planned within the budget."""
+        return (self.unhook and not self.audit and not self.strict and (self._retimed or not self.retime_steps)
                 and not layout.plan.evictions and self._followed.get(layout.shape_key, 0) >= UNHOOK_AFTER)
 
     def _unhook(self) -> None:
