@@ -28,10 +28,9 @@ import torch.nn as nn
 from swapsched.errors import UserError
 from swapsched.zoo import ModelCase, build_model
 
-__all__ = ["RunResult", "NothingToSwap", "run_runtime", "run_peer", "PEERS", "DeviceMeter", "CompareRow", "compare_live",
+__all__ = ["RunResult", "NothingToSwap", "run_runtime", "DeviceMeter", "CompareRow", "compare_live",
            "LiveComparison"]
 
-PEERS = ("plain", "save_on_cpu", "checkpoint", "selective-checkpoint", "checkpoint-offload")
 
 
 @dataclass(frozen=True)
@@ -130,7 +129,7 @@ def run_runtime(model: str, policy: Any, budget: str, steps: int, *, size: str |
         raise UserError("no step executed a plan (every step diverged or profiled); see the report")
     accounted = max(r.peak_device_bytes for r in run)
     peak = accounted
-    if peaks:  # CUDA: the same figure as the peers' rows (run_peer), torch's allocator peak, not our accounting
+    if peaks:  # CUDA: torch's allocator peak, as DeviceMeter measures every row of --compare, not our accounting
         resident = sum(t.untyped_storage().nbytes() for t in [*case.model.parameters(), *case.model.buffers()])
         peak = resident + max(p for p, r in zip(peaks, reports, strict=False) if r.mode == "execute")
     return RunResult(
@@ -172,32 +171,6 @@ def _checkpoint_blocks(model: nn.Module) -> int:
         fwd = m.forward
         m.forward = lambda *a, _f=fwd, **k: checkpoint(_f, *a, use_reentrant=False, **k)  # type: ignore[method-assign]
     return len(blocks)
-
-
-def run_peer(kind: str, model: str, steps: int, *, size: str | None = None, batch_size: int | None = None,
-             seq_len: int | None = None, device: str = "cpu") -> RunResult:
-    """``plain`` (no swap), ``save_on_cpu`` (PyTorch's own offload) or ``checkpoint``."""
-    if kind not in ("plain", "save_on_cpu", "checkpoint"):
-        raise UserError(f"unknown peer {kind!r}; known: plain, save_on_cpu, checkpoint")
-    case, ref = _pair(model, size, batch_size, seq_len, device)
-    extra: dict[str, Any] = {}
-    wrap: Callable[[], Any] = contextlib.nullcontext
-    if kind == "save_on_cpu":
-        pin = device.startswith("cuda")
-        wrap = lambda: torch.autograd.graph.save_on_cpu(pin_memory=pin)  # noqa: E731
-    elif kind == "checkpoint":
-        extra["blocks"] = _checkpoint_blocks(case.model)
-    times, matches, peaks = _train(case, ref, steps, device, wrap)
-    warm = times[1:] or times
-    peak = None
-    if peaks:  # parameters and buffers, plus the most a step allocated above its start (grads included)
-        resident = sum(t.untyped_storage().nbytes() for t in [*case.model.parameters(), *case.model.buffers()])
-        peak = resident + max(peaks)
-    link = "none (no copies)" if kind != "save_on_cpu" else (
-        "the device's" if device.startswith("cuda") else "host memcpy, unthrottled: not comparable with an emulated link")
-    return RunResult(method=kind, steps=len(warm), link=link, step_s_median=statistics.median(warm), step_s=tuple(warm),
-                     peak_device_bytes=peak, budget_bytes=None, stall_s=None, loss_matches=matches, extra=extra)
-
 
 
 # ----------------------------------------------------------------------------- --compare, interleaved
