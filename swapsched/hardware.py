@@ -14,7 +14,7 @@ from typing import Any
 from swapsched._paths import atomic_path, config_dir
 from swapsched.errors import UserError, read_yaml
 
-__all__ = ["Hardware", "HOST_COSTS", "HardwareError", "load_hardware", "hardware_names", "default_hardware", "DEFAULT_GPU_HARDWARE",
+__all__ = ["Hardware", "HOST_COSTS", "hardware_for_device", "HardwareError", "load_hardware", "hardware_names", "default_hardware", "DEFAULT_GPU_HARDWARE",
            "DEFAULT_CPU_HARDWARE", "TRAINING_HARDWARE"]
 
 
@@ -182,9 +182,29 @@ DEFAULT_CPU_HARDWARE = "cpu-emulated"
 TRAINING_HARDWARE = ("v100-pcie3", "a100-pcie4", "h100-pcie5", "rtx4090-pcie4", "gh200-c2c", "cpu-emulated")
 
 
+#: Shipped profiles by what ``torch.cuda.get_device_name`` says, most specific first
+_BY_DEVICE_NAME = (("GH200", "gh200-c2c"), ("H200", "h200-pcie5"), ("H100", "h100-pcie5"), ("A100", "a100-pcie4"),
+                   ("V100", "v100-pcie3"), ("4090", "rtx4090-pcie4"))
+
+
+def hardware_for_device(device_name: str) -> str | None:
+    """The shipped profile of a GPU by its name (``"NVIDIA H200"`` -> ``h200-pcie5``), or None for
+    a device no profile describes (then ``swapsched calibrate`` measures one)."""
+    upper = device_name.upper()
+    return next((profile for key, profile in _BY_DEVICE_NAME if key in upper), None)
+
+
 def default_hardware(backend: str) -> str:
-    """The profile name a plan is made for on ``backend`` ("cpu" or "cuda") when none is given."""
-    return DEFAULT_CPU_HARDWARE if backend == "cpu" else DEFAULT_GPU_HARDWARE
+    """The profile name a plan is made for on ``backend`` ("cpu" or "cuda") when none is given:
+    on CUDA the shipped profile of the device in use where one describes it, else
+    ``DEFAULT_GPU_HARDWARE``."""
+    if backend == "cpu":
+        return DEFAULT_CPU_HARDWARE
+    import torch
+
+    if torch.cuda.is_available():
+        return hardware_for_device(torch.cuda.get_device_name(torch.cuda.current_device())) or DEFAULT_GPU_HARDWARE
+    return DEFAULT_GPU_HARDWARE
 
 
 def load_hardware(spec: str | Path | Hardware) -> Hardware:

@@ -73,3 +73,16 @@ def test_host_costs_are_optional_and_never_negative(tmp_path):
     p.write_text(base + "wait_resume_s: -1.0e-5\n")
     with pytest.raises(HardwareError, match="wait_resume_s: must be a finite number >= 0"):
         load_hardware(p)
+
+
+@pytest.mark.parametrize(("name", "profile"), [
+    ("NVIDIA H200", "h200-pcie5"), ("NVIDIA GH200 480GB", "gh200-c2c"), ("NVIDIA H100 PCIe", "h100-pcie5"),
+    ("NVIDIA A100-SXM4-80GB", "a100-pcie4"), ("Tesla V100-PCIE-32GB", "v100-pcie3"),
+    ("NVIDIA GeForce RTX 4090", "rtx4090-pcie4"), ("NVIDIA L4", None),
+])
+def test_a_gpu_gets_its_shipped_profile_by_name(name, profile):
+    from swapsched.hardware import hardware_for_device, load_hardware
+
+    assert hardware_for_device(name) == profile
+    if profile is not None:
+        load_hardware(profile)  # every name maps to a profile that ships
