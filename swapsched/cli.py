@@ -336,6 +336,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from swapsched.budget import format_bytes
+    from swapsched.report import format_live, format_runs
     from swapsched.run import NothingToSwap, run_runtime
 
     common = dict(size=args.size, batch_size=args.batch_size, seq_len=args.seq_len)
@@ -356,7 +357,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(exc)
         return 0
     print()
-    print(_run_table([main_run], None))
+    print(format_runs([main_run]))
     out: dict[str, Any] = {"model": args.model, "size": args.size, "budget": args.budget, "runs": [_run_json(main_run)]}
     if args.compare:
         from tqdm import tqdm
@@ -380,7 +381,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                             hardware=args.hardware, rounds=args.rounds, round_steps=args.round_steps, progress=tick, **common)
         bar.close()
         print()
-        print(_live_table(live))
+        print(format_live(live))
         out["compare"] = live.to_dict()
     if args.json:
         _write_json(out, args.json)
@@ -393,49 +394,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if main_run.loss_matches else 1
 
 
-def _live_table(live: Any) -> str:
-    from swapsched.budget import format_bytes
-    from swapsched.report import format_grid
-
-    rows = [[r.method, f"{1e3 * r.step_s_median:.2f}", f"{r.ratio:.2f}x", f"{r.ratio_low:.2f}-{r.ratio_high:.2f}",
-             format_bytes(r.peak_bytes), "yes" if r.fits else "no", "yes" if r.loss_matches else "NO", r.note]
-            if r.peak_bytes else [r.method, "-", "-", "-", "-", "no", "-", r.note] for r in live.rows]
-    table = format_grid(["method", "step ms (median)", "vs plain", "over rounds", "peak device", "fits",
-                         "loss matches", "how"], rows)
-    best = live.fastest
-    verdict = (f"fastest that fits {format_bytes(live.budget_bytes)}: {best.method} ({best.ratio:.2f}x the plain step)"
-               if best else f"no method fits {format_bytes(live.budget_bytes)}")
-    return "\n".join([
-        f"interleaved: {live.rounds} shuffled rounds of {live.round_steps} steps per method; vs plain = median over rounds "
-        "of the method's median step over plain's in the same round; peak by one meter for every method (CPU: live "
-        "storages; CUDA: max_memory_allocated), the budget in bytes as the runtime resolves it on this model",
-        table, verdict])
-
-
 def _run_json(r: Any) -> dict[str, Any]:
     d = r.to_dict()
     d.pop("extra", None)
     d.pop("step_s", None)
     return d
 
-
-def _run_table(results: list[Any], base: float | None) -> str:
-    from swapsched.budget import format_bytes
-    from swapsched.report import format_grid
-
-    rows = []
-    for r in results:
-        rel = f"{r.step_s_median / base:.2f}x" if base else "-"
-        peak = format_bytes(r.peak_device_bytes) if r.peak_device_bytes is not None else "-"
-        budget = format_bytes(r.budget_bytes) if r.budget_bytes is not None else "-"
-        pred = f"{1e3 * r.predicted_step_s:.2f}" if r.predicted_step_s is not None else "-"
-        rows.append([r.method, f"{1e3 * r.step_s_median:.2f}", pred, rel, peak, budget,
-                     "yes" if r.loss_matches else "NO", {None: "-", True: "yes", False: "no"}[r.plan_followed], r.link])
-    table = format_grid(["method", "step ms (median)", "predicted ms", "vs plain", "peak device", "budget",
-                         "loss matches", "plan followed", "link"], rows)
-    notes = [f"{r.method}: plan not followed: {r.why_not_followed}" for r in results
-             if getattr(r, "why_not_followed", None)]
-    return "\n".join([table, *notes])
 
 
 # ----------------------------------------------------------------------------- calibrate

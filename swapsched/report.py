@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from swapsched.agents.evaluate import CaseResult, PolicySummary
+from swapsched.budget import format_bytes
 
-__all__ = ["format_table", "format_summary", "format_grid"]
+__all__ = ["format_table", "format_summary", "format_grid", "format_runs", "format_live"]
 
 
 def _pct(x: float) -> str:
@@ -71,3 +73,37 @@ def format_grid(head: Sequence[str], body: Sequence[Sequence[str]]) -> str:
         return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=False)).rstrip()
 
     return "\n".join([line(head), line(["-" * w for w in widths]), *(line(r) for r in body)])
+
+
+def format_live(live: Any) -> str:
+    """``run --compare``'s interleaved table (``run.LiveComparison``) and its verdict."""
+    rows = [[r.method, f"{1e3 * r.step_s_median:.2f}", f"{r.ratio:.2f}x", f"{r.ratio_low:.2f}-{r.ratio_high:.2f}",
+             format_bytes(r.peak_bytes), "yes" if r.fits else "no", "yes" if r.loss_matches else "NO", r.note]
+            if r.peak_bytes else [r.method, "-", "-", "-", "-", "no", "-", r.note] for r in live.rows]
+    table = format_grid(["method", "step ms (median)", "vs plain", "over rounds", "peak device", "fits",
+                         "loss matches", "how"], rows)
+    best = live.fastest
+    verdict = (f"fastest that fits {format_bytes(live.budget_bytes)}: {best.method} ({best.ratio:.2f}x the plain step)"
+               if best else f"no method fits {format_bytes(live.budget_bytes)}")
+    return "\n".join([
+        f"interleaved: {live.rounds} shuffled rounds of {live.round_steps} steps per method; vs plain = median over rounds "
+        "of the method's median step over plain's in the same round; peak by one meter for every method (CPU: live "
+        "storages; CUDA: max_memory_allocated), the budget in bytes as the runtime resolves it on this model",
+        table, verdict])
+
+
+def format_runs(results: list[Any]) -> str:
+    """``swapsched run``'s rows (``run.RunResult``), and why a plan was not followed (a method
+    against plain training is ``run --compare``'s, :func:`format_live`)."""
+    rows = []
+    for r in results:
+        peak = format_bytes(r.peak_device_bytes) if r.peak_device_bytes is not None else "-"
+        budget = format_bytes(r.budget_bytes) if r.budget_bytes is not None else "-"
+        pred = f"{1e3 * r.predicted_step_s:.2f}" if r.predicted_step_s is not None else "-"
+        rows.append([r.method, f"{1e3 * r.step_s_median:.2f}", pred, peak, budget,
+                     "yes" if r.loss_matches else "NO", {None: "-", True: "yes", False: "no"}[r.plan_followed], r.link])
+    table = format_grid(["method", "step ms (median)", "predicted ms", "peak device", "budget",
+                         "loss matches", "plan followed", "link"], rows)
+    notes = [f"{r.method}: plan not followed: {r.why_not_followed}" for r in results
+             if getattr(r, "why_not_followed", None)]
+    return "\n".join([table, *notes])

@@ -21,6 +21,7 @@ placeholders. Read as the eager hooks would have seen them (DESIGN.md, "The comp
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import re
@@ -77,7 +78,9 @@ def saved_nodes(fw: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
     return [n for n in outs[num_fwd_outputs:] if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)]
 
 
+@functools.cache
 def _view_ops():
+    """torch's op classes (views among them), built once: every node of a graph asks."""
     from torch._functorch.partitioners import get_default_op_list
 
     return get_default_op_list()

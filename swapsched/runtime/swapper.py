@@ -311,8 +311,8 @@ class PolicyRuntime:
         """The after-step work of the kind of step ``ex`` was (one method per kind)."""
         if isinstance(ex, ExecuteStep) and ex.profile is None:
             self._note_followed(ex)
-        if isinstance(ex, ExecuteStep) and ex.profile is None and not ex.diverged:
-            self._note_times(ex.layout)
+            if not ex.diverged:
+                self._note_times(ex.layout)
         if isinstance(ex, ProfileStep):
             self._after_profile(ex)
         elif not isinstance(ex, ExecuteStep):
@@ -494,10 +494,7 @@ class PolicyRuntime:
                 # a swap plan for the steps as they run with no block checkpointed (the plan before
                 # recomputed blocks): they run their own forward again, and that trace is back
                 self.blocks.remove()
-                self.layouts.clear()
-                self._background.clear()
-                self._untimed.clear()
-                self._forget_executed()
+                self._drop_layouts()
                 self.trace, self.first_sight = self._unwrapped_trace, self._unwrapped_first_sight
             self._adopt(plan)
         self._policy_planned = False
@@ -532,7 +529,10 @@ class PolicyRuntime:
             # per shape, resolved once, on the shape's first trace: the steps as they run with no
             # block checkpointed (R9's second stage profiles the same shape again, checkpointed:
             # the budget stays what it was, or recomputing would shrink it)
-            out = self._budget_by_shape.setdefault(first_bytes(trace), parse_budget(spec, trace, check_feasible=False))
+            key = first_bytes(trace)
+            out = self._budget_by_shape.get(key)
+            if out is None:
+                out = self._budget_by_shape[key] = parse_budget(spec, trace, check_feasible=False)
         else:
             out = parse_budget(spec, trace, check_feasible=False) if resolved is None else resolved
         if out >= trace.min_feasible_bytes:
@@ -666,13 +666,18 @@ class PolicyRuntime:
         """Checkpoint the blocks ``names`` (``saved``: those selectively) from the next step on,
         which is profiled again: plans and layouts made before are for steps that ran otherwise."""
         present(self.blocks, "the model's blocks").install(names, saved)
-        self.layouts.clear()  # laid out for steps that did not checkpoint the blocks
-        self._background.clear()  # plans in the making are for those steps too: dropped when ready
-        self._untimed.clear()
+        self._drop_layouts()
         self.trace = self.plan = self.layout = None
         self.predicted_s = None
         self._profiled = 0
         self._profiles = []
+
+    def _drop_layouts(self) -> None:
+        """The blocks checkpointed changed: every layout (and plan in the making) was laid out for
+        steps that ran otherwise, and the executed steps kept for re-timing ran another trace."""
+        self.layouts.clear()
+        self._background.clear()  # dropped when ready
+        self._untimed.clear()
         self._forget_executed()
 
     def _adopt(self, plan: SwapPlan, simulated: SimResult | None = None) -> None:

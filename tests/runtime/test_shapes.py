@@ -119,15 +119,21 @@ def _step_of_length(lengths):
     return run
 
 
-def test_steps_of_lengths_never_profiled_execute_predicted_plans_bit_identically_within_budget():
-    lengths, run = LENGTHS, _step_of_length(LENGTHS)
+def _train_lengths(lengths):
+    """A Net trained at ``lengths`` under "60%" and min beside a plain copy (bit-identical, by
+    train_together), audited, planned between steps (so that which plan each step runs does not
+    depend on a thread's timing): the step reports."""
     a, b = Net(), Net()
-    # planned between steps, so that which plan each step runs does not depend on a thread's timing
     rt = SwapRuntime(budget="60%", policy="min", backend="cpu", model=a, audit=True, background_planning=False)
     try:
-        reports = train_together(a, b, rt, len(lengths), run)
+        return train_together(a, b, rt, len(lengths), _step_of_length(lengths))
     finally:
         rt.close()
+
+
+def test_steps_of_lengths_never_profiled_execute_predicted_plans_bit_identically_within_budget():
+    lengths = LENGTHS
+    reports = _train_lengths(lengths)
     modes = [r.mode for r in reports]
     # two lengths profiled (32 three times, 48 once as it ran); every other length is predicted
     assert modes == ["profile"] * 3 + ["execute", "profile"] + ["execute"] * 6
@@ -349,13 +355,7 @@ def test_a_relative_budget_is_each_shapes_own_share():
     # means 60% of each step's own activation peak: no refusal, each executed step within its own
     # budget by the audit meter, gradients bit-identical to training without the runtime
     lengths = [32, 32, 32, 32, 160, 48, 160, 48]
-    run = _step_of_length(lengths)
-    a, b = Net(), Net()
-    rt = SwapRuntime(budget="60%", policy="min", backend="cpu", model=a, audit=True, background_planning=False)
-    try:
-        reports = train_together(a, b, rt, len(lengths), run)
-    finally:
-        rt.close()
+    reports = _train_lengths(lengths)
     executed = [(n, r) for n, r in zip(lengths, reports, strict=True) if r.mode == "execute"]
     assert {n for n, _ in executed} == {32, 48, 160}
     for _, r in executed:
