@@ -166,8 +166,8 @@ def _say_if_shrunk(model: str, size: str | None) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from swapsched.runtime.profiler import profile
-    from swapsched.zoo import build_model
+    from swapsched.hardware import DEFAULT_GPU_HARDWARE, load_hardware
+    from swapsched.precision import Precision
 
     _say_if_shrunk(args.model, args.size)
     device = args.device
@@ -176,13 +176,75 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             raise UserError("--device cuda: no CUDA device is available here; use --device cpu or meta")
-    case = build_model(args.model, args.size, batch_size=args.batch_size, seq_len=args.seq_len, device=device)
-    trace = profile(case.model, case.inputs, case.loss_fn, device=device, name=case.name, hardware=args.hardware)
-    out = args.out or f"{case.name}.json.gz"
+    for_gpu = device != "cpu" or args.hardware is not None
+    precision = Precision(args.dtype or ("bf16" if for_gpu else "fp32"), amp=args.amp)
+    target = load_hardware(args.hardware or (DEFAULT_GPU_HARDWARE if for_gpu else "cpu-emulated"))
+    target.peak_flops_for(precision.compute_dtype)  # a dtype the hardware lacks: one line, before any work
+    trace = _profile_case(args, device, precision, args.attention or "auto", target.name if for_gpu else None)
+    out = args.out or f"{trace.name}.json.gz"
     trace.save(out)
     _print_summary(trace.summary())
+    print(f"precision    {precision} (compute {precision.compute_dtype}); attention {_kernels_used(trace.meta)}")
     print(f"wrote {out}", file=sys.stderr)
     return 0
+
+
+def _kernels_used(meta: dict[str, Any]) -> str:
+    used = meta.get("attention")
+    if used is None:
+        return "as SDPA ran on the profiling device"
+    return ", ".join(f"{k} x{n}" for k, n in used.items()) or "the model's own (no SDPA call)"
+
+
+#: What a forward says when it reads a tensor's values, which the meta device has none of
+_READS_VALUES = ("cannot be called on meta tensors", "Cannot copy out of meta tensor", "data-dependent")
+
+
+def _profile_case(args: argparse.Namespace, device: str, precision: Any, attention: str, target: str | None) -> Any:
+    """Build and profile the case; an ``hf:`` model whose forward reads tensor values (which meta
+    cannot run) is profiled on the CPU instead where its size fits there, timed by roofline for the
+    target; any other failure of a ``hf:`` model's step is one line (exit 2)."""
+    import torch
+
+    from swapsched.hf_models import one_line
+    from swapsched.runtime.profiler import profile
+    from swapsched.zoo import build_model
+
+    def run_on(dev: str) -> Any:
+        case = build_model(args.model, args.size, batch_size=args.batch_size, seq_len=args.seq_len, device=dev,
+                           dtype=precision.param_dtype, attention=attention)
+        optimizer = _optimizer(args.optimizer, case.model)
+        return profile(case.model, case.inputs, case.loss_fn, optimizer, device=dev, name=case.name, hardware=target,
+                       precision=precision, attention=attention)
+
+    if not args.model.startswith("hf:"):
+        return run_on(device)
+    try:
+        return run_on(device)
+    except UserError:
+        raise
+    except Exception as exc:
+        if device == "meta" and any(m in str(exc) for m in _READS_VALUES) and args.size in (None, "small") and target:
+            print(f"{args.model}: its forward reads tensor values, which the meta device has none of; profiling "
+                  "it on the CPU instead (timed by roofline for the target)", file=sys.stderr)
+            torch.manual_seed(0)
+            try:
+                return run_on("cpu")
+            except UserError:
+                raise
+            except Exception as exc2:
+                exc = exc2
+        raise UserError(f"{args.model}: its training step fails on {device}: {one_line(exc)}") from None
+
+
+def _optimizer(name: str, model: Any) -> Any:
+    """The optimizer whose state the trace's static bytes count (state in the parameters' dtype)."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if name == "none" or not params:
+        return None
+    return torch.optim.AdamW(params) if name == "adamw" else torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
 def _print_summary(s: dict[str, Any]) -> None:
@@ -484,6 +546,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--device", choices=["cpu", "cuda", "meta"], default="cpu",
                     help="meta: no memory, no data; roofline timing for --hardware (default h100-pcie5)")
     sp.add_argument("--hardware", help="retime by roofline for this hardware (name or YAML path)")
+    sp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
+                    help="what the step computes in (default: bf16 when profiling for a GPU, i.e. --device meta or "
+                         "cuda or a --hardware; fp32 for the CPU's own step)")
+    sp.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True,
+                    help="autocast to --dtype over fp32 weights, grads and Adam states (default); --no-amp: "
+                         "parameters and optimizer state in --dtype too")
+    sp.add_argument("--attention", choices=["auto", "flash", "mem-efficient", "math", "eager"],
+                    help="the attention kernel (default auto: what SDPA picks on --hardware for these shapes, "
+                         "flash where it can); eager: a hf: model's own attention code")
+    sp.add_argument("--optimizer", choices=["adamw", "sgd", "none"], default="adamw",
+                    help="whose state the static bytes count (default adamw: 2 states per parameter)")
     sp.add_argument("--out", type=_out_file, help="output trace (.json or .json.gz; default MODEL-SIZE.json.gz)")
 
     sp = add("inspect", cmd_inspect, "Summarize a trace.")

@@ -31,8 +31,15 @@ class Hardware:
     h2d_bytes_per_s: float
     copy_latency_s: float
     device_memory_bytes: int
-    peak_flops: float
+    peak_flops: float  # fp32 matmul peak (TF32 tensor cores where the device has them)
     memory_bytes_per_s: float
+    # Half-precision matmul peaks (dense tensor cores); None: the device has no such unit, and a
+    # trace in that dtype cannot be retimed for it (V100 has fp16 but no bf16)
+    bf16_peak_flops: float | None = None
+    fp16_peak_flops: float | None = None
+    # "gpu" or "cpu" (the runtime's emulated device, which runs the CPU's kernels): what SDPA's
+    # kernels can run on it (swapsched/attention.py)
+    kind: str = "gpu"
     # Host-side cost of one saved-tensor hook call on the live runtime; the simulator adds it to
     # every gap so that predictions include what the hooks themselves cost (0 for pure models).
     hook_cost_s: float = 0.0
@@ -95,6 +102,17 @@ class Hardware:
                            copy_streams=1)
         raise HardwareError(f"unknown executor {executor!r}; use one of {list(EXECUTORS)}")
 
+    def peak_flops_for(self, dtype: str) -> float:
+        """The matmul peak for compute in ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"``;
+        a trace's ``compute_dtype``)."""
+        if dtype in ("float32", "float64", ""):
+            return self.peak_flops
+        peak = {"bfloat16": self.bf16_peak_flops, "float16": self.fp16_peak_flops}.get(dtype)
+        if peak is None:
+            raise HardwareError(f"{self.name} has no {dtype} peak (its profile gives none: the device lacks the unit); "
+                                "use another --dtype or another --hardware")
+        return peak
+
     def d2h_time(self, nbytes: float) -> float:
         return self.copy_latency_s + nbytes / self.link_bytes_per_s("d2h")
 
@@ -123,6 +141,8 @@ class Hardware:
 
 
 _REQUIRED = ("d2h_bytes_per_s", "h2d_bytes_per_s", "copy_latency_s", "device_memory_bytes", "peak_flops", "memory_bytes_per_s")
+_OPTIONAL = ("host_memory_bytes_per_s", "bf16_peak_flops", "fp16_peak_flops")
+KINDS = ("gpu", "cpu")
 _POSITIVE = ("d2h_bytes_per_s", "h2d_bytes_per_s", "device_memory_bytes", "peak_flops", "memory_bytes_per_s")
 #: Fields a run sets (the executor, the ranks on the node, the host budget), never a hardware file
 _PER_RUN = ("copy_streams", "ranks_per_host", "host_budget_bytes")
@@ -157,7 +177,7 @@ def hardware_from_dict(data: Any, source: str) -> Hardware:
             raise HardwareError(f"{source}: field {k}: missing")
     if not isinstance(data["name"], str) or not data["name"]:
         raise HardwareError(f"{source}: field name: expected a non-empty string, got {data['name']!r}")
-    vals = {k: _as_number(data[k], f"{source}: field {k}") for k in (*_REQUIRED, *HOST_COSTS, "host_memory_bytes_per_s")
+    vals = {k: _as_number(data[k], f"{source}: field {k}") for k in (*_REQUIRED, *HOST_COSTS, *_OPTIONAL)
             if k in data}
     for k in _PER_RUN:
         if k in data:
@@ -165,8 +185,14 @@ def hardware_from_dict(data: Any, source: str) -> Hardware:
     for k in _POSITIVE:
         if vals[k] <= 0:
             raise HardwareError(f"{source}: field {k}: must be > 0, got {data[k]!r}")
+    for k in ("bf16_peak_flops", "fp16_peak_flops"):
+        if k in vals and vals[k] <= 0:
+            raise HardwareError(f"{source}: field {k}: must be > 0 (leave it out where the device has no such unit), got {data[k]!r}")
+    kind = data.get("kind", "gpu")
+    if kind not in KINDS:
+        raise HardwareError(f"{source}: field kind: expected one of {list(KINDS)}, got {kind!r}")
     memory = int(vals.pop("device_memory_bytes"))
-    return Hardware(name=data["name"], device_memory_bytes=memory, **vals)  # type: ignore[arg-type]  # vals: the float fields read from YAML
+    return Hardware(name=data["name"], device_memory_bytes=memory, kind=kind, **vals)  # type: ignore[arg-type]  # vals: the float fields read from YAML
 
 
 def hardware_names() -> list[str]:

@@ -438,12 +438,14 @@ class Trace:
     def retimed(self, hardware: Hardware) -> Trace:
         """This trace with every gap re-timed by roofline for ``hardware``.
 
-        A gap's time is ``max(flops / peak_flops, traffic / memory_bytes_per_s)``, where traffic is
+        A gap's time is ``max(flops / peak, traffic / memory_bytes_per_s)``, where ``peak`` is the
+        hardware's matmul peak in the step's ``meta["compute_dtype"]`` (fp32 if absent) and traffic is
         a lower bound on the bytes the gap's compute touches: a pack gap writes the tensors it
         produces and reads them once (2 x bytes of tensors first packed there); an unpack gap
         reads the tensor and writes its gradient (2 x bytes). The tail after the last event is
-        ``meta["tail_flops"] / peak_flops`` (the profiler records those FLOPs; 0 if absent).
+        ``meta["tail_flops"] / peak`` (the profiler records those FLOPs; 0 if absent).
         """
+        peak = hardware.peak_flops_for(str(self.meta.get("compute_dtype", "float32")))
         if any(e.flops is None for e in self.events):
             raise TraceError(
                 f"trace {self.name!r}: retiming needs 'flops' on every event; re-profile with "
@@ -456,10 +458,10 @@ class Trace:
                 traffic = 2.0 * self.tensors[e.tensor].bytes if fp[e.tensor] == i else 0.0
             else:
                 traffic = 2.0 * self.tensors[e.tensor].bytes
-            t = max(float(e.flops or 0.0) / hardware.peak_flops, traffic / hardware.memory_bytes_per_s)
+            t = max(float(e.flops or 0.0) / peak, traffic / hardware.memory_bytes_per_s)
             new_events.append(replace(e, compute_s=t))
         tail_flops = float(self.meta.get("tail_flops", 0.0))
-        tail = tail_flops / hardware.peak_flops
+        tail = tail_flops / peak
         return replace(
             self,
             timing="roofline",

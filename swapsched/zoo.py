@@ -30,6 +30,7 @@ import yaml
 
 from swapsched._paths import config_dir
 from swapsched.errors import UserError
+from swapsched.hf_models import HFModelError, build_hf
 
 __all__ = ["ModelCase", "ZooError", "build_model", "model_families", "family_sizes"]
 
@@ -299,17 +300,25 @@ def build_model(
     seq_len: int | None = None,
     device: str | torch.device = "cpu",
     seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    attention: str | None = None,
 ) -> ModelCase:
-    """Build a zoo model (random weights, synthetic batch) on ``device`` (``meta`` allocates nothing)."""
+    """Build a zoo model (random weights, synthetic batch) on ``device`` (``meta`` allocates nothing),
+    its parameters and float inputs in ``dtype``. ``attention="eager"`` builds a ``hf:`` model's own
+    attention code instead of SDPA (see swapsched/hf_models.py)."""
     if batch_size is not None and batch_size <= 0:
         raise ZooError(f"batch size must be positive, got {batch_size}")
     if seq_len is not None and seq_len <= 0:
         raise ZooError(f"sequence length must be positive, got {seq_len}")
     device = str(device)
     if name.startswith("hf:"):
-        return _build_hf(name[3:], size, batch_size, seq_len, device, seed)
+        try:
+            hf = build_hf(name[3:], size, batch_size, seq_len, device, seed, param_dtype=dtype, attention=attention)
+        except HFModelError as exc:
+            raise ZooError(str(exc)) from None
+        return ModelCase(name=hf.name, model=hf.model, inputs=hf.inputs, loss_fn=_the_loss)
     if ":" in name:
-        return _build_factory(name, size, batch_size, seq_len, device, seed)
+        return _cast(_build_factory(name, size, batch_size, seq_len, device, seed), dtype)
     cfg_file = _family_config(name)
     sizes = cfg_file["sizes"]
     size = size or ("small" if "small" in sizes else next(iter(sizes)))
@@ -326,43 +335,20 @@ def build_model(
     gen = torch.Generator().manual_seed(seed)
     with torch.device(device):
         model, inputs, loss_fn = _build_family(name, cfg, device, gen)
-    return ModelCase(name=f"{name}-{size}", model=model, inputs=inputs, loss_fn=loss_fn)
+    return _cast(ModelCase(name=f"{name}-{size}", model=model, inputs=inputs, loss_fn=loss_fn), dtype)
 
 
-def _build_hf(model_type: str, size: str | None, batch_size: int | None, seq_len: int | None, device: str, seed: int) -> ModelCase:
-    try:
-        import transformers
-    except ImportError:
-        raise ZooError("hf: models need the optional extra: pip install 'swapsched[hf]'") from None
-    try:
-        config = transformers.AutoConfig.for_model(model_type)
-    except (ValueError, KeyError):
-        raise ZooError(f"transformers has no model_type {model_type!r}") from None
-    # shrink to a trainable size unless asked for the default ("full") configuration
-    if size in (None, "small"):
-        for attr, val in (("num_hidden_layers", 2), ("n_layer", 2), ("hidden_size", 128), ("n_embd", 128),
-                          ("num_attention_heads", 4), ("n_head", 4), ("intermediate_size", 512), ("vocab_size", 1024)):
-            if hasattr(config, attr):
-                setattr(config, attr, val)
-    elif size != "full":
-        raise ZooError(f"hf: models come in sizes 'small' (2 layers, width 128) or 'full' (the library default), not {size!r}")
-    b, t = batch_size or 2, seq_len or 64
-    torch.manual_seed(seed)
-    with torch.device(device):
-        try:
-            model = transformers.AutoModelForCausalLM.from_config(config)
-        except ValueError:
-            model = transformers.AutoModel.from_config(config)
-    gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, config.vocab_size, (b, t), generator=gen, device="cpu").to(device)
+def _the_loss(out: torch.Tensor) -> torch.Tensor:
+    return out  # HFTrainingStep's forward returns the model's own loss
 
-    def loss_fn(out: Any) -> torch.Tensor:
-        logits = out.logits if hasattr(out, "logits") else out.last_hidden_state
-        if hasattr(out, "logits"):
-            return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
-        return logits.float().pow(2).mean()
 
-    return ModelCase(name=f"hf-{model_type}-{size or 'small'}", model=model, inputs=(idx,), loss_fn=loss_fn)
+def _cast(case: ModelCase, dtype: torch.dtype) -> ModelCase:
+    """``case`` with its parameters, buffers and float inputs in ``dtype`` (pure low precision)."""
+    if dtype == torch.float32:
+        return case
+    case.model.to(dtype)
+    inputs = tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in case.inputs)
+    return ModelCase(name=case.name, model=case.model, inputs=inputs, loss_fn=case.loss_fn)
 
 
 def _build_factory(spec: str, size: str | None, batch_size: int | None, seq_len: int | None, device: str,

@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
-from swapsched.hardware import Hardware
+from swapsched.hardware import Hardware, HardwareError
 from swapsched.trace import Event, TensorInfo, Trace
 
 __all__ = ["GraphTrace", "graph_trace", "module_path", "offloadable", "rebasable_views", "saved_nodes"]
@@ -171,7 +171,17 @@ def node_seconds(node: fx.Node, hardware: Hardware) -> tuple[float, float]:
         except Exception:  # a formula that cannot read these (symbolic) shapes: count bytes only
             flops = 0.0
     traffic = sum(_nbytes(t) for t in _tensor_vals(args)) + sum(_nbytes(t) for t in _tensor_vals(out))
-    return max(flops / hardware.peak_flops, traffic / hardware.memory_bytes_per_s), flops
+    return max(flops / _peak(hardware, out), traffic / hardware.memory_bytes_per_s), flops
+
+
+def _peak(hardware: Hardware, out: Any) -> float:
+    """The matmul peak in the dtype the node computes in (its first output's); fp32's where the
+    hardware has no unit for that dtype (it would not have compiled to it)."""
+    dtype = next((str(t.dtype).replace("torch.", "") for t in _tensor_vals(out)), "float32")
+    try:
+        return hardware.peak_flops_for(dtype)
+    except HardwareError:
+        return hardware.peak_flops
 
 
 def graph_trace(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, hardware: Hardware, *,

@@ -70,6 +70,8 @@ def _provenance(backend_name: str) -> dict[str, str]:
         "copy_latency_s": f"{src}: intercept of the fits, both directions averaged",
         "device_memory_bytes": "the emulated device's nominal size" if backend_name == "cpu" else "torch.cuda device properties",
         "peak_flops": "copied from the base profile (roofline retiming only)",
+        "bf16_peak_flops": "copied from the base profile (roofline retiming only)",
+        "fp16_peak_flops": "copied from the base profile (roofline retiming only)",
         "memory_bytes_per_s": "copied from the base profile (roofline retiming only)",
         "hook_cost_s": f"{src}: the runtime's own time in its hooks per saved-tensor event, no eviction (median)",
         "copy_issue_s": f"{src}: step time added per copy issued (least squares, {work})",
@@ -276,7 +278,8 @@ def calibrate(backend_name: str = "cpu", bandwidth: float | None = None, name: s
     hw = Hardware(
         name=name or f"calibrated-{backend_name}", d2h_bytes_per_s=bw_d, h2d_bytes_per_s=bw_h,
         copy_latency_s=(lat_d + lat_h) / 2, device_memory_bytes=int(mem), peak_flops=ref.peak_flops,
-        memory_bytes_per_s=ref.memory_bytes_per_s, hook_cost_s=host.hook_cost_s,
+        memory_bytes_per_s=ref.memory_bytes_per_s, bf16_peak_flops=ref.bf16_peak_flops, fp16_peak_flops=ref.fp16_peak_flops,
+        kind=ref.kind, hook_cost_s=host.hook_cost_s,
         copy_issue_s=host.copy_issue_s, wait_resume_s=host.wait_resume_s, copy_host_s_per_byte=host.copy_host_s_per_byte,
     )
     return Calibration(hw, tuple(d2h), tuple(h2d), host, _provenance(backend_name))

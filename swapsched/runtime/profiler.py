@@ -32,8 +32,10 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import FlopCounterMode
 
+from swapsched.attention import AttentionKernel
 from swapsched.errors import UserError
-from swapsched.hardware import DEFAULT_GPU_HARDWARE, Hardware, load_hardware
+from swapsched.hardware import DEFAULT_CPU_HARDWARE, DEFAULT_GPU_HARDWARE, Hardware, load_hardware
+from swapsched.precision import Precision, autocast_for
 from swapsched.trace import Event, TensorInfo, Trace
 
 __all__ = ["profile", "ProfileError", "TraceRecorder", "OpNames", "ModulePath", "StorageIds", "is_parameter", "is_cached_cast", "storage_key",
@@ -422,12 +424,20 @@ def profile(
     *,
     name: str = "model",
     hardware: Hardware | str | None = None,
+    precision: Precision | None = None,
+    attention: str | None = None,
 ) -> Trace:
     """One training step of ``loss_fn(model(*inputs)).backward()`` as a Trace.
 
     ``device`` defaults to where the model's parameters are. On ``meta`` the trace is timed by
     roofline for ``hardware`` (default ``h100-pcie5``); elsewhere gaps are measured, and a
     ``hardware`` argument retimes the measured trace by roofline afterwards.
+
+    ``precision``: the forward runs under its autocast (``Precision("bf16", amp=True)``; the
+    model's parameters are already in its ``param_dtype``); None: as the model is. ``attention``:
+    every ``scaled_dot_product_attention`` call runs as this kernel would on ``hardware``
+    (``"flash"``, ``"mem-efficient"``, ``"math"``; ``"auto"``: SDPA's own choice there, see
+    swapsched/attention.py); None: as SDPA runs on ``device``. The trace's ``meta`` records both.
     """
     if not isinstance(inputs, (tuple, list)):
         inputs = (inputs,)
@@ -437,12 +447,22 @@ def profile(
         raise ProfileError(f"{name}: the model is on {params[0].device} but profiling was asked on {dev}; move it first")
     static = static_bytes_of(model, optimizer)
     model.train()
+    target = load_hardware(hardware or (DEFAULT_GPU_HARDWARE if dev.type in ("meta", "cuda") else DEFAULT_CPU_HARDWARE))
+    step_meta: dict[str, Any] = {} if precision is None else precision.describe()
 
-    def run(rec: TraceRecorder) -> None:
+    def run(rec: TraceRecorder, kernels: AttentionKernel | None) -> None:
         rec.start()
         with rec.hooks():
-            loss = loss_fn(model(*inputs))
-            loss.backward()
+            with ExitStack() as region:
+                if kernels is not None:  # entered first: under MetaAutocast it sees SDPA's inputs already cast
+                    region.enter_context(kernels)
+                if precision is not None:
+                    region.enter_context(autocast_for(precision, dev))
+                loss = loss_fn(model(*inputs))
+            loss.backward()  # outside autocast, as torch's AMP recipe runs it
+
+    def kernel_mode() -> AttentionKernel | None:
+        return None if attention is None else AttentionKernel(None if attention == "auto" else attention, target)
 
     # structure pass: op names, FLOPs per gap, module paths
     snap = _snapshot(model) if dev.type != "meta" else None
@@ -452,18 +472,22 @@ def profile(
         stack.enter_context(flops)
         stack.enter_context(ops)
         structure = TraceRecorder(None, ops=ops, flops=flops, modules=mp)
-        run(structure)
+        kernels = kernel_mode()
+        run(structure, kernels)
+    if kernels is not None:
+        # what ran, per kernel ({} where the model never called SDPA: its own attention code)
+        step_meta.update(attention=dict(sorted(kernels.used.items())), attention_requested=attention)
     structural = structure.finish(name, str(dev), static, "roofline")
+    structural = replace(structural, meta={**structural.meta, **step_meta})
 
     if dev.type == "meta":
-        hw = load_hardware(hardware or DEFAULT_GPU_HARDWARE)
-        return replace(structural.retimed(hw), device=f"meta->{hw.name}")
+        return replace(structural.retimed(target), device=f"meta->{target.name}")
 
     _restore(snap)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     timing = TraceRecorder("cuda" if dev.type == "cuda" else "cpu")
-    run(timing)
+    run(timing, kernel_mode())
     measured = timing.finish(name, str(dev), static, "measured")
     if [(e.kind, e.tensor) for e in measured.events] != [(e.kind, e.tensor) for e in structural.events]:
         raise ProfileError(
@@ -473,7 +497,7 @@ def profile(
     events = tuple(replace(m, flops=s.flops) for m, s in zip(measured.events, structural.events, strict=False))
     trace = replace(
         measured, tensors=structural.tensors, events=events,
-        meta={**measured.meta, "tail_flops": structural.meta["tail_flops"]},
+        meta={**measured.meta, **step_meta, "tail_flops": structural.meta["tail_flops"]},
     )
     if hardware is not None:
         trace = trace.retimed(load_hardware(hardware))

@@ -44,6 +44,10 @@ def test_yaml_11_exponent_strings_are_accepted(tmp_path):
         ("name: x\nd2h_bytes_per_s: 0\nh2d_bytes_per_s: 1\ncopy_latency_s: 0\ndevice_memory_bytes: 1\npeak_flops: 1\n"
          "memory_bytes_per_s: 1\n", "field d2h_bytes_per_s: must be > 0"),
         ("name: x\nspeed: 1\n", "unknown field"),
+        ("name: x\nd2h_bytes_per_s: 1\nh2d_bytes_per_s: 1\ncopy_latency_s: 0\ndevice_memory_bytes: 1\npeak_flops: 1\n"
+         "memory_bytes_per_s: 1\nbf16_peak_flops: 0\n", "field bf16_peak_flops: must be > 0"),
+        ("name: x\nd2h_bytes_per_s: 1\nh2d_bytes_per_s: 1\ncopy_latency_s: 0\ndevice_memory_bytes: 1\npeak_flops: 1\n"
+         "memory_bytes_per_s: 1\nkind: tpu\n", "field kind: expected one of"),
         ("[1, 2", "not valid YAML"),
     ],
 )
@@ -52,6 +56,15 @@ def test_bad_profiles(tmp_path, body, message):
     p.write_text(body)
     with pytest.raises(HardwareError, match=message):
         load_hardware(p)
+
+
+def test_half_precision_peaks_where_the_device_has_the_unit():
+    h100, v100 = load_hardware("h100-pcie5"), load_hardware("v100-pcie3")
+    assert h100.peak_flops_for("bfloat16") == 756e12 and h100.peak_flops_for("float32") == 378e12
+    assert v100.peak_flops_for("float16") == 112e12
+    with pytest.raises(HardwareError, match="v100-pcie3 has no bfloat16 peak"):
+        v100.peak_flops_for("bfloat16")
+    assert load_hardware("cpu-emulated").kind == "cpu" and h100.kind == "gpu"
 
 
 def test_unknown_name_lists_known():

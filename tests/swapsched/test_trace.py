@@ -9,7 +9,7 @@ from dataclasses import fields, replace
 
 import pytest
 
-from swapsched.hardware import Hardware
+from swapsched.hardware import Hardware, HardwareError
 from swapsched.trace import Event, TensorInfo, Trace, TraceError, load_trace
 from tests.conftest import make_trace
 
@@ -88,6 +88,17 @@ def test_roofline_retiming_by_hand():
     rt = tr.retimed(hw)
     assert rt.timing == "roofline" and rt.device == "g"
     assert rt.gaps.tolist() == pytest.approx([2e-3, 2e-8]) and rt.tail_compute_s == pytest.approx(5e-4)
+
+
+def test_a_bf16_step_is_retimed_at_the_bf16_peak():
+    # the same gaps as above at a 4e12 bf16 peak: e0 max(2e9/4e12, 2e-8) = 5e-4 s; tail 5e8/4e12
+    meta = {"tail_flops": 5e8, "compute_dtype": "bfloat16"}
+    tr = Trace("r", "measured", "cpu", 0, 1.0, (TensorInfo(0, 1000),),
+               (Event("pack", 0, 0.5, flops=2e9), Event("unpack", 0, 0.5, flops=1e3)), meta=meta)
+    rt = tr.retimed(Hardware("g", 1e9, 1e9, 0.0, 10**9, 1e12, 1e11, bf16_peak_flops=4e12))
+    assert rt.gaps.tolist() == pytest.approx([5e-4, 2e-8]) and rt.tail_compute_s == pytest.approx(1.25e-4)
+    with pytest.raises(HardwareError, match="g has no bfloat16 peak"):
+        tr.retimed(Hardware("g", 1e9, 1e9, 0.0, 10**9, 1e12, 1e11))
 
 
 def test_retiming_needs_flops(two_tensors):
