@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from _bench import geomean, table, write  # noqa: E402
 
 from swapsched.agents.bound import lower_bound  # noqa: E402
-from swapsched.agents.local_search import LocalSearch  # noqa: E402
+from swapsched.agents.joint import LocalSearch  # noqa: E402
 from swapsched.agents.registry import get_policy  # noqa: E402
 from swapsched.budget import BudgetError, parse_budget  # noqa: E402
 from swapsched.env.corpus import load_corpus  # noqa: E402

@@ -238,13 +238,17 @@ def build_hf(model_type: str, size: str | None, batch_size: int | None, seq_len:
     b, t = batch_size or 2, seq_len or 64
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if isinstance(limit, int) and task in ("causal-lm", "masked-lm", "seq2seq", "base") and t > limit:
-        if size in (None, "small"):
-            for attr in ("max_position_embeddings", "n_positions"):
-                if hasattr(config, attr):
-                    setattr(config, attr, t)
-        else:
-            raise HFModelError(f"hf:{model_type}: --seq-len {t} is longer than its {limit} positions")
-    impl = "eager" if attention == "eager" else "sdpa"
+        # rotary positions have no table to outgrow (long-context fine-tuning raises the field); a
+        # learned table does, except in the small model, which is random anyway
+        rotary = any(hasattr(config, a) for a in ("rope_theta", "rope_parameters", "rope_scaling"))
+        if size not in (None, "small") and not rotary:
+            raise HFModelError(f"hf:{model_type}: --seq-len {t} is longer than its {limit} learned positions")
+        for attr in ("max_position_embeddings", "n_positions"):
+            if hasattr(config, attr):
+                setattr(config, attr, t)
+    impl = {"eager": "eager", "flash": _FLASH}.get(attention or "", "sdpa")
+    if impl == _FLASH:
+        _register_flash()
     if getattr(config, "architectures", None) is None:
         # where a mapping lists several classes for a type, the auto class picks by this
         config.architectures = [c for c in [_head_class(model_type, task)] if c]
@@ -255,9 +259,12 @@ def build_hf(model_type: str, size: str | None, batch_size: int | None, seq_len:
             try:
                 hf = auto.from_config(config, attn_implementation=impl)
             except ValueError as exc:
-                if impl != "sdpa" or "scaled_dot_product_attention" not in str(exc) and "sdpa" not in str(exc).lower():
+                if impl == _FLASH:  # a family that takes no attention function: its SDPA code
+                    hf = auto.from_config(config, attn_implementation="sdpa")
+                elif impl != "sdpa" or "scaled_dot_product_attention" not in str(exc) and "sdpa" not in str(exc).lower():
                     raise
-                hf = auto.from_config(config, attn_implementation="eager")  # no SDPA code: its own (the trace says so)
+                else:
+                    hf = auto.from_config(config, attn_implementation="eager")  # no SDPA code: its own (the trace says so)
     except HFModelError:
         raise
     except Exception as exc:  # the library's own message, on one line: this config cannot be built here
@@ -267,6 +274,36 @@ def build_hf(model_type: str, size: str | None, batch_size: int | None, seq_len:
     names, tensors = _batch(task, config, b, t, gen, param_dtype)
     inputs = tuple(x.to(device) for x in tensors)
     return HFCase(name=f"hf-{model_type}-{size or 'small'}", model=HFTrainingStep(hf, names), inputs=inputs)
+
+
+#: transformers' name for :func:`_flash_attention` (its AttentionInterface)
+_FLASH = "swapsched_fused"  # a name with "flash" in it would be looked up on the hub
+
+
+def _flash_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Attention as transformers' ``flash_attention_2`` runs it: causal by a flag and a sliding
+    window by its size, never a mask tensor (the profiled batch has no padding, so the mask is only
+    the causal or windowed structure). Through SDPA, which ``attention.AttentionKernel`` answers
+    with the flash kernel. Without it SDPA gets the window as a mask tensor, which flash cannot
+    take (Mistral past 4k tokens would run, and save, mem-efficient's S x S bias). The window is not
+    applied: what the kernel saves is the same; its FLOPs are counted over the full causal square,
+    as flop_counter counts every SDPA kernel."""
+    if kwargs.get("position_bias") is not None:
+        raise HFModelError(f"{type(module).__name__}: flash attention cannot add a position bias (T5's); "
+                           "use --attention mem-efficient")
+    causal = (is_causal if is_causal is not None else getattr(module, "is_causal", True)) and query.shape[2] > 1
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, dropout_p=dropout if module.training else 0.0, is_causal=bool(causal), scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_flash() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(_FLASH, _flash_attention)
 
 
 def one_line(exc: BaseException) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,9 +20,18 @@ if TYPE_CHECKING:
     from swapsched.trace import Trace
 
 __all__ = [
-    "Eviction", "SwapPlan", "PlanError", "load_plan", "save_plan",
-    "LEADS", "swap_out_event", "on_demand_plan", "prefetch_event", "lead_eviction", "carry_evictions",
+    "Eviction", "SwapPlan", "PlanError", "BlockState", "load_plan", "save_plan",
+    "LEADS", "swap_out_event", "on_demand_plan", "prefetch_event", "lead_prefetch", "lead_eviction", "carry_evictions",
 ]
+
+class BlockState(str, Enum):
+    """What a plan does with a recomputable block (R9): keeps (or swaps) its tensors, recomputes it
+    whole in backward, or checkpoints it selectively (rebuilds only its cheap members)."""
+
+    KEPT = "kept"
+    WHOLE = "whole"
+    SELECTIVE = "selective"
+
 
 FORMAT = "swapsched.plan"
 #: 2 adds ``recompute`` (R9), 3 ``selective`` (R9, selective); version-1 and -2 files still load.
@@ -236,11 +246,17 @@ def prefetch_event(trace: Trace, tensor: int, lead_s: float, swap_out_at: int | 
     return min(max(e, so), fu)
 
 
+def lead_prefetch(trace: Trace, tensor: int, lead_index: int, hardware: Hardware, swap_out_at: int | None = None) -> int:
+    """The prefetch event ``LEADS[lead_index]`` of ``tensor``'s own transfers ahead of its first
+    unpack (:func:`prefetch_event`): how every planner places a prefetch by lead class."""
+    lead = LEADS[lead_index] * hardware.h2d_time(trace.tensors[tensor].bytes)
+    return prefetch_event(trace, tensor, lead, swap_out_at)
+
+
 def lead_eviction(trace: Trace, tensor: int, lead_index: int, hardware: Hardware) -> Eviction:
     """Evict ``tensor`` at its last forward pack, prefetching ``LEADS[lead_index]`` transfers ahead."""
-    lead = LEADS[lead_index] * hardware.h2d_time(trace.tensors[tensor].bytes)
     so = swap_out_event(trace, tensor)
-    return Eviction(tensor, so, prefetch_event(trace, tensor, lead, so))
+    return Eviction(tensor, so, lead_prefetch(trace, tensor, lead_index, hardware, so))
 
 
 def carry_evictions(plan: SwapPlan, before: Trace, after: Trace) -> tuple[Eviction, ...]:

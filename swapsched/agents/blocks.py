@@ -33,18 +33,19 @@ from typing import Any, ClassVar
 import numpy as np
 
 from swapsched.agents.heuristics import min_around_blocks
-from swapsched.agents.local_search import draw_case
 from swapsched.agents.mlp import TanhMLP, exported, torch_mlp
+from swapsched.agents.recompute import by_msps
+from swapsched.agents.scoring import TINY_S, training_cases
 from swapsched.env.simulator import simulate
 from swapsched.errors import UserError
 from swapsched.hardware import Hardware
-from swapsched.plan import SwapPlan
-from swapsched.trace import Segment, Trace
+from swapsched.plan import BlockState, SwapPlan
+from swapsched.trace import Trace
 
 __all__ = ["BlockChooser", "CHOICES", "STATES", "features", "states_of", "joint_plan", "collect", "fit", "chooser_path"]
 
 #: A block's states, by index (R9).
-STATES = ("kept", "whole", "selective")
+STATES = tuple(BlockState)
 #: How the chosen blocks are recomputed: ``whole``; ``selective`` (a block with no cheap member is
 #: kept); ``mixed`` (selective where the block has cheap members, else whole).
 WAYS = ("whole", "selective", "mixed")
@@ -63,17 +64,6 @@ def chooser_path(checkpoint: Path) -> Path:
     return checkpoint.with_name(checkpoint.stem + ".blocks.npz")
 
 
-def _ranked(segs: Sequence[Segment], way: str) -> list[Segment]:
-    """The blocks by bytes freed per second of recompute, the most first (Capuchin's MSPS): for
-    ``whole`` of the whole block, otherwise of what the way rebuilds (the cheap members where
-    there are any; for ``selective`` a block without them frees nothing and comes last)."""
-    def msps(s: Segment) -> float:
-        if way == "whole" or not s.cheap:
-            return (0.0 if way == "selective" else s.bytes) / max(s.forward_s, 1e-12)
-        return s.cheap_bytes / max(s.cheap_forward_s, 1e-12)
-    return sorted(segs, key=lambda s: (-msps(s), s.index))
-
-
 def states_of(trace: Trace, choice: int) -> list[int]:
     """Each block's state (an index into ``STATES``) under ``CHOICES[choice]``."""
     way, eighths = CHOICES[choice]
@@ -81,7 +71,7 @@ def states_of(trace: Trace, choice: int) -> list[int]:
     out = [0] * len(segs)
     if not eighths:
         return out
-    for s in _ranked(segs, way)[: -(-len(segs) * eighths // 8)]:  # at least one block
+    for s in by_msps(segs, way)[: -(-len(segs) * eighths // 8)]:  # at least one block
         out[s.index] = 1 if way == "whole" or (way == "mixed" and not s.cheap) else 2 if s.cheap else 0
     return out
 
@@ -91,7 +81,7 @@ def features(trace: Trace, budget: int, hardware: Hardware) -> np.ndarray:
     and what the link could move during backward, what rebuilding costs against moving, and how
     many of the ranked blocks it takes to cover the overshoot, whole and selectively."""
     segs = trace.segments
-    ideal = max(trace.ideal_s, 1e-12)
+    ideal = max(trace.ideal_s, TINY_S)
     demand = trace.static_bytes + trace.other_bytes + trace.resident_bytes_no_swap
     over = max(float(demand.max()) - budget, 1.0)
     peak, low = trace.peak_bytes_no_swap, trace.min_feasible_bytes
@@ -102,14 +92,14 @@ def features(trace: Trace, budget: int, hardware: Hardware) -> np.ndarray:
 
     def to_cover(way: str, size: Any) -> float:  # the share of the ranked blocks that frees ``over``
         acc = 0.0
-        for i, s in enumerate(_ranked(segs, way)):
+        for i, s in enumerate(by_msps(segs, way)):
             acc += size(s)
             if acc >= over:
                 return (i + 1) / n
         return 1.25
 
     def log_ratio(a: float, b: float) -> float:
-        return float(np.clip(np.log10(max(a, 1e-12) / max(b, 1e-12)), -3, 3)) / 3.0
+        return float(np.clip(np.log10(max(a, TINY_S) / max(b, TINY_S)), -3, 3)) / 3.0
 
     return np.array([
         (budget - low) / max(peak - low, 1),
@@ -194,13 +184,10 @@ def collect(traces: Sequence[Trace], hardware: Sequence[Hardware], *, cases_per_
             progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Features and every choice's cost (:func:`choice_costs`) on random cases (budgets and
     hardware) of the traces that have blocks."""
-    from tqdm import tqdm
-
     rng = np.random.default_rng(seed)
     xs, cs = [], []
-    jobs = [tr for tr in traces if tr.segments for _ in range(cases_per_trace)]
-    for tr in tqdm(jobs, disable=not progress, desc="block chooser data", unit="case", leave=False):
-        hw, budget = draw_case(tr, hardware, rng, budget_range)
+    for tr, hw, budget in training_cases([tr for tr in traces if tr.segments], hardware, rng, cases_per_trace=cases_per_trace,
+                                         budget_range=budget_range, progress=progress, desc="block chooser data"):
         costs = choice_costs(tr, budget, hw)
         if costs.min() < OOM_COST:  # a case no choice fits teaches nothing
             xs.append(features(tr, budget, hw))

@@ -24,8 +24,10 @@ from typing import ClassVar
 
 import numpy as np
 
-from swapsched.agents.local_search import best_plan, draw_case, heuristic_plans, improve
+from swapsched.agents.heuristics import Belady, planned_demand, rebuilt_at
+from swapsched.agents.local_search import improve_best_heuristic
 from swapsched.agents.mlp import TanhMLP, exported, torch_mlp
+from swapsched.agents.scoring import training_cases
 from swapsched.env.simulator import SimResult, simulate
 from swapsched.errors import UserError
 from swapsched.hardware import Hardware
@@ -48,7 +50,6 @@ def editor_path(checkpoint: Path) -> Path:
 def features(trace: Trace, budget: int, hardware: Hardware, plan: SwapPlan, result: SimResult) -> tuple[list[int], np.ndarray]:
     """The evicted tensors of ``plan`` (in its order) and one feature row each; ``result`` is the
     plan's simulation with its timeline recorded."""
-    from swapsched.agents.heuristics import planned_demand, rebuilt_at
 
     evs = list(plan.evictions)
     ids = [e.tensor for e in evs]
@@ -136,7 +137,6 @@ class PlanEditor(TanhMLP):
         on paper: where the edited plan's planned demand (``heuristics.planned_demand``, no stalls)
         exceeds both the budget and the original plan's, the edits are undone, the least confident
         first, in halves, until it does not."""
-        from swapsched.agents.heuristics import planned_demand, rebuilt_at
 
         res = simulate(trace, plan, hardware, budget, record=True, validate=False)
         ids, x = features(trace, budget, hardware, plan, res)
@@ -163,15 +163,11 @@ def collect(traces: Sequence[Trace], hardware: Sequence[Hardware], *, cases_per_
             progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Features of every eviction of the best heuristic's plan and the edit a search made to it,
     over random budgets and hardware."""
-    from tqdm import tqdm
-
     rng = np.random.default_rng(seed)
     xs, ys = [], []
-    jobs = [tr for tr in traces for _ in range(cases_per_trace)]
-    for tr in tqdm(jobs, disable=not progress, desc="editor data", unit="case", leave=False):
-        hw, budget = draw_case(tr, hardware, rng, budget_range)
-        start, _ = best_plan(tr, budget, hw, heuristic_plans(tr, budget, hw))
-        better, _, _ = improve(tr, budget, hw, start, seconds=seconds, seed=int(rng.integers(0, 2**31)), prior=prior)
+    for tr, hw, budget in training_cases(traces, hardware, rng, cases_per_trace=cases_per_trace, budget_range=budget_range,
+                                         progress=progress, desc="editor data"):
+        start, better = improve_best_heuristic(tr, budget, hw, seconds=seconds, seed=int(rng.integers(0, 2**31)), prior=prior)
         res = simulate(tr, start, hw, budget, record=True, validate=False)
         _, x = features(tr, budget, hw, start, res)
         if len(x):
@@ -217,20 +213,16 @@ def finetune(editor: PlanEditor, traces: Sequence[Trace], hardware: Sequence[Har
     import torch
     from tqdm import tqdm
 
-    from swapsched.agents.heuristics import Belady
-
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
     cases = []
-    for tr in traces:
-        for _ in range(cases_per_trace):
-            hw, budget = draw_case(tr, hardware, rng, budget_range)
-            start = Belady().plan(tr, budget, hw)
-            res = simulate(tr, start, hw, budget, record=True, validate=False)
-            ids, x = features(tr, budget, hw, start, res)
-            if ids and not res.oom:
-                cases.append((tr, budget, hw, start, res.iteration_s, torch.tensor((x - editor.mean) / editor.std,
-                                                                                   dtype=torch.float32)))
+    for tr, hw, budget in training_cases(traces, hardware, rng, cases_per_trace=cases_per_trace, budget_range=budget_range):
+        start = Belady().plan(tr, budget, hw)
+        res = simulate(tr, start, hw, budget, record=True, validate=False)
+        ids, x = features(tr, budget, hw, start, res)
+        if ids and not res.oom:
+            cases.append((tr, budget, hw, start, res.iteration_s, torch.tensor((x - editor.mean) / editor.std,
+                                                                               dtype=torch.float32)))
     if not cases:
         raise UserError("no cases to fine-tune on: min evicts nothing on them")
     w1, b1, w2, b2, w3, b3 = (torch.tensor(w, dtype=torch.float32, requires_grad=True) for w in editor.weights)

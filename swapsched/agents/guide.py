@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from swapsched._paths import atomic_path
-from swapsched.agents.local_search import MOVE_CLASSES, UNIFORM, best_plan, draw_case, heuristic_plans, improve
+from swapsched.agents.local_search import MOVE_CLASSES, UNIFORM, improve_best_heuristic
+from swapsched.agents.scoring import training_cases
 from swapsched.errors import UserError
 from swapsched.hardware import Hardware
 from swapsched.trace import Trace
@@ -72,17 +73,13 @@ def collect(traces: Sequence[Trace], hardware: Sequence[Hardware], *, cases_per_
             progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Per move class: moves simulated and moves that improved, over unguided searches from the
     best heuristic's plan on random budgets (fractions of the activation range) and hardware."""
-    from tqdm import tqdm
-
     rng = np.random.default_rng(seed)
     tried = np.zeros(len(MOVE_CLASSES))
     improved = np.zeros(len(MOVE_CLASSES))
-    jobs = [tr for tr in traces for _ in range(cases_per_trace)]
-    for tr in tqdm(jobs, disable=not progress, desc="search data", unit="case", leave=False):
-        hw, budget = draw_case(tr, hardware, rng, budget_range)
-        start, _ = best_plan(tr, budget, hw, heuristic_plans(tr, budget, hw))
+    for tr, hw, budget in training_cases(traces, hardware, rng, cases_per_trace=cases_per_trace, budget_range=budget_range,
+                                         progress=progress, desc="search data"):
         log: list = []
-        improve(tr, budget, hw, start, seconds=seconds, seed=int(rng.integers(0, 2**31)), log=log)
+        improve_best_heuristic(tr, budget, hw, seconds=seconds, seed=int(rng.integers(0, 2**31)), log=log)
         for c, better in log:
             tried[c] += 1
             improved[c] += better

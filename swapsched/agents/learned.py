@@ -12,7 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from swapsched.agents.checkpoint import ENV_VERSION, CheckpointError, check_card, resolve_checkpoint
+from swapsched.agents.blocks import BlockChooser, chooser_path, joint_plan, states_of
+from swapsched.agents.checkpoint import ENV_VERSION, CheckpointError, check_card, load_ppo, resolve_checkpoint
+from swapsched.agents.editor import PlanEditor, editor_path
+from swapsched.agents.guide import MovePrior, prior_path
+from swapsched.agents.heuristics import Belady
+from swapsched.agents.joint import joint_search, planning_seconds
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.trace import Trace
@@ -71,14 +76,12 @@ class LearnedPolicy:
 
     def _load(self) -> Any:
         if self._model is None:
-            from swapsched.agents.checkpoint import load_ppo
 
             self._model = load_ppo(self.path, card=self.card, device="cpu")  # deserializes no pickle
         return self._model
 
     def _move_prior(self) -> Any:
         """The checkpoint's learned move prior, or None (the search's uniform proposal)."""
-        from swapsched.agents.guide import MovePrior, prior_path
 
         if not self.guided:
             return None
@@ -88,7 +91,6 @@ class LearnedPolicy:
         return self._prior or None
 
     def _plan_editor(self) -> Any:
-        from swapsched.agents.editor import PlanEditor, editor_path
 
         if self._editor is None:
             p = editor_path(self.path)
@@ -105,7 +107,6 @@ class LearnedPolicy:
 
     def _block_chooser(self) -> Any:
         """The checkpoint's block chooser, or None (a checkpoint trained before it: swap-only greedy)."""
-        from swapsched.agents.blocks import BlockChooser, chooser_path
 
         if self._chooser is None:
             p = chooser_path(self.path)
@@ -116,7 +117,6 @@ class LearnedPolicy:
         """The learned parts' own plan: the block chooser's states with MIN around them (where the
         trace has blocks and the checkpoint a chooser; else MIN's plan), edited by the plan editor
         unless its edits run out of memory where the unedited plan does not."""
-        from swapsched.agents.heuristics import Belady
         from swapsched.env.simulator import simulate
 
         chooser = self._block_chooser() if self.recompute and trace.segments else None
@@ -138,13 +138,10 @@ class LearnedPolicy:
         prior, chooser = self._move_prior(), self._block_chooser()
         if self.mode == "greedy":
             return self.greedy(trace, budget, hardware)
-        from swapsched.agents.joint import joint_search
-        from swapsched.agents.local_search import planning_seconds
 
         def proposals(min_plan: SwapPlan) -> list[SwapPlan]:
             out = [editor.edit(trace, budget, hardware, min_plan, "editor")]
             if chooser and self.recompute and trace.segments:
-                from swapsched.agents.blocks import joint_plan, states_of
 
                 # the chooser's two most likely choices, MIN around each (recomputing nothing is
                 # MIN's plan, a candidate already); the search scores them, so no guard

@@ -22,65 +22,22 @@ machine's speed, and the plan's ``meta`` says how many plans it scored.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from swapsched.env.simulator import SimResult, analytic_floor, simulate
+from swapsched.agents.heuristics import heuristic_plans
+from swapsched.agents.scoring import best_plan, improves, plan_score, reaches
+from swapsched.env.simulator import simulate
 from swapsched.hardware import Hardware
-from swapsched.plan import LEADS, Eviction, SwapPlan, prefetch_event
+from swapsched.plan import LEADS, BlockState, Eviction, SwapPlan, lead_prefetch
 from swapsched.trace import Trace
 
-__all__ = ["LocalSearch", "improve", "plan_score", "heuristic_plans", "best_plan", "planning_seconds", "draw_case"]
+__all__ = ["improve", "improve_best_heuristic", "MOVE_CLASSES", "UNIFORM", "UNIFORM_SHARES", "RECOMPUTE_SHARE", "Move"]
 
 _PREFETCH_SHIFTS = (-16, -8, -4, -2, -1, 1, 2, 4, 8, 16)
 _OUT_SHIFTS = (1, 2, 4, 8)
-
-
-def draw_case(trace: Trace, hardware: Sequence[Hardware], rng: np.random.Generator,
-              budget_range: tuple[float, float]) -> tuple[Hardware, int]:
-    """A random training case on ``trace``: one of ``hardware``, and a budget at a uniform fraction
-    of the activation range above static bytes, never below the smallest feasible budget. The
-    searches that teach the move prior and the plan editor draw their cases here."""
-    hw = hardware[int(rng.integers(0, len(hardware)))]
-    frac = float(rng.uniform(*budget_range))
-    budget = max(int(trace.static_bytes + frac * (trace.peak_bytes_no_swap - trace.static_bytes)), trace.min_feasible_bytes)
-    return hw, budget
-
-
-def plan_score(result: SimResult, trace: Trace) -> float:
-    """Lower is better: the step time; an OOM is worse than any feasible plan, and a later OOM
-    less bad than an earlier one."""
-    if result.oom:
-        return 1e6 * result.ideal_s * (2.0 - (result.oom_event or 0) / max(trace.n_events, 1)) + 1e6
-    return result.iteration_s
-
-
-def heuristic_plans(trace: Trace, budget: int, hardware: Hardware, deadline: float | None = None) -> list[SwapPlan]:
-    """The single-pass heuristics' exact swap plans (no-swap, swap-all, vDNN both ways, min, capuchin's
-    swap half).
-
-    With a ``deadline`` (a ``time.perf_counter()`` value), capuchin is left out when it would not
-    fit before it: its feedback loop and repair cost about 100 simulations of the step (3.8 s on a
-    2,055-tensor GPT, where one simulation takes 30-50 ms), longer than the whole planning time."""
-    from swapsched.agents.heuristics import VDNN, Belady, Capuchin, NoSwap, SwapAll
-
-    plans = [h.plan(trace, budget, hardware) for h in (NoSwap(), SwapAll(), VDNN(), VDNN(conv_only=True), Belady())]
-    if deadline is not None:
-        t0 = time.perf_counter()
-        simulate(trace, plans[-1], hardware, budget, validate=False)
-        if t0 + 100 * (time.perf_counter() - t0) > deadline:
-            return plans
-    return [*plans, Capuchin(recompute=False).plan(trace, budget, hardware)]
-
-
-def best_plan(trace: Trace, budget: int, hardware: Hardware, plans: Sequence[SwapPlan]) -> tuple[SwapPlan, float]:
-    """The plan of ``plans`` with the lowest ``plan_score``, and its score (first wins ties)."""
-    scored = [(plan_score(simulate(trace, p, hardware, budget, validate=False), trace), i) for i, p in enumerate(plans)]
-    s, i = min(scored)
-    return plans[i], s
 
 
 #: Classes of moves the proposal draws from: (kind, shift in events, aimed at a tensor whose unpack
@@ -115,7 +72,6 @@ class _SearchState:
         self.trace, self.budget, self.hw = trace, budget, hardware
         self.joint = joint and bool(trace.segments)
         self.fu, self.lfp, self.b = trace.first_unpack, trace.last_forward_pack, trace.tensor_bytes
-        self.h2d = np.array([hardware.h2d_time(int(x)) for x in self.b])
         self.by_size = np.argsort(self.b, kind="stable")
         self.rank = np.empty(trace.n_tensors, dtype=np.int64)
         self.rank[self.by_size] = np.arange(trace.n_tensors)
@@ -139,8 +95,8 @@ class _SearchState:
         toggles a block's recompute instead (class -1: outside the classes a prior weights)."""
         if self.joint and rng.random() < RECOMPUTE_SHARE:
             s = int(rng.integers(0, len(self.trace.segments)))
-            now = "whole" if s in self.recompute else "selective" if s in self.selective else "keep"
-            others = [x for x in ("keep", "whole", "selective") if x != now and (x != "selective" or self.trace.segments[s].cheap)]
+            now = BlockState.WHOLE if s in self.recompute else BlockState.SELECTIVE if s in self.selective else BlockState.KEPT
+            others = [x for x in BlockState if x != now and (x != BlockState.SELECTIVE or self.trace.segments[s].cheap)]
             return -1, Move("recompute", s, None, state=others[int(rng.integers(0, len(others)))])
         c = int(rng.choice(len(MOVE_CLASSES), p=weights))
         kind, d, aimed = MOVE_CLASSES[c]
@@ -185,18 +141,18 @@ class _SearchState:
 
     def _fresh(self, k: int, lead_index: int) -> tuple[int, int]:
         so = int(self.lfp[k])
-        return so, prefetch_event(self.trace, k, LEADS[lead_index] * float(self.h2d[k]), so)
+        return so, lead_prefetch(self.trace, k, lead_index, self.hw, so)
 
     def apply(self, m: Move) -> tuple[dict[int, tuple[int, int]], frozenset[int], frozenset[int]]:
         """The plan and the blocks recomputed whole and selectively after ``m``."""
         cand = dict(self.plan)
         if m.kind == "recompute":
             s = m.tensor
-            if m.state != "keep":
+            if m.state != BlockState.KEPT:
                 for k in self.trace.segments[s].members:  # rebuilt or held, so no longer swapped
                     cand.pop(k, None)
-            return (cand, self.recompute - {s} | ({s} if m.state == "whole" else set()),
-                    self.selective - {s} | ({s} if m.state == "selective" else set()))
+            return (cand, self.recompute - {s} | ({s} if m.state == BlockState.WHOLE else set()),
+                    self.selective - {s} | ({s} if m.state == BlockState.SELECTIVE else set()))
         if m.kind == "drop":
             del cand[m.tensor]
         else:
@@ -207,14 +163,16 @@ class _SearchState:
         return cand, self.recompute, self.selective
 
 
+#: The unlearned proposal, each kind's share of the moves (spread evenly over its classes): prefetch
+#: shifts most (half of them aimed at stalled tensors: a stall is what a step loses), then adds,
+#: drops, replacements and later swap-outs. Set by hand when the search was built; the learned
+#: prior (agents/guide.py) replaces it in ``default``
+UNIFORM_SHARES = {"prefetch": 0.55, "later-out": 0.10, "drop": 0.10, "add": 0.15, "replace": 0.10}
+
+
 def _uniform_weights() -> np.ndarray:
-    """The unlearned proposal: prefetch shifts 55% (half aimed at stalled tensors), later swap-outs
-    10%, drops 10%, adds 15%, replacements 10%."""
-    w = np.zeros(len(MOVE_CLASSES))
-    n_pre = len(_PREFETCH_SHIFTS)
-    for i, (kind, _, _) in enumerate(MOVE_CLASSES):
-        w[i] = {"prefetch": 0.55 / (2 * n_pre), "later-out": 0.10 / len(_OUT_SHIFTS), "drop": 0.05,
-                "add": 0.15, "replace": 0.10}[kind]
+    count = {kind: sum(1 for k, _, _ in MOVE_CLASSES if k == kind) for kind in UNIFORM_SHARES}
+    w = np.array([UNIFORM_SHARES[kind] / count[kind] for kind, _, _ in MOVE_CLASSES])
     return w / w.sum()
 
 
@@ -244,7 +202,7 @@ def improve(trace: Trace, budget: int, hardware: Hardware, start: SwapPlan, *, s
     evals = 1
     eval_s, sims = 0.0, 0  # mean seconds per simulation: the search stops when the next would overrun
     while (time.perf_counter() + eval_s < deadline and (max_evals is None or evals < max_evals)
-           and state.score > target * (1 + 1e-9)):
+           and not reaches(state.score, target)):
         c, m = state.propose(rng, weights)
         if m is None:
             continue
@@ -256,7 +214,7 @@ def improve(trace: Trace, budget: int, hardware: Hardware, start: SwapPlan, *, s
         eval_s += (time.perf_counter() - t_sim - eval_s) / sims
         evals += 1
         s = plan_score(r2, trace)
-        better = s < state.score - 1e-12 * max(state.score, 1.0)
+        better = improves(s, state.score)
         if log is not None and c >= 0:
             log.append((c, better))
         if better:
@@ -267,28 +225,10 @@ def improve(trace: Trace, budget: int, hardware: Hardware, start: SwapPlan, *, s
     return plan, state.score, evals
 
 
-def planning_seconds(trace: Trace) -> float:
-    """The default planning time of the searching planners (``default``, ``local-search``), all of
-    the planning included: 0.9 s up to 500 saved tensors, growing to 2.7 s at 2,000 (under the
-    3 s a 2,000-tensor plan may take, with room for the last simulation's overrun)."""
-    return 0.9 + 1.8 * min(max(trace.n_tensors - 500, 0), 1500) / 1500
-
-
-@dataclass(frozen=True)
-class LocalSearch:
-    """The best single-pass heuristic's plan, improved by :func:`improve` until ``search_seconds``
-    of planning in all (the heuristics included; default :func:`planning_seconds`) are spent."""
-
-    search_seconds: float | None = None
-    seed: int = 0
-    name: str = "local-search"
-
-    def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
-        t0 = time.perf_counter()
-        total = self.search_seconds if self.search_seconds is not None else planning_seconds(trace)
-        start, _ = best_plan(trace, budget, hardware, heuristic_plans(trace, budget, hardware, deadline=t0 + total / 2))
-        left = max(total - (time.perf_counter() - t0), 0.0)
-        plan, _, _ = improve(trace, budget, hardware, start, seconds=left, seed=self.seed,
-                             target=analytic_floor(trace, budget, hardware))  # nothing beats the R8 floor
-        return SwapPlan.of(trace, self.name, plan.evictions, start=start.policy, search_evals=plan.meta["search_evals"],
-                           seed=self.seed)
+def improve_best_heuristic(trace: Trace, budget: int, hardware: Hardware, *, seconds: float, seed: int,
+                           **options: Any) -> tuple[SwapPlan, SwapPlan]:
+    """The best single-pass heuristic's plan and what :func:`improve` made of it in ``seconds``
+    (``options`` go to it): one teaching case of the move prior and the plan editor."""
+    start, _ = best_plan(trace, budget, hardware, heuristic_plans(trace, budget, hardware))
+    better, _, _ = improve(trace, budget, hardware, start, seconds=seconds, seed=seed, **options)
+    return start, better

@@ -25,10 +25,15 @@ import time
 from dataclasses import dataclass
 
 from swapsched.agents.bound import lower_bound
-from swapsched.agents.local_search import best_plan, heuristic_plans, improve
+from swapsched.agents.heuristics import heuristic_plans
+from swapsched.agents.learned import LearnedPolicy
+from swapsched.agents.local_search import improve
+from swapsched.agents.recompute import CheckpointAll, CheckpointSelective
+from swapsched.agents.scoring import best_plan
+from swapsched.agents.search import SwapAdvisor
 from swapsched.env.simulator import simulate
 from swapsched.hardware import Hardware
-from swapsched.plan import Eviction, SwapPlan, swap_out_event
+from swapsched.plan import BlockState, Eviction, SwapPlan, swap_out_event
 from swapsched.trace import Trace
 
 __all__ = ["Optimal"]
@@ -51,9 +56,9 @@ def _spaces(trace: Trace) -> list[tuple[tuple[int, ...], tuple[int, ...], list[l
     eviction options of the tensors it leaves: (whole, selective, options)."""
     segs = trace.segments
     out = []
-    for states in itertools.product(*(("keep", "whole", "selective") if s.cheap else ("keep", "whole") for s in segs)):
-        whole = tuple(s.index for s, c in zip(segs, states, strict=True) if c == "whole")
-        selective = tuple(s.index for s, c in zip(segs, states, strict=True) if c == "selective")
+    for states in itertools.product(*(tuple(BlockState) if s.cheap else (BlockState.KEPT, BlockState.WHOLE) for s in segs)):
+        whole = tuple(s.index for s, c in zip(segs, states, strict=True) if c == BlockState.WHOLE)
+        selective = tuple(s.index for s, c in zip(segs, states, strict=True) if c == BlockState.SELECTIVE)
         rebuilt = frozenset(k for s in whole + selective for k in segs[s].members)
         out.append((whole, selective, _options(trace, rebuilt)))
     return out
@@ -76,9 +81,6 @@ class Optimal:
             if size <= self.max_plans:
                 return self._enumerate(trace, budget, hardware, _spaces(trace), size)
         bound = lower_bound(trace, budget, hardware, time_limit_s=self.time_limit_s / 3)
-        from swapsched.agents.learned import LearnedPolicy
-        from swapsched.agents.recompute import CheckpointAll, CheckpointSelective
-        from swapsched.agents.search import SwapAdvisor
 
         cands = [*heuristic_plans(trace, budget, hardware), CheckpointAll().plan(trace, budget, hardware),
                  CheckpointSelective().plan(trace, budget, hardware),

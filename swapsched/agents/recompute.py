@@ -18,15 +18,28 @@ that turns a swap plan into a keep / swap / recompute plan.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from swapsched.agents.local_search import plan_score
+from swapsched.agents.scoring import TINY_S, improves, plan_score
 from swapsched.env.simulator import simulate
 from swapsched.hardware import Hardware
-from swapsched.plan import SwapPlan, lead_eviction
-from swapsched.trace import Trace, segment_of
+from swapsched.plan import BlockState, SwapPlan, lead_eviction
+from swapsched.trace import Segment, Trace, segment_of
 
-__all__ = ["CheckpointAll", "CheckpointSelective", "CheckpointOffload", "hybridize", "with_all_recomputed"]
+__all__ = ["CheckpointAll", "CheckpointSelective", "CheckpointOffload", "hybridize", "with_all_recomputed", "by_msps"]
+
+
+def by_msps(segments: Sequence[Segment], way: str = BlockState.WHOLE) -> list[Segment]:
+    """The blocks by bytes freed per second of recompute, the most first (Capuchin's MSPS, Peng et
+    al. 2020, section 4.3), ties in block order: for ``WHOLE`` of the whole block, otherwise of
+    what the way rebuilds (the cheap members where there are any; for ``SELECTIVE`` a block without
+    them frees nothing and comes last; ``"mixed"`` ranks such a block whole)."""
+    def msps(s: Segment) -> float:
+        if way == BlockState.WHOLE or not s.cheap:
+            return (0.0 if way == BlockState.SELECTIVE else s.bytes) / max(s.forward_s, TINY_S)
+        return s.cheap_bytes / max(s.cheap_forward_s, TINY_S)
+    return sorted(segments, key=lambda s: (-msps(s), s.index))
 
 
 @dataclass(frozen=True)
@@ -64,7 +77,9 @@ def with_all_recomputed(trace: Trace, plan: SwapPlan, name: str, *, selective: b
 def hybridize(trace: Trace, budget: int, hardware: Hardware, plan: SwapPlan, *, name: str | None = None,
               deadline: float | None = None) -> SwapPlan:
     """Capuchin's hybrid step over ``plan`` (see the module): blocks in decreasing MSPS, each kept
-    recomputed where it lowers the plan's score; stops at ``deadline``.
+    recomputed where it lowers the plan's score; stops at ``deadline``. The plan's blocks already
+    recomputed stay so, whole or selectively; a block recomputed selectively is not a candidate
+    for whole recompute (the plan chose it: its saved matmuls are what make it cheap).
 
     First the best prefix of that order (how many of the top blocks to recompute: the quarters,
     then a ternary search around the best, so a 128-block model gets a good hybrid inside a
@@ -72,18 +87,21 @@ def hybridize(trace: Trace, budget: int, hardware: Hardware, plan: SwapPlan, *, 
     the rest."""
     evictions = {e.tensor: e for e in plan.evictions}
     chosen = set(plan.recomputed(trace))
-    order = [s for s in sorted(trace.segments, key=lambda s: -s.bytes / max(s.forward_s, 1e-12)) if s.index not in chosen]
+    selective = sorted(plan.recomputed_selectively(trace))
+    order = [s for s in by_msps(trace.segments) if s.index not in chosen and s.index not in selective]
     scores: dict[int, float] = {}
 
     def with_prefix(k: int) -> tuple[dict, set[int]]:
         rebuilt = {m for sg in order[:k] for m in sg.members}
         return {t: e for t, e in evictions.items() if t not in rebuilt}, chosen | {sg.index for sg in order[:k]}
 
+    def simulated(evs: dict, blocks: set[int]) -> float:
+        return plan_score(simulate(trace, list(evs.values()), hardware, budget, validate=False, recompute=sorted(blocks),
+                                   selective=selective), trace)
+
     def score(k: int) -> float:
         if k not in scores:
-            evs, blocks = with_prefix(k)
-            scores[k] = plan_score(simulate(trace, list(evs.values()), hardware, budget, validate=False,
-                                            recompute=sorted(blocks)), trace)
+            scores[k] = simulated(*with_prefix(k))
         return scores[k]
 
     def late() -> bool:
@@ -112,13 +130,12 @@ def hybridize(trace: Trace, budget: int, hardware: Hardware, plan: SwapPlan, *, 
         if late():
             break
         cand = {k: e for k, e in evictions.items() if k not in sg.members}
-        s = plan_score(simulate(trace, list(cand.values()), hardware, budget, validate=False,
-                                recompute=sorted(chosen | {sg.index})), trace)
-        if s < best - 1e-12 * max(best, 1.0):
+        s = simulated(cand, chosen | {sg.index})
+        if improves(s, best):
             best, evictions = s, cand
             chosen = chosen | {sg.index}
     return SwapPlan.of(trace, name or plan.policy, evictions.values(), recompute=[trace.segments[s].name for s in chosen],
-                       **plan.meta)
+                       selective=[trace.segments[s].name for s in selective], **plan.meta)
 
 
 @dataclass(frozen=True)

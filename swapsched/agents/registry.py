@@ -6,6 +6,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from swapsched.agents.heuristics import VDNN, Belady, Capuchin, NoSwap, SwapAll
+from swapsched.agents.joint import LocalSearch
+from swapsched.agents.learned import LearnedPolicy
+from swapsched.agents.optimal import Optimal
+from swapsched.agents.recompute import CheckpointAll, CheckpointOffload, CheckpointSelective
+from swapsched.agents.search import SwapAdvisor
 from swapsched.errors import UserError
 from swapsched.policy import Policy
 
@@ -17,12 +23,6 @@ class PolicyError(UserError):
 
 
 def _factories() -> dict[str, Callable[..., Policy]]:
-    from swapsched.agents.heuristics import VDNN, Belady, Capuchin, NoSwap, SwapAll
-    from swapsched.agents.learned import LearnedPolicy
-    from swapsched.agents.local_search import LocalSearch
-    from swapsched.agents.optimal import Optimal
-    from swapsched.agents.recompute import CheckpointAll, CheckpointOffload, CheckpointSelective
-    from swapsched.agents.search import SwapAdvisor
 
     return {
         "no-swap": lambda **kw: NoSwap(),
@@ -57,7 +57,6 @@ def get_policy(name: str, **options: Any) -> Policy:
     if name in facts:
         return facts[name](**options)
     if name.startswith("optimal:"):  # optimal:60s, a time limit
-        from swapsched.agents.optimal import Optimal
 
         spec = name.removeprefix("optimal:").removesuffix("s")
         try:
@@ -69,11 +68,9 @@ def get_policy(name: str, **options: Any) -> Policy:
         return Optimal(time_limit_s=limit, seed=options.get("seed", 0))
     for prefix, mode in (("learned-greedy:", "greedy"), ("learned-ppo:", "ppo")):
         if name.startswith(prefix):
-            from swapsched.agents.learned import LearnedPolicy
 
             return LearnedPolicy(name.removeprefix(prefix), mode=mode)
     if name.endswith(".zip") or Path(name).is_file() or name.startswith("learned:"):
-        from swapsched.agents.learned import LearnedPolicy
 
         return LearnedPolicy(name.removeprefix("learned:"), mode="search", seed=options.get("seed", 0))
     raise PolicyError(f"unknown policy {name!r}; known: {', '.join(facts)}, learned:PATH.zip, learned-greedy:PATH.zip, learned-ppo:PATH.zip or optimal:SECONDSs")

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from swapsched.agents.local_search import heuristic_plans, plan_score
+from swapsched.agents.heuristics import heuristic_plans
+from swapsched.agents.scoring import plan_score
 from swapsched.env.simulator import simulate
 from swapsched.hardware import Hardware
-from swapsched.plan import LEADS, Eviction, SwapPlan, prefetch_event
+from swapsched.plan import LEADS, Eviction, SwapPlan, lead_prefetch
 from swapsched.trace import Trace
 
 __all__ = ["SwapAdvisor", "genome_of_plan", "plan_of_genome"]
@@ -77,8 +78,7 @@ class SwapAdvisor:
                     out[k] = -1
                 else:
                     out[k] = lfp[k]
-                    lead = LEADS[int(rng.integers(0, len(LEADS)))] * hardware.h2d_time(int(trace.tensor_bytes[k]))
-                    pre[k] = prefetch_event(trace, int(k), lead, int(lfp[k]))
+                    pre[k] = lead_prefetch(trace, int(k), int(rng.integers(0, len(LEADS))), hardware, int(lfp[k]))
             return out, pre
 
         seeds = [genome_of_plan(trace, p) for p in heuristic_plans(trace, budget, hardware)]

@@ -18,7 +18,11 @@ from typing import Any
 import torch
 
 from swapsched._paths import atomic_path
-from swapsched.agents.evaluate import PolicySummary
+from swapsched.agents import blocks, editor, guide
+from swapsched.agents.checkpoint import check_card, load_ppo, resolve_checkpoint
+from swapsched.agents.evaluate import PolicySummary, compare, summarize
+from swapsched.agents.heuristics import Belady
+from swapsched.agents.learned import ENV_VERSION, LearnedPolicy, greedy_rollout
 from swapsched.errors import UserError, read_yaml
 from swapsched.hardware import DEFAULT_GPU_HARDWARE, TRAINING_HARDWARE, load_hardware
 from swapsched.jsonfile import write_json
@@ -166,8 +170,6 @@ def _callbacks(total: int, progress: bool, config: TrainConfig, out: Path, valid
 def validation_ratio(model: Any, traces: list, budgets: list[str], hws: list) -> float:
     """Geometric mean over traces x budgets x hardware of the greedy plan's simulated step over min's
     (an OOM counts as 10x); the number the best checkpoint is chosen by."""
-    from swapsched.agents.heuristics import Belady
-    from swapsched.agents.learned import greedy_rollout
     from swapsched.budget import BudgetError, parse_budget
     from swapsched.env.simulator import simulate
 
@@ -218,7 +220,6 @@ def train_search(config: TrainConfig, checkpoint: str | Path, *, progress: bool 
     ``checkpoint`` as ``NAME.moves.npz``, ``NAME.editor.npz`` and ``NAME.blocks.npz``; a card
     ``NAME.json`` beside it gets their ``search_parts`` entry (splits, traces, seconds) unless
     ``card=False`` (``train_policy``, which writes the whole card afterwards)."""
-    from swapsched.agents import blocks, editor, guide
     from swapsched.env.corpus import corpus_index, load_corpus
 
     t0 = time.perf_counter()
@@ -261,7 +262,6 @@ def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True,
     from sb3_contrib import MaskablePPO
     from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv
 
-    from swapsched.agents.learned import ENV_VERSION, LearnedPolicy
     from swapsched.env.corpus import corpus_index, load_corpus
     from swapsched.env.swap_env import SwapEnv
 
@@ -285,7 +285,6 @@ def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True,
     venv.seed(config.seed)
     tb = str(tensorboard) if tensorboard else None
     if resume is not None:
-        from swapsched.agents.checkpoint import check_card, load_ppo, resolve_checkpoint
 
         path = resolve_checkpoint(resume)
         # spaces from the environment, schedules from the card's config: nothing unpickled
@@ -345,7 +344,6 @@ def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True,
 
 def evaluate(policy: Any, traces: list, budgets: list[str], hardware: list, baselines: list[str]) -> HeldOut:
     """Mean overhead and OOMs of ``policy`` and each baseline over traces x budgets x hardware."""
-    from swapsched.agents.evaluate import compare, summarize
 
     names = [policy.name, *baselines]
     rows = compare(traces, budgets, hardware, [policy, *baselines], progress=False)

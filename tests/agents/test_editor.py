@@ -19,7 +19,7 @@ PLAN = SwapPlan.of(TRACE, "hand", [Eviction(0, 0, 4), Eviction(1, 1, 3)])
 
 
 def test_apply_edits_keeps_drops_and_moves_prefetches_within_r7():
-    assert [c for c, (kind, _) in enumerate(EDITS)] == [0, 1, 2, 3] and EDITS[1] == ("drop", 0)
+    assert EDITS == (("keep", 0), ("drop", 0), ("earlier", 2), ("earlier", 8))
     out = apply_edits(TRACE, PLAN, [0, 1], "e")
     assert out.evictions == (Eviction(0, 0, 4),)
     out = apply_edits(TRACE, PLAN, [2, 3], "e")  # 2 earlier: 4 -> 2; 8 earlier: clamped to the swap-out
@@ -33,11 +33,32 @@ def test_labels_say_what_the_search_did_to_each_eviction():
     assert edit_labels(PLAN, SwapPlan.of(TRACE, "s", [Eviction(0, 0, 4), Eviction(1, 1, 3)])) == [0, 0]
 
 
-def test_features_one_finite_row_per_eviction():
+def test_features_mean_what_their_comments_say():
+    """By hand, at 200 B on a 100 B/s link (a transfer of one tensor: 1 s; ideal step 6 s; events
+    at t = 1..6; no swap holds 100, 200, 300, 300, 200, 100 B, so 200 B is exceeded by up to
+    100 B while tensor 0 is away (events 1-4) and while tensor 1 is (events 2-3)):
+    - size over the median: log2(1) / 10 = 0 for both;
+    - prefetch lead in transfers: tensor 0 prefetched at e4, unpacked at e5 (1 s: log1p(1) / 3),
+      tensor 1 at e3 for e4 (the same);
+    - time away over the step: (6 - 1) / 6 and (5 - 2) / 6;
+    - where its first unpack falls in the step: 5/6 and 4/6;
+    - a transfer over the step: log10(1/6) / 9 + 1;
+    - the most the budget is exceeded while away, over its bytes: 100/100, clipped to 4, over 4;
+    - evictions over tensors: 2/3; the swap-out's place in its window: 0 (at the last pack)."""
     hw = make_hw()
     res = simulate(TRACE, PLAN, hw, 200, record=True)
     ids, x = features(TRACE, 200, hw, PLAN, res)
     assert ids == [0, 1] and x.shape == (2, N_FEATURES) and np.isfinite(x).all()
+    cols = [0, 1, 2, 5, 6, 8, 11, 12]
+    lead = np.log1p(1.0) / 3
+    assert x[0, cols] == pytest.approx([0.0, lead, 5 / 6, 5 / 6, np.log10(1 / 6) / 9 + 1, 0.25, 2 / 3, 0.0])
+    assert x[1, cols] == pytest.approx([0.0, lead, 3 / 6, 4 / 6, np.log10(1 / 6) / 9 + 1, 0.25, 2 / 3, 0.0])
+    # an earlier prefetch is a longer lead; a stalled unpack says so (columns 3 and 4)
+    early = SwapPlan.of(TRACE, "hand", [Eviction(0, 0, 2), Eviction(1, 1, 3)])
+    _, x2 = features(TRACE, 200, hw, early, simulate(TRACE, early, hw, 200, record=True))
+    assert x2[0, 1] == pytest.approx(np.log1p(3.0) / 3)
+    stalled = {int(ev) for _, _, ev in res.timeline.stalls}
+    assert [x[i, 3] for i in range(2)] == [1.0 if int(TRACE.first_unpack[k]) in stalled else 0.0 for k in ids]
 
 
 def test_fit_learns_a_separable_rule_and_round_trips(tmp_path):

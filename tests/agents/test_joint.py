@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 
 from swapsched.agents import joint
+from swapsched.agents.heuristics import heuristic_plans
 from swapsched.agents.learned import LearnedPolicy
-from swapsched.agents.local_search import heuristic_plans, improve, plan_score
+from swapsched.agents.local_search import improve
 from swapsched.agents.recompute import CheckpointAll
+from swapsched.agents.scoring import plan_score
 from swapsched.budget import parse_budget
 from swapsched.env.corpus import load_corpus
 from swapsched.env.simulator import analytic_floor, joint_floor, simulate

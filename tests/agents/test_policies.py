@@ -92,8 +92,8 @@ def test_budget_aware_policies_fit_corpus_cases(name):
 def test_searching_planners_are_never_worse_than_min(case, seed):
     """default (network + search), local-search and swapadvisor start from the heuristics' exact
     plans and keep the best: never worse than min on the simulator."""
+    from swapsched.agents.joint import LocalSearch
     from swapsched.agents.learned import LearnedPolicy
-    from swapsched.agents.local_search import LocalSearch
 
     tr, hw, budget = case
     ref = simulate(tr, get_policy("min").plan(tr, budget, hw), hw, budget)
@@ -110,7 +110,9 @@ def test_searching_planners_are_never_worse_than_min(case, seed):
 def test_local_search_improves_min_where_min_leaves_room():
     """On unet-medium at 70% (h100-pcie5) min stalls on prefetches it placed too late; a few hundred
     simulator-scored moves find a faster plan, deterministically for a number of evaluations."""
-    from swapsched.agents.local_search import best_plan, heuristic_plans, improve
+    from swapsched.agents.heuristics import heuristic_plans
+    from swapsched.agents.local_search import improve
+    from swapsched.agents.scoring import best_plan
 
     tr = load_corpus(names=["unet-medium-b64-h100-pcie5"])[0]
     hw = load_hardware("h100-pcie5")

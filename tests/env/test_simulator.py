@@ -857,3 +857,17 @@ def test_no_policys_plan_holds_more_on_the_host_than_the_host_budget(share, whic
         assert r.host_peak_bytes <= limit
         if limit < everything and not guard:
             assert r.host_skipped > 0 or r.oom  # it did not all fit: some swap-outs stayed (unless it stopped first)
+
+
+def test_a_tensor_unpacked_twice_lives_until_its_last_unpack(hw):
+    """R1/R3: T0 (100 B) is read at e2 and again at e4; T1 (50 B) at e3, where 200 B of other
+    memory are live. During e3's gap T0, T1 and the other bytes are all resident: 350 B. Freeing T0
+    at its first unpack would give 250 B, and a 300 B budget would wrongly fit."""
+    tr = make_trace([100, 50], [("pack", 0, 1.0), ("pack", 1, 1.0), ("unpack", 0, 1.0), ("unpack", 1, 1.0),
+                                ("unpack", 0, 1.0)], other=[0, 0, 0, 200, 0])
+    r = simulate(tr, [], hw, 10**6)
+    assert r.peak_bytes == 350 and not r.oom
+    assert simulate(tr, [], hw, 300).oom
+    # swapped out and prefetched before e2, T0's buffer also stays through e4
+    r = simulate(tr, [Eviction(0, 0, 1)], hw, 10**6)
+    assert r.peak_bytes == 350
