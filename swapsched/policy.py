@@ -19,6 +19,9 @@ __all__ = ["Policy"]
 class Policy(Protocol):
     """A planner. ``budget`` is in bytes of saved activations on the device (after ``parse_budget``)."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """What reports call it (a dataclass field or attribute satisfies this)."""
+        ...
 
     def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan: ...

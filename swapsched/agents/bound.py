@@ -176,16 +176,16 @@ def lower_bound(trace: Trace, budget: int, hardware: Hardware, *, time_limit_s: 
         if k in block_of:
             row([(nS + v, 1.0), (nR + block_of[k], 1.0), (nQ + block_of[k], 1.0)], 1.0)
     for j, members in by_gap.items():
-        ks = np.array([k for k, _ in members])
+        gap_ks = np.array([k for k, _ in members])
         cs = [c for _, c in members]
         # memory: sum b e + sum absent r >= must_j. Every gap with absent members has pairs: a member
         # absent at j (release < j <= at <= its first unpack) is eligible to be away there too
         row([(c, -b[k]) for k, c in members] + [(c, -gone) for c, gone in absent.get(j, [])], -float(must[j]))
-        for q in _spread(np.unique(fp[ks]), windows):  # d2h capacity in [end of gap q, start of gap j]
-            sel = [(c, d[k]) for k, c in zip(ks, cs, strict=True) if fp[k] >= q]
+        for q in _spread(np.unique(fp[gap_ks]), windows):  # d2h capacity in [end of gap q, start of gap j]
+            sel = [(c, d[k]) for k, c in zip(gap_ks, cs, strict=True) if fp[k] >= q]
             row([*sel, (j, -1.0), (int(q), 1.0)], float(G[j] - G[q + 1]))
-        for r in _spread(np.unique(fu[ks]), windows):  # h2d capacity in [start of gap j, event r]
-            sel = [(c, h[k]) for k, c in zip(ks, cs, strict=True) if fu[k] <= r]
+        for r in _spread(np.unique(fu[gap_ks]), windows):  # h2d capacity in [start of gap j, event r]
+            sel = [(c, h[k]) for k, c in zip(gap_ks, cs, strict=True) if fu[k] <= r]
             row([*sel, (int(r) + 1, -1.0), (j, 1.0)], float(G[r + 1] - G[j]))
     a = sparse.csr_matrix((vals, (rows, cols)), shape=(len(rhs), nv))
     cost = np.zeros(nv)

@@ -220,6 +220,7 @@ def repair(trace: Trace, plan: SwapPlan, budget: int, hardware: Hardware, rounds
         res = simulate(trace, SwapPlan.of(trace, plan.policy, evs.values(), **blocks), hardware, budget, validate=False)
         if not res.oom:
             break
+        assert res.oom_event is not None  # an OOM says where
         e = int(res.oom_event)
         early = [k for k, ev in evs.items() if ev.prefetch_at < e < fu[k]]
         if early:

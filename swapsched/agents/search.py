@@ -90,7 +90,7 @@ class SwapAdvisor:
         while gen < self.generations and time.perf_counter() < deadline:
             order = np.argsort(scores, kind="stable")
             elite = [pop[i] for i in order[:2]]
-            children = []
+            children: list[tuple[np.ndarray, np.ndarray]] = []
             while len(children) < self.population - len(elite):
                 a, b = (pop[min(rng.integers(0, len(pop), 2), key=lambda i: scores[i])] for _ in range(2))
                 take = rng.random(n) < 0.5

@@ -10,13 +10,14 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 from swapsched.runtime.reports import Divergence, StepReport
 from swapsched.runtime.stash import Record
 
 if TYPE_CHECKING:
-    from swapsched.runtime.swapper import PolicyRuntime
+    from swapsched.runtime.frame import StepFrame
 
 __all__ = ["StepExecution"]
 
@@ -25,15 +26,17 @@ class StepExecution:
     """Common bookkeeping of one step: identities, accounting, counters, and the audit meter."""
 
     # slots: the hooks read and write these at every saved-tensor event
-    __slots__ = ("rt", "backend", "records", "static", "used", "peak", "stall_s", "evicted", "prefetched",
+    __slots__ = ("frame", "exits", "backend", "records", "static", "used", "peak", "stall_s", "evicted", "prefetched",
                  "on_demand", "copies", "waits", "guard", "diverged", "divergence", "audit", "alive", "alive_peak", "dead_bytes",
                  "finalizers", "planning_s")
 
-    def __init__(self, rt: PolicyRuntime):
-        self.rt = rt
-        self.backend = rt.backend
+    def __init__(self, frame: StepFrame):
+        self.frame = frame
+        self.backend = frame.backend
+        # what the step opened on others (the blocks' recompute meter): closed as it ends or aborts
+        self.exits = ExitStack()
         self.records: list[Record] = []
-        self.static = rt.static_bytes
+        self.static = frame.static_bytes
         self.used = 0
         self.peak = 0
         self.stall_s = 0.0
@@ -48,7 +51,7 @@ class StepExecution:
         self.finalizers: list[weakref.finalize] = []
         # the audit meter: bytes of the saved storages alive now, kept by finalizers on the storages
         # themselves, so it sees what really holds memory whoever keeps it (never our accounting)
-        self.audit = rt.audit and self.backend.emulated
+        self.audit = frame.audit and self.backend.emulated
         self.alive = self.alive_peak = 0
         # finalizers may run on a copy thread (the CPU backend drops a source there): they only
         # append here, and the step's thread does the arithmetic
@@ -71,9 +74,9 @@ class StepExecution:
         self._on_death(storage, dead.append, nbytes)
 
     def measured_peak(self) -> int | None:
-        if not self.rt.audit:
+        if not self.frame.audit:
             return None
-        return self.rt.static_bytes + self.alive_peak if self.audit else self.backend.peak_bytes()
+        return self.frame.static_bytes + self.alive_peak if self.audit else self.backend.peak_bytes()
 
     def finish(self) -> None:
         pass

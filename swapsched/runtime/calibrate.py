@@ -32,12 +32,12 @@ from swapsched.hardware import DEFAULT_GPU_HARDWARE, Hardware, load_hardware
 from swapsched.plan import Eviction, SwapPlan, on_demand_plan
 from swapsched.runtime.backends import Backend, CpuBackend, CudaBackend
 from swapsched.runtime.retime import nonnegative_fit
+from swapsched.runtime.swapper import PolicyRuntime
 from swapsched.trace import Trace
+from swapsched.zoo import ModelCase, build_model
 
 if TYPE_CHECKING:
     from swapsched.runtime.reports import StepReport
-    from swapsched.runtime.swapper import PolicyRuntime
-    from swapsched.zoo import ModelCase
 
 __all__ = ["Calibration", "HostCosts", "calibrate_link", "calibrate_host", "calibrate", "execute_in_rounds",
            "training_step"]
@@ -191,9 +191,6 @@ def _measure_workload(model: str, size: str, backend_name: str, bandwidth: float
                       rounds: int, on_round: Callable[[], Any] | None = None) -> tuple[list[list[list[StepReport]]], int]:
     """Reports of four plans on one workload (no eviction, round trips of the smaller and of the
     larger half of the tensors, swap-all) from ``execute_in_rounds``; and its event count."""
-    from swapsched.runtime.swapper import PolicyRuntime
-    from swapsched.zoo import build_model
-
     device = "cuda" if backend_name == "cuda" else "cpu"
     case = build_model(model, size, device=device)
     # unhook=False: the no-eviction steps measure what the hooks cost, so they keep them

@@ -20,7 +20,7 @@ from swapsched.runtime.reports import Divergence, DivergenceError, PlanLayout, S
 from swapsched.runtime.stash import UNTRACKED, Packed, Record, flat_bytes, rebuild
 
 if TYPE_CHECKING:
-    from swapsched.runtime.swapper import PolicyRuntime
+    from swapsched.runtime.frame import StepFrame
 
 __all__ = ["ExecuteStep"]
 
@@ -46,9 +46,9 @@ class ExecuteStep(StepExecution):
                  "last_exit", "tail_s", "deaths", "alloc", "other", "marks_in", "marks_out", "mark_start", "mark_end",
                  "scale", "profile", "started", "untracked", "host_held", "host_skipped", "may_unhook", "unhooked")
 
-    def __init__(self, rt: PolicyRuntime):
-        super().__init__(rt)
-        self._load(present(rt.layout, "the plan's layout of an executing step"))
+    def __init__(self, frame: StepFrame):
+        super().__init__(frame)
+        self._load(present(frame.layout, "the plan's layout of an executing step"))
         # after a divergence: the largest ratio seen of a tensor's bytes to the trace's, by which
         # R4 scales the trace's next allocation (a batch of another size is one family, scaled)
         self.scale = 1.0
@@ -62,8 +62,8 @@ class ExecuteStep(StepExecution):
         self.started = time.perf_counter()
         # a plan that moves nothing needs no hooks: where this shape's plan evicts nothing and its
         # steps have followed it, the step's first saved tensor confirms the shape and the hooks
-        # come off for the rest of the step (no Python runs per saved tensor; runtime._unhook)
-        self.may_unhook = rt._may_unhook(self.layout)
+        # come off for the rest of the step (no Python runs per saved tensor; StepHost.take_hooks_off)
+        self.may_unhook = frame.host.may_unhook(self.layout)
         self.unhooked = False
         self.host_held = 0  # R11: host bytes of this step's swapped tensors (held until the step ends)
         self.host_skipped = 0
@@ -96,15 +96,15 @@ class ExecuteStep(StepExecution):
         self.marks_in: list[Any] | None = None
         self.marks_out: list[Any] = []
         self.mark_start = self.mark_end = None
-        if rt._device_timed_step():
+        if frame.device_timed:
             self.marks_in = [None] * self.trace.n_events
             self.mark_start = self.backend.mark()
-        if self.audit and rt.blocks is not None and rt.blocks.names:
+        blocks = frame.blocks
+        if self.audit and blocks is not None and blocks.names and frame.model is not None:
             # the audit meter also sees what recomputes make (R9): storages of ours, and the model's
             # parameters and buffers, are counted already or are static
-            static = {storage_key(x) for x in (*rt.model.parameters(), *rt.model.buffers())}
-            rt.blocks.metered, rt.blocks.watch = True, self._watch
-            rt.blocks.known = lambda key: key in self.keys or key in static
+            static = {storage_key(x) for x in (*frame.model.parameters(), *frame.model.buffers())}
+            self.exits.enter_context(blocks.metering(lambda key: key in self.keys or key in static, watch=self._watch))
 
     def _load(self, layout: PlanLayout) -> None:
         """Follow ``layout`` (at the step's start, or at its first saved tensor: another shape's)."""
@@ -133,7 +133,7 @@ class ExecuteStep(StepExecution):
         """The step's first saved tensor has ``nbytes`` where this layout expects other bytes: take
         the plan of the shape that has them, or profile this step. False when profiling."""
         t0 = time.perf_counter()
-        layout = self.rt._layout_for(nbytes) or self.rt._predicted_layout(self.layout, nbytes)
+        layout = self.frame.host.layout_of_shape(nbytes, self.layout)
         self.planning_s += time.perf_counter() - t0
         # the same storage, in order of first sight, must be that shape's first event as well
         if layout is not None and layout.first_sight.get(self.n_seen, -1) == layout.trace.events[0].tensor:
@@ -141,8 +141,8 @@ class ExecuteStep(StepExecution):
             if self.marks_in is not None:
                 self.marks_in = [None] * self.trace.n_events
             return True
-        self.rt._note_grads()  # a shape no plan can fit is refused after this step, its gradients undone
-        self.profile = ProfileStep(self.rt, since=(self.started, self.n_seen), carried=self.untracked)
+        self.frame.host.note_grads()  # a shape no plan can fit is refused after this step, its gradients undone
+        self.profile = ProfileStep(self.frame, since=(self.started, self.n_seen), carried=self.untracked)
         return False
 
     # ------------------------------------------------------------------ memory (R4, R6)
@@ -220,7 +220,7 @@ class ExecuteStep(StepExecution):
         may be one prefetched too early (IN): its host copy is still whole, so it goes back to
         HOST with no copy, once its swap-in has landed."""
         fu = self.trace.first_unpack
-        cands = [r for r in self.records if r.tid != now_tid and r.nbytes >= self.rt.min_bytes and fu[r.tid] > self.i
+        cands = [r for r in self.records if r.tid != now_tid and r.nbytes >= self.frame.min_bytes and fu[r.tid] > self.i
                  and ((r.state == RESIDENT and self._host_room(r.nbytes)
                        and (r.flat is not None or any(h.tensor is not None for h in r.live_handles())))
                       or (r.state == IN and r.host is not None))]
@@ -250,7 +250,7 @@ class ExecuteStep(StepExecution):
     def _host_room(self, nbytes: int) -> bool:
         """R11: whether the host budget has room for ``nbytes`` more this step (the pool holds a
         swapped tensor's buffer until the step ends)."""
-        limit = self.rt.hardware.host_budget_bytes
+        limit = self.frame.hardware.host_budget_bytes
         return limit is None or self.host_held + self._host_bytes(nbytes) <= limit
 
     def _host_bytes(self, nbytes: int) -> int:
@@ -288,8 +288,8 @@ class ExecuteStep(StepExecution):
             else:
                 expected = f"unpack of tensor {~ex[i]}"
             self.divergence = Divergence(i, expected, seen)
-            if self.rt.strict:
-                raise DivergenceError(f"step {self.rt.steps} {self.divergence} (SwapRuntime(strict=True)). {DIVERGENCE_TIP}")
+            if self.frame.strict:
+                raise DivergenceError(f"step {self.frame.step} {self.divergence} (SwapRuntime(strict=True)). {DIVERGENCE_TIP}")
         self.diverged = True
         # no more planned work; R4 keeps making room before each gap, from the trace's next
         # allocation scaled by what this step's tensors weigh against the trace's (self.scale)
@@ -319,7 +319,7 @@ class ExecuteStep(StepExecution):
             # trace does not have (never unpacked there) is not tracked and just stays
             tid = self.first_sight.get(self.n_seen, -1)
             if self.may_unhook and i == 0 and tid >= 0 and self.tensor_bytes[tid] == nbytes:
-                self.rt._unhook()  # the shape is the plan's, and the plan moves nothing
+                self.frame.host.take_hooks_off()  # the shape is the plan's, and the plan moves nothing
                 self.unhooked = True
                 return Packed(None, t)
             if i == 0 and tid >= 0 and self.tensor_bytes[tid] != nbytes:
@@ -536,8 +536,7 @@ class ExecuteStep(StepExecution):
         self.by_tid.clear()
         self._count_deaths()  # what died since the last hook (a storage still alive stays counted)
         self._drop_finalizers()
-        if self.rt.blocks is not None:
-            self.rt.blocks.metered, self.rt.blocks.watch, self.rt.blocks.known = False, None, None
+        self.exits.close()  # the blocks' meter
 
     def _device_gaps(self) -> tuple[tuple[float, ...] | None, float | None]:
         """Each gap and the tail from the device's marks (the step has synchronized), or None."""
@@ -556,17 +555,17 @@ class ExecuteStep(StepExecution):
             # unwatched: no peak of ours (on CUDA torch's), no gaps; the plan moves nothing and no
             # hook runs, so the prediction is the trace's ideal step
             return StepReport(
-                step=self.rt.steps, mode="execute", step_s=step_s, stall_s=0.0, predicted_step_s=self.trace.ideal_s,
+                step=self.frame.step, mode="execute", step_s=step_s, stall_s=0.0, predicted_step_s=self.trace.ideal_s,
                 evicted_bytes=0, prefetched_bytes=0, on_demand_bytes=0, peak_device_bytes=None, budget_bytes=self.budget,
-                plan_followed=True, guard_evictions=0, kept_small=int(self.rt.plan.meta.get("kept_small", 0)),
-                cuda_peak_bytes=cuda_peak, recomputed_blocks=self.rt.blocks.names if self.rt.blocks is not None else (),
-                selective_blocks=self.rt.blocks.selective if self.rt.blocks is not None else (),
+                plan_followed=True, guard_evictions=0, kept_small=int(self.layout.plan.meta.get("kept_small", 0)),
+                cuda_peak_bytes=cuda_peak, recomputed_blocks=self.frame.blocks.names if self.frame.blocks is not None else (),
+                selective_blocks=self.frame.blocks.selective if self.frame.blocks is not None else (),
                 shape_predicted=self.layout.predicted, plain_step_s=self.trace.ideal_s, unhooked=True)
         # host-clock gaps mean compute only where compute is synchronous, and only for a whole step
         timed = self.backend.emulated and not self.diverged and len(self.gaps) == self.trace.n_events
         gaps, tail = (tuple(self.gaps), self.tail_s) if timed else self._device_gaps()
         return StepReport(
-            step=self.rt.steps, mode="diverged" if self.diverged else "execute", step_s=step_s,
+            step=self.frame.step, mode="diverged" if self.diverged else "execute", step_s=step_s,
             stall_s=self.stall_s + self.backend.take_device_stall_s(),  # CUDA: compute's waits on the device
             predicted_step_s=self.layout.predicted_s, evicted_bytes=self.evicted, prefetched_bytes=self.prefetched,
             on_demand_bytes=self.on_demand, peak_device_bytes=self.peak, budget_bytes=self.budget,
@@ -574,12 +573,12 @@ class ExecuteStep(StepExecution):
             # by a later backward pass after its first unpack stays), which leaves the peak over
             plan_followed=not self.diverged and self.guard == 0 and self.peak <= self.budget,
             divergence=self.divergence,
-            guard_evictions=self.guard, kept_small=int(self.rt.plan.meta.get("kept_small", 0)), cuda_peak_bytes=cuda_peak,
+            guard_evictions=self.guard, kept_small=int(self.layout.plan.meta.get("kept_small", 0)), cuda_peak_bytes=cuda_peak,
             hook_s=self.hook_s, copies=self.copies, waits=self.waits,
             gaps_s=gaps, tail_s=tail,
             measured_peak_bytes=self.measured_peak(), unowned_bytes=int(self.trace.meta.get("unowned_bytes", 0)),
-            recomputed_blocks=self.rt.blocks.names if self.rt.blocks is not None else (),
-            selective_blocks=self.rt.blocks.selective if self.rt.blocks is not None else (),
+            recomputed_blocks=self.frame.blocks.names if self.frame.blocks is not None else (),
+            selective_blocks=self.frame.blocks.selective if self.frame.blocks is not None else (),
             shape_predicted=self.layout.predicted, plain_step_s=self.trace.ideal_s,
             host_peak_bytes=self.host_held, host_skipped=self.host_skipped,
         )

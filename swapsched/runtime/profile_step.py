@@ -18,7 +18,7 @@ from swapsched.runtime.stash import Packed, Record, flat_bytes, rebuild
 from swapsched.trace import Trace
 
 if TYPE_CHECKING:
-    from swapsched.runtime.swapper import PolicyRuntime
+    from swapsched.runtime.frame import StepFrame
 
 __all__ = ["ProfileStep"]
 
@@ -39,15 +39,15 @@ class ProfileStep(StepExecution):
 
     __slots__ = ("ids", "recorder", "trace", "moved", "device", "owners", "cast_keys", "cast_bytes", "released",
                  "freed", "unpacked", "devices", "param_keys", "passes", "modules", "checkpoint_packs", "recomputes",
-                 "new_shape", "seen_before", "carried", "carried_keys", "ops", "producers", "held")
+                 "new_shape", "seen_before", "carried", "carried_keys", "ops", "producers", "held", "first_sight")
 
-    def __init__(self, rt: PolicyRuntime, since: tuple[float, int] | None = None,
+    def __init__(self, frame: StepFrame, since: tuple[float, int] | None = None,
                  carried: list[tuple[weakref.ref[Any], int, int]] | None = None):
-        super().__init__(rt)
+        super().__init__(frame)
         clock = self.backend.device_type  # the host clock, or events on the device's stream
         self.ids = StorageIds()  # live storage -> its record (R2)
         # with the model: each saved tensor's module, from which the trace finds its blocks (R9)
-        self.modules = ModulePath(rt.model).__enter__() if rt.model is not None else None
+        self.modules = ModulePath(frame.model).__enter__() if frame.model is not None else None
         # a whole step (not one handed over mid-step, inside an op's hooks, where a dispatch mode
         # cannot be entered safely) names each saved tensor's op and records which op call made
         # each storage: what selective checkpointing recomputes, and how it names an op call (R9)
@@ -62,12 +62,12 @@ class ProfileStep(StepExecution):
         # (hook call, block) for each unpack of one: where backward recomputes the block
         self.checkpoint_packs: dict[int, str] = {}
         self.recomputes: list[tuple[int, str]] = []
-        if rt.blocks is not None and rt.blocks.names:
+        blocks = frame.blocks
+        if blocks is not None and blocks.names and frame.model is not None:
             # what each recompute really holds, measured from inside it (storages of ours and of
             # the model's parameters and buffers are not new memory)
-            static = {storage_key(x) for x in (*rt.model.parameters(), *rt.model.buffers())}
-            rt.blocks.metered, rt.blocks.rebuilt_peak = True, {}
-            rt.blocks.known = lambda key: key in static or key in self.ids
+            static = {storage_key(x) for x in (*frame.model.parameters(), *frame.model.buffers())}
+            self.exits.enter_context(blocks.metering(lambda key: key in static or key in self.ids, measure=True))
         # since: an executing step handed its hooks over (a shape not planned for) at this host
         # time, having seen this many storages first: the recording starts there
         self.recorder.start(since[0] if since else None)
@@ -78,6 +78,8 @@ class ProfileStep(StepExecution):
         self.carried = list(carried or ())
         self.carried_keys = {key: st for st, _, key in self.carried}
         self.trace: Trace | None = None
+        # trace tensor id by order of first sight, from this step's start (as a layout keeps it)
+        self.first_sight: dict[int, int] = {}
         self.moved = 0
         self.device = self.backend.device_type
         # trace id (order of first sight) -> (storage, handles autograd holds, bytes, key), all weak
@@ -122,8 +124,8 @@ class ProfileStep(StepExecution):
                     self.cast_bytes += st.nbytes()
             return Packed(None, t, profiled=True)
         st = t.untyped_storage()
-        limit = self.rt.hardware.host_budget_bytes
-        if st.nbytes() < self.rt.min_bytes or (limit is not None and self.ids.get(t) is None
+        limit = self.frame.hardware.host_budget_bytes
+        if st.nbytes() < self.frame.min_bytes or (limit is not None and self.ids.get(t) is None
                                                and self.moved + st.nbytes() > limit):
             # small, or (R11) no room left on the host: it stays on the device for this step
             p = Packed(None, t, tid=tid, profiled=True)
@@ -141,14 +143,14 @@ class ProfileStep(StepExecution):
         p = Packed(rec, t, tid=tid, profiled=True)
         p.let_go()  # the device copy may go: unpack rebuilds from the host
         self._own(tid, st, p)
-        blocks = self.rt.blocks
+        blocks = self.frame.blocks
         if blocks is not None and blocks.entering is not None:
             self.checkpoint_packs[id(p)] = blocks.entering  # p lives in autograd's graph until its unpack
         return p
 
     def _sample(self) -> None:
         """One entry of ``held`` per hook call the recorder took."""
-        blocks, held = self.rt.blocks, self.held
+        blocks, held = self.frame.blocks, self.held
         while len(held) < len(self.recorder.kinds):
             held.append(blocks.held if blocks is not None else 0)
 
@@ -214,29 +216,29 @@ class ProfileStep(StepExecution):
         out = {}
         for tid, (st, handles, nbytes, key) in self.owners.items():
             if st() is not None and all(h() is None for h in handles):
-                out[tid] = 0 if key in self.rt._static_keys else nbytes  # a buffer is static already
+                out[tid] = 0 if key in self.frame.static_keys else nbytes  # a buffer is static already
         return out
 
     def carried_bytes(self) -> tuple[int, int]:
         """(count, bytes) of the handed-over untracked storages still alive (buffers: 0 bytes)."""
         alive = [(nbytes, key) for st, nbytes, key in self.carried if st() is not None]
-        return len(alive), sum(0 if key in self.rt._static_keys else nbytes for nbytes, key in alive)
+        return len(alive), sum(0 if key in self.frame.static_keys else nbytes for nbytes, key in alive)
 
     def finish(self) -> None:
         unowned = self.unowned()
         carried, carried_bytes = self.carried_bytes()
-        static = self.rt.static_bytes + self.cast_bytes + sum(unowned.values()) + carried_bytes
+        static = self.frame.static_bytes + self.cast_bytes + sum(unowned.values()) + carried_bytes
         if "unpack" not in self.recorder.kinds:  # a step without backward: no trace to learn from
             self.abort()
             return
-        self.trace = self.recorder.finish(f"runtime-step-{self.rt.steps}", self.device, static, "measured",
+        self.trace = self.recorder.finish(f"runtime-step-{self.frame.step}", self.device, static, "measured",
                                           exclude=frozenset(unowned), released=dict(self.released),
                                           freed=dict(self.freed))
         self.trace = replace(self.trace, events=self._with_rebuilt(self.trace),
-                             meta={**self.trace.meta, "unowned_bytes": static - self.rt.static_bytes,
+                             meta={**self.trace.meta, "unowned_bytes": static - self.frame.static_bytes,
                                    "unowned_tensors": len(unowned) + carried, "backward_passes": len(self.passes)})
         remap = self.recorder.remap
-        self.rt.first_sight = {k + self.seen_before: v for k, v in remap.items()}
+        self.first_sight = {k + self.seen_before: v for k, v in remap.items()}
         self.producers = {remap[k]: v for k, v in self.producers.items() if k in remap}
         self.abort()
 
@@ -258,13 +260,13 @@ class ProfileStep(StepExecution):
                 if n and j < len(events):
                     e = events[j]
                     events[j] = replace(e, other_bytes=(e.other_bytes or 0) + n)
-        measured = self.rt.blocks.rebuilt_peak if self.rt.blocks is not None else {}
+        measured = self.frame.blocks.rebuilt_peak if self.frame.blocks is not None else {}
         for call, block in self.recomputes:
             j = index[call + 1]  # the event whose gap follows that hook call
             if j < len(events):
                 # what the recompute was measured to hold (its members and transients), else the
                 # members' bytes by the trace it was planned on
-                rebuilt = measured.get(block, self.rt._rebuilt.get(block, 0))
+                rebuilt = measured.get(block, self.frame.rebuilt.get(block, 0))
                 e = events[j]
                 events[j] = replace(e, other_bytes=(e.other_bytes or 0) + rebuilt)
         return tuple(events)
@@ -276,8 +278,7 @@ class ProfileStep(StepExecution):
         if self.modules is not None:
             self.modules.__exit__()
             self.modules = None
-        if self.rt.blocks is not None:
-            self.rt.blocks.metered, self.rt.blocks.known = False, None
+        self.exits.close()  # the blocks' meter
         for rec in self.records:  # every copy here was synchronous: the buffers are free to reuse
             if rec.host is not None:
                 self.backend.pool.give(rec.host)
@@ -293,11 +294,11 @@ class ProfileStep(StepExecution):
     def report(self, step_s: float) -> StepReport:
         unowned = int(self.trace.meta.get("unowned_bytes", 0)) if self.trace is not None else 0
         return StepReport(
-            step=self.rt.steps, mode="profile", step_s=step_s, stall_s=0.0, predicted_step_s=None,
+            step=self.frame.step, mode="profile", step_s=step_s, stall_s=0.0, predicted_step_s=None,
             evicted_bytes=self.moved, prefetched_bytes=0, on_demand_bytes=self.moved,
             peak_device_bytes=None, budget_bytes=None, plan_followed=True, guard_evictions=0, kept_small=0,
             unowned_bytes=unowned, nothing_saved=not self.recorder.kinds,
-            recomputed_blocks=self.rt.blocks.names if self.rt.blocks is not None else (),
-            selective_blocks=self.rt.blocks.selective if self.rt.blocks is not None else (), new_shape=self.new_shape,
+            recomputed_blocks=self.frame.blocks.names if self.frame.blocks is not None else (),
+            selective_blocks=self.frame.blocks.selective if self.frame.blocks is not None else (), new_shape=self.new_shape,
         )
 

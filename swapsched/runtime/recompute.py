@@ -27,6 +27,7 @@ one module the runtime can wrap: :meth:`BlockCheckpoints.executable` keeps only 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
 from collections import deque
@@ -120,9 +121,10 @@ class BlockCheckpoints:
     reads it: inside a checkpointed block, only those inputs reach the runtime's hooks).
     ``saved``: block -> the op calls its selective checkpoint saves, for the blocks checkpointed
     selectively; ``held`` the bytes of what those checkpoints hold now.
-    ``metered``: while True, each recompute is watched from inside (:class:`_RecomputeMeter`):
-    ``rebuilt_peak`` gets the most bytes each block's recompute held at once, and ``watch``, when
-    set, is told of every storage it made; ``known`` says which storages are counted already."""
+    ``metered``: inside :meth:`metering`, each recompute is watched from inside
+    (:class:`_RecomputeMeter`): ``rebuilt_peak`` gets the most bytes each block's recompute held at
+    once, and ``watch``, when given, is told of every storage it made; ``known`` says which storages
+    are counted already. A step opens the meter and closes it as it ends."""
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -142,6 +144,19 @@ class BlockCheckpoints:
         self.held_keys: dict[int, int] = {}
         self._held = 0
         self._held_deaths: deque[int] = deque()
+
+    @contextlib.contextmanager
+    def metering(self, known: Callable[[int], bool], *, watch: Callable[[Any, int], None] | None = None,
+                 measure: bool = False) -> Iterator[None]:
+        """Watch every recompute while open (see the class): ``known`` storages are not new memory,
+        ``watch`` (the audit meter) is told of each new one, ``measure`` starts ``rebuilt_peak`` afresh."""
+        self.metered, self.known, self.watch = True, known, watch
+        if measure:
+            self.rebuilt_peak = {}
+        try:
+            yield
+        finally:
+            self.metered, self.known, self.watch = False, None, None
 
     @property
     def names(self) -> tuple[str, ...]:

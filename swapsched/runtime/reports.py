@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -14,9 +13,6 @@ from swapsched.budget import format_bytes
 from swapsched.plan import SwapPlan
 from swapsched.runtime.shapes import first_bytes, structure
 from swapsched.trace import Trace
-
-if TYPE_CHECKING:
-    from swapsched.runtime.swapper import PolicyRuntime
 
 __all__ = ["Divergence", "DivergenceError", "PlanLayout", "RunSummary", "StepReport"]
 
@@ -147,7 +143,9 @@ class RunTally:
         self.recent: deque[float] = deque(maxlen=window)
         self.plain: deque[float] = deque(maxlen=window)  # each of those steps' own plain step (its trace's)
 
-    def add(self, rep: StepReport, rt: PolicyRuntime) -> RunSummary:
+    def add(self, rep: StepReport, *, budget_bytes: int | None, budget_spec: str | int, shapes: int) -> RunSummary:
+        """The run so far, with ``rep``; the run's budget (``budget_spec``, in bytes for the
+        current shape) and how many shapes have a plan."""
         self.steps += 1
         self.profiled += rep.mode == "profile"
         self.new_shapes += rep.new_shape
@@ -168,9 +166,9 @@ class RunTally:
             plain_step_s=float(np.median(self.plain)) if self.plain else None, moved_bytes=self.moved,
             median_overhead=(float(np.median([s / p - 1.0 for s, p in zip(self.recent, self.plain, strict=True) if p > 0]))
                              if any(p > 0 for p in self.plain) else None),
-            peak_device_bytes=self.peak, budget_bytes=self.peak_budget if self.peak is not None else rt.budget_bytes,
+            peak_device_bytes=self.peak, budget_bytes=self.peak_budget if self.peak is not None else budget_bytes,
             guard_evictions=self.guard,
-            budget_spec=rt.budget_spec, shapes=len(rt.layouts), new_shapes=self.new_shapes,
+            budget_spec=budget_spec, shapes=shapes, new_shapes=self.new_shapes,
             predicted_steps=self.predicted_steps)
 
 

@@ -56,6 +56,7 @@ from swapsched.runtime.accounting import StepExecution
 from swapsched.runtime.backends import Backend, CpuBackend, make_backend, resolve_backend
 from swapsched.runtime.background import BackgroundPlans
 from swapsched.runtime.execute_step import ExecuteStep
+from swapsched.runtime.frame import StepFrame
 from swapsched.runtime.profile_step import ProfileStep
 from swapsched.runtime.profiler import static_bytes_of, storage_key
 from swapsched.runtime.recompute import BlockCheckpoints
@@ -136,7 +137,7 @@ class PolicyRuntime:
                  profile_steps: int = 3, retime_steps: int = 3, audit: bool = False, strict: bool = False,
                  background_planning: bool = True, host_budget: str | int | None = None, unhook: bool = True):
         self.strict = bool(strict)
-        self.unhook = bool(unhook)  # a plan that moves nothing may run without hooks (_may_unhook)
+        self.unhook = bool(unhook)  # a plan that moves nothing may run without hooks (may_unhook)
         # budget="device" (CUDA): the device's capacity less what the process holds beyond the
         # model's static bytes at the first step, less DEVICE_MARGIN; resolved then, into bytes
         self._device_budget = budget == "device"
@@ -209,13 +210,13 @@ class PolicyRuntime:
         # bytes for every shape, and a shape no plan fits in them is refused
         self.budget_bytes: int | None = None
         self._budget_high = 0  # the most bytes any shape's budget has stood for in this run
-        self._hooked = False  # the step's hooks are on the stack (see step and _unhook)
+        self._hooked = False  # the step's hooks are on the stack (see step and take_hooks_off)
         self._followed: dict[int, int] = {}  # shape -> executed steps in a row that followed its plan
         # use_plan's plan that recomputes and swaps: (the trace it was made on, the plan) until the
         # steps with its blocks checkpointed are profiled and its swaps carried onto them
         self._given: tuple[Trace, SwapPlan] | None = None
         self._budget_by_shape: dict[int, int] = {}  # a relative budget per shape (first_bytes), see _budget_for
-        self._grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []  # see _note_grads
+        self._grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []  # see note_grads
         self.predicted_s: float | None = None
         self.steps = 0
         self._report: StepReport | None = None
@@ -255,12 +256,16 @@ class PolicyRuntime:
         if self._background:
             self._install_plans()  # laying out the plans made in the background counts as planning too
         installing_s = time.perf_counter() - t_install
-        ex: StepExecution = ProfileStep(self) if self.phase is Phase.PROFILE else ExecuteStep(self)
+        frame = StepFrame(backend=self.backend, hardware=self.hardware, model=self.model, static_bytes=self.static_bytes,
+                          static_keys=self._static_keys, min_bytes=self.min_bytes, strict=self.strict, audit=self.audit,
+                          step=self.steps, blocks=self.blocks, rebuilt=dict(self._rebuilt),
+                          device_timed=self._device_timed_step(), layout=self.layout, host=self)
+        ex: StepExecution = ProfileStep(frame) if self.phase is Phase.PROFILE else ExecuteStep(frame)
         self._exec = ex
         t0 = time.perf_counter()
         try:
             # saved_tensors_hooks' own push and pop, by hand: an executing step may take the hooks
-            # off after its first saved tensor (_unhook), and the pop must not then take another's
+            # off after its first saved tensor (take_hooks_off), and the pop must not then take another's
             torch._C._autograd._push_saved_tensors_default_hooks(ex.pack, ex.unpack)
             self._hooked = True
             try:
@@ -278,12 +283,17 @@ class PolicyRuntime:
         self.backend.synchronize()
         step_s = time.perf_counter() - t0
         rep = ex.report(step_s)
-        self._report = replace(rep, run=self._tally.add(rep, self))
+        self._report = replace(rep, run=self._tally.add(rep, budget_bytes=self.budget_bytes, budget_spec=self.budget_spec,
+                                                        shapes=len(self.layouts)))
         t_after = time.perf_counter()
         self._after_step(ex)
         self._report = replace(self._report, planning_s=installing_s + ex.planning_s + time.perf_counter() - t_after)
 
-    def _may_unhook(self, layout: PlanLayout) -> bool:
+    # ------------------------------------------------------------------ what a running step asks (frame.StepHost)
+    def layout_of_shape(self, first_bytes: int, like: PlanLayout) -> PlanLayout | None:
+        return self._layout_for(first_bytes) or self._predicted_layout(like, first_bytes)
+
+    def may_unhook(self, layout: PlanLayout) -> bool:
         """Whether a step of ``layout``'s shape may run without hooks once its first saved tensor
         confirms the shape: its plan moves nothing, the trace was re-timed once (later re-timing
         only follows the host's costs, which such a step does not pay), nobody asked to watch
@@ -292,7 +302,7 @@ class PolicyRuntime:
         return (self.unhook and not self.audit and not self.strict and (self._retimed or not self.retime_steps)
                 and not layout.plan.evictions and self._followed.get(layout.shape_key, 0) >= UNHOOK_AFTER)
 
-    def _unhook(self) -> None:
+    def take_hooks_off(self) -> None:
         """Take the step's hooks off (from inside its first pack: they are the innermost ones)."""
         torch._C._autograd._pop_saved_tensors_default_hooks()
         self._hooked = False
@@ -314,10 +324,14 @@ class PolicyRuntime:
             if not ex.diverged:
                 self._note_times(ex.layout)
         if isinstance(ex, ProfileStep):
+            if ex.trace is not None:
+                self.first_sight = ex.first_sight
             self._after_profile(ex)
         elif not isinstance(ex, ExecuteStep):
             internal_assert(False, f"a step of kind {type(ex).__name__}")
         elif ex.profile is not None:
+            if ex.profile.trace is not None:
+                self.first_sight = ex.profile.first_sight
             self._after_new_shape(ex.profile)
         elif ex.diverged:
             self._after_divergence(ex)
@@ -573,7 +587,7 @@ class PolicyRuntime:
                               f"{format_bytes(others)} the process holds leave nothing beyond the model's "
                               f"{format_bytes(self.static_bytes)}")
 
-    def _note_grads(self) -> None:
+    def note_grads(self) -> None:
         """Before a step of a new shape reaches backward: the model's gradients as they are (None
         as a rule, a copy where the loop accumulates), to put back if the shape is refused."""
         if self.model is not None:

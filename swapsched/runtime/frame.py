@@ -1,0 +1,70 @@
+"""What one step under the runtime reads of it: the :class:`StepFrame`, fixed as the step starts.
+
+``PolicyRuntime.step()`` builds a frame; the step classes (``profile_step.py``,
+``execute_step.py``) read their configuration and the run's state at that moment from it, never
+from the runtime, and hand back what they learned (the trace, its order of first sight) in
+themselves, for the runtime to take after the step. What a step must ask the runtime while it runs
+goes through :class:`StepHost`'s four calls, and nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from swapsched.hardware import Hardware
+    from swapsched.runtime.backends import Backend
+    from swapsched.runtime.recompute import BlockCheckpoints
+    from swapsched.runtime.reports import PlanLayout
+
+__all__ = ["StepFrame", "StepHost"]
+
+
+class StepHost(Protocol):
+    """The runtime as a running step may call it."""
+
+    def layout_of_shape(self, first_bytes: int, like: PlanLayout) -> PlanLayout | None:
+        """The plan of the shape whose first saved tensor has ``first_bytes``: one profiled before,
+        or one predicted from ``like``'s family (a simulation, on the step's thread); None: profile it."""
+        ...
+
+    def may_unhook(self, layout: PlanLayout) -> bool:
+        """Whether a step of ``layout``'s shape may take its hooks off once its shape is confirmed."""
+        ...
+
+    def take_hooks_off(self) -> None:
+        """Pop the step's saved-tensor hooks (from inside its first pack: they are the innermost)."""
+        ...
+
+    def note_grads(self) -> None:
+        """Keep the model's gradients as they are, to put back if the step's new shape is refused."""
+        ...
+
+
+@dataclass(frozen=True)
+class StepFrame:
+    """One step's view of the runtime (module docstring).
+
+    ``static_keys``: storages already counted in ``static_bytes`` that a step may pack (BatchNorm's
+    running stats); ``rebuilt``: block -> the bytes its recompute rebuilds, by the plan (R9);
+    ``device_timed``: the step marks its gaps on the device (a real device, until its trace is
+    re-timed); ``layout``: the plan an executing step follows (None while profiling)."""
+
+    backend: Backend
+    hardware: Hardware
+    model: torch.nn.Module | None
+    static_bytes: int
+    static_keys: frozenset[int]
+    min_bytes: int
+    strict: bool
+    audit: bool
+    step: int
+    blocks: BlockCheckpoints | None
+    rebuilt: Mapping[str, int]
+    device_timed: bool
+    layout: PlanLayout | None
+    host: StepHost
