@@ -88,9 +88,9 @@ class Bound:
 
 
 def _spread(idx: np.ndarray, m: int) -> np.ndarray:
-    if idx.size <= m:
-        return idx
-    return idx[np.unique(np.linspace(0, idx.size - 1, m).round().astype(np.int64))]
+    """At most ``m`` of ``idx``, evenly spread (all of them where there are no more than ``m``:
+    ``m`` points over fewer indices round onto each of them)."""
+    return idx[np.unique(np.linspace(0, idx.size - 1, m).round().astype(np.int64))] if idx.size else idx
 
 
 def lower_bound(trace: Trace, budget: int, hardware: Hardware, *, time_limit_s: float = 30.0,
@@ -101,8 +101,6 @@ def lower_bound(trace: Trace, budget: int, hardware: Hardware, *, time_limit_s: 
     segments = trace.segments if recompute else ()
     floor = (joint_floor if segments else analytic_floor)(trace, budget, hardware)
     n = trace.n_events
-    if n == 0:
-        return Bound(floor, floor, "floor", 0.0, 0, 0)
     gaps = trace.gaps + hardware.hook_cost_s
     G = np.concatenate(([0.0], np.cumsum(gaps)))  # G[j] = ideal start of gap j; G[n] = end of the last
     demand = trace.static_bytes + trace.other_bytes + trace.resident_bytes_no_swap
@@ -112,9 +110,7 @@ def lower_bound(trace: Trace, budget: int, hardware: Hardware, *, time_limit_s: 
     # times the model does not know, so they are left out: fewer constraints, still a bound)
     first_pack_gap = np.zeros(n, dtype=bool)
     first_pack_gap[trace.first_pack[trace.first_pack >= 0]] = True
-    over = np.flatnonzero((must > 0) & first_pack_gap)
-    if over.size == 0:
-        return Bound(floor, floor, "floor", time.perf_counter() - t0, 0, 0)
+    over = np.flatnonzero((must > 0) & first_pack_gap)  # none: no pair below, and the bound is the floor
     # the gaps most over budget, then an even spread of the rest
     top = over[np.argsort(-must[over], kind="stable")[: max_gaps // 2]]
     checked = np.unique(np.concatenate((top, _spread(over, max_gaps - top.size))))
@@ -138,8 +134,7 @@ def lower_bound(trace: Trace, budget: int, hardware: Hardware, *, time_limit_s: 
         for j in checked:
             for col, ks in ((nR + sg.index, sg.members), (nQ + sg.index, sg.cheap)):
                 gone = sum(float(b[k]) for k in ks if rel[k] < j <= sg.at)
-                if gone > 0:
-                    absent.setdefault(int(j), []).append((col, gone))
+                absent.setdefault(int(j), []).append((col, gone))  # 0 where none is absent: a zero coefficient
     rows: list[int] = []
     cols: list[int] = []
     vals: list[float] = []

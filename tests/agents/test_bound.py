@@ -355,3 +355,22 @@ def test_where_the_solver_proves_nothing_the_bound_is_the_floor(monkeypatch):
         monkeypatch.setattr(bound_module, "milp", lambda *a, result=result, **k: result)
         b = lower_bound(tr, 100, make_hw(latency=0.5))
         assert (b.bound_s, b.floor_s, b.status, b.gaps) == (5.0, 5.0, "floor", 1) and b.variables > 0
+
+
+def test_the_solver_gets_what_is_left_of_the_time_limit_and_at_least_half_a_second(monkeypatch):
+    """HiGHS is given the time limit less what building the model took, never under 0.5 s."""
+    import swapsched.agents.bound as bound_module
+
+    real = bound_module.milp
+    given: list[float] = []
+
+    def spy(*args, options, **kwargs):
+        given.append(options["time_limit"])
+        return real(*args, options=options, **kwargs)
+
+    monkeypatch.setattr(bound_module, "milp", spy)
+    tr = make_trace([100, 100], [("pack", 0, 1.0), ("pack", 1, 1.0), ("unpack", 1, 2.0), ("unpack", 0, 1.0)])
+    lower_bound(tr, 100, make_hw(latency=0.5), time_limit_s=30.0)
+    assert 29.0 < given[-1] <= 30.0  # building a two-tensor model takes well under a second
+    lower_bound(tr, 100, make_hw(latency=0.5), time_limit_s=0.0)
+    assert given[-1] == 0.5
