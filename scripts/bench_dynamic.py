@@ -49,6 +49,7 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import table, write  # noqa: E402
 
+from swapsched.agents.learned import LearnedPolicy  # noqa: E402
 from swapsched.agents.registry import get_policy  # noqa: E402
 from swapsched.budget import parse_budget  # noqa: E402
 from swapsched.deploy import SwapRuntime  # noqa: E402
@@ -197,8 +198,12 @@ def run_case(name: str, budget: str, steps: int, bandwidth: float, policy: str, 
                 timed = TimedPolicy(policy)
                 torch.manual_seed(0)
                 model = cls()
+                inner = timed.inner
+                # a learned search policy's own greedy plan starts each new shape, as SwapRuntime("default") has it
+                quick = (LearnedPolicy(inner.checkpoint, mode="greedy")
+                         if isinstance(inner, LearnedPolicy) and inner.mode == "search" else None)
                 with SwapRuntime(budget=budget_bytes, policy=timed, backend="cpu", bandwidth=bandwidth, model=model,
-                                 audit=True, background_planning=background) as rt:
+                                 audit=True, background_planning=background, quick_policy=quick) as rt:
                     got[way] = _train(cls, batch, seq, runtime=rt, model=model)
                 policies[way] = timed
             else:
@@ -257,6 +262,10 @@ def run_case(name: str, budget: str, steps: int, bandwidth: float, policy: str, 
         "planning_after_warmup_s": statistics.median(rd["plan_late_s"] for rd in per_round),
         "planning_share_after_warmup": statistics.median(rd["plan_late_s"] / rd["train_late_s"] for rd in per_round),
         "plans": timed.calls, "summary": str(late[-1][1][1].run),
+        # executed steps after the warm-up by the plan they ran: borrowed from a size near them, the
+        # learned planner's (made on the loop's thread), the policy's searched one
+        "plan_sources": {src: sum(r.mode == "execute" and r.plan_source == src for _, (_, r) in late)
+                         for src in ("borrowed", "learned", "searched")},
     }
 
 
@@ -291,7 +300,7 @@ def main() -> int:
 
     print(table(["case", "budget", "lengths", "executed", "of which predicted", "profiled", "diverged", "step/plain",
                  "static/plain", "dynamic/static", "total: dynamic/static", "swapped steps (static)", "save_on_cpu/plain*",
-                 "worst over budget", "planning on path", "after step 5"],
+                 "worst over budget", "planning on path", "after step 5", "ran on: borrowed/learned/searched"],
                 [[r["case"], r["budget"], r["distinct_lengths"], f"{100 * r['executed_share']:.0f}%",
                   f"{100 * r['predicted_share']:.0f}%", r["profiled_after_warmup"], r["diverged"],
                   rng(r["step_over_plain"]), rng(r["static_over_plain"]), rng(r["over_static"]),
@@ -299,7 +308,8 @@ def main() -> int:
                   f"{100 * r['swapped_share']['median']:.0f}% ({100 * r['static_swapped_share']['median']:.0f}%)",
                   rng(r["save_on_cpu_over_plain"]), f"{100 * r['worst_over_budget']:+.1f}%",
                   f"{r['planning_on_path_s']:.2f} s ({100 * r['planning_share']:.1f}%)",
-                  f"{r['planning_after_warmup_s']:.2f} s ({100 * r['planning_share_after_warmup']:.1f}%)"] for r in rows]))
+                  f"{r['planning_after_warmup_s']:.2f} s ({100 * r['planning_share_after_warmup']:.1f}%)",
+                  "/".join(str(r["plan_sources"][s]) for s in ("borrowed", "learned", "searched"))] for r in rows]))
     print("* save_on_cpu copies by plain memcpy here, not over the throttled link: not comparable on time")
     print("ratios: each step over the plain step beside it; median over the steps after the first five, then median "
           "(range) over the rounds; total: time after the first five over plain's, dynamic over static")

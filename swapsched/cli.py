@@ -497,6 +497,9 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
         config = replace(config, seed=args.seed)
     if args.n_envs is not None:
         config = replace(config, n_envs=args.n_envs)
+    timesteps = 2048 if args.quick else args.timesteps
+    if timesteps is not None and args.resume is None:
+        config = config.scaled(timesteps)  # a short run's search parts are short too
     if args.search_only:
         from swapsched.agents.learned import resolve_checkpoint
 
@@ -509,13 +512,22 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
             import tensorboard  # noqa: F401
         except ImportError:
             raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
-    res = train_policy(config, args.out, progress=not args.no_progress, timesteps=args.timesteps, resume=args.resume,
+    res = train_policy(config, args.out, progress=not args.no_progress, timesteps=timesteps, resume=args.resume,
                        tensorboard=args.tensorboard)
     print(f"wrote {res.checkpoint} and {res.card.name} ({res.timesteps} steps, {res.train_seconds:.0f} s this run)"
           + (f"; best on validation: {res.best_checkpoint}" if res.best_checkpoint else ""))
     if res.interrupted:
-        print(f"interrupted: continue with  swapsched train-policy --config {args.config} --resume {res.checkpoint} "
-              f"--out {res.checkpoint}", file=sys.stderr)
+        config_arg = f"--config {args.config} " if args.config != str(_default_train_config()) else ""
+        if res.stopped_in == "ppo":
+            how = f"continue PPO with  swapsched train-policy {config_arg}--resume {res.checkpoint} --out {res.checkpoint}"
+        elif res.stopped_in == "search parts":
+            size = "--quick " if args.quick else f"--timesteps {args.timesteps} " if args.timesteps else ""
+            how = (f"PPO is done and saved; learn the search parts with  swapsched train-policy {config_arg}{size}"
+                   f"--search-only --out {res.checkpoint}")
+        else:
+            how = (f"the checkpoint is complete; its held-out table was not made: swapsched compare --policies "
+                   f"min,capuchin,{res.checkpoint}")
+        print(f"interrupted in {res.stopped_in}: {how}", file=sys.stderr)
         return 130
     assert res.held_out is not None  # evaluated: training was not interrupted
     print(f"held-out traces: {', '.join(res.held_out.traces)}")
@@ -651,6 +663,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--n-envs", type=_positive_int, help="override the config's n_envs (more than 1: subprocess environments)")
     sp.add_argument("--resume", metavar="CKPT", type=_in_file, help="continue this checkpoint: its step count, optimizer state and schedule")
     sp.add_argument("--tensorboard", metavar="DIR", type=_out_dir, help="write learning curves and the validation ratio to min here")
+    sp.add_argument("--quick", action="store_true",
+                    help="a short run, a couple of minutes end to end: --timesteps 2048 with the search parts scaled down alike "
+                         "(any --timesteps below the config's scales them the same way)")
     sp.add_argument("--search-only", action="store_true",
                     help="only (re)learn the search's move prior, plan editor and block chooser for the existing checkpoint --out")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")

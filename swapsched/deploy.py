@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from swapsched.agents.learned import LearnedPolicy
 from swapsched.agents.registry import get_policy
 from swapsched.hardware import Hardware
 from swapsched.policy import Policy
@@ -40,7 +41,12 @@ class SwapRuntime(swapper.PolicyRuntime):
 
             raise UserError(f"policy {policy!r} recomputes blocks, which the runtime runs under torch.utils.checkpoint "
                             "on the model's own modules: give it the model (SwapRuntime(..., model=model))")
-        super().__init__(budget, resolve_policy(policy), *args, **kwargs)
+        resolved = resolve_policy(policy)
+        if isinstance(resolved, LearnedPolicy) and resolved.mode == "search" and "quick_policy" not in kwargs:
+            # a new shape starts on the learned parts' own plan (milliseconds, on the loop's thread)
+            # where it beats the borrowed one; the search then improves it in the background
+            kwargs["quick_policy"] = LearnedPolicy(resolved.checkpoint, mode="greedy")
+        super().__init__(budget, resolved, *args, **kwargs)
 
 
 class CompileBackend:

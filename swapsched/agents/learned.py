@@ -76,7 +76,6 @@ class LearnedPolicy:
 
     def _load(self) -> Any:
         if self._model is None:
-
             self._model = load_ppo(self.path, card=self.card, device="cpu")  # deserializes no pickle
         return self._model
 
@@ -91,7 +90,6 @@ class LearnedPolicy:
         return self._prior or None
 
     def _plan_editor(self) -> Any:
-
         if self._editor is None:
             p = editor_path(self.path)
             if not p.is_file():
@@ -142,7 +140,6 @@ class LearnedPolicy:
         def proposals(min_plan: SwapPlan) -> list[SwapPlan]:
             out = [editor.edit(trace, budget, hardware, min_plan, "editor")]
             if chooser and self.recompute and trace.segments:
-
                 # the chooser's two most likely choices, MIN around each (recomputing nothing is
                 # MIN's plan, a candidate already); the search scores them, so no guard
                 out += [joint_plan(trace, budget, hardware, states_of(trace, c), "blocks")

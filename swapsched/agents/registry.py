@@ -23,7 +23,6 @@ class PolicyError(UserError):
 
 
 def _factories() -> dict[str, Callable[..., Policy]]:
-
     return {
         "no-swap": lambda **kw: NoSwap(),
         "swap-all": lambda **kw: SwapAll(),
@@ -68,10 +67,8 @@ def get_policy(name: str, **options: Any) -> Policy:
         return Optimal(time_limit_s=limit, seed=options.get("seed", 0))
     for prefix, mode in (("learned-greedy:", "greedy"), ("learned-ppo:", "ppo")):
         if name.startswith(prefix):
-
             return LearnedPolicy(name.removeprefix(prefix), mode=mode)
     if name.endswith(".zip") or Path(name).is_file() or name.startswith("learned:"):
-
         return LearnedPolicy(name.removeprefix("learned:"), mode="search", seed=options.get("seed", 0))
     raise PolicyError(f"unknown policy {name!r}; known: {', '.join(facts)}, learned:PATH.zip, learned-greedy:PATH.zip, learned-ppo:PATH.zip or optimal:SECONDSs")
 

@@ -11,7 +11,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,54 @@ class TrainConfig:
     # many searches and cases as before
     search_extra_splits: tuple[str, ...] = ("generated",)
 
+    def scaled(self, timesteps: int) -> TrainConfig:
+        """This config with the search's learned parts sized to a run of ``timesteps`` PPO steps:
+        each count and time box in proportion to ``timesteps / total_timesteps`` (never above the
+        config's), down to one case per trace, 0.1 s searches, 10 REINFORCE iterations and 2
+        chooser cases per trace: a short run (``--timesteps 2048``, ``--quick``) is short end to
+        end, where its PPO part alone would be."""
+        s = min(1.0, timesteps / self.total_timesteps)
+        if s >= 1.0:
+            return self
+
+        def count(n: int, least: int) -> int:
+            return max(least, round(n * s))
+
+        return replace(self, total_timesteps=int(timesteps),
+                       prior_cases_per_trace=count(self.prior_cases_per_trace, 1),
+                       prior_seconds=max(0.1, self.prior_seconds * s),
+                       editor_cases_per_trace=count(self.editor_cases_per_trace, 1),
+                       editor_seconds=max(0.1, self.editor_seconds * s),
+                       editor_rl_iterations=count(self.editor_rl_iterations, 10),
+                       blocks_cases_per_trace=count(self.blocks_cases_per_trace, 2))
+
+
+#: What one training step of each phase costs on this kind of machine (2 cores), for the plan a run
+#: prints first: PPO steps per second over SwapEnv with 4 environments, and the simulations per
+#: second the searches and the chooser's cases run (a zoo trace's step simulated, ~5 ms)
+PPO_STEPS_PER_S = 150.0
+SIMULATIONS_PER_S = 200.0
+
+
+def phase_plan(config: TrainConfig, n_ppo_traces: int, n_search_traces: int, timesteps: int) -> list[tuple[str, float]]:
+    """Each phase of a run and about how long it takes (seconds): PPO, the move prior, the plan
+    editor (its searches, then REINFORCE), the block chooser, and the held-out evaluation."""
+    from swapsched.agents.blocks import CHOICES
+
+    rl_cases = config.editor_cases_per_trace * n_search_traces  # each iteration: a batch of 16, sampled and greedy
+    return [
+        (f"PPO, {timesteps:,} steps on {n_ppo_traces} traces", timesteps / PPO_STEPS_PER_S),
+        (f"move prior, {config.prior_cases_per_trace} search(es) of {config.prior_seconds:.2g} s per trace",
+         n_search_traces * config.prior_cases_per_trace * config.prior_seconds),
+        (f"plan editor, {config.editor_cases_per_trace} search(es) of {config.editor_seconds:.2g} s per trace, "
+         f"then {config.editor_rl_iterations} REINFORCE iterations",
+         n_search_traces * config.editor_cases_per_trace * config.editor_seconds
+         + (rl_cases + config.editor_rl_iterations * 32) / SIMULATIONS_PER_S),
+        (f"block chooser, {config.blocks_cases_per_trace} case(s) per trace with blocks",
+         n_search_traces * config.blocks_cases_per_trace * len(CHOICES) / SIMULATIONS_PER_S),
+        ("held-out evaluation", 0.0),
+    ]
+
 
 def load_train_config(path: str | Path) -> TrainConfig:
     p = Path(path)
@@ -107,6 +155,8 @@ class TrainResult:
     train_seconds: float
     interrupted: bool
     held_out: HeldOut | None  # None when training was interrupted (no evaluation ran)
+    #: the phase an interrupted run stopped in ("ppo", "search parts", "evaluation"), None if it finished
+    stopped_in: str | None = None
 
 
 @dataclass(frozen=True)
@@ -285,7 +335,6 @@ def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True,
     venv.seed(config.seed)
     tb = str(tensorboard) if tensorboard else None
     if resume is not None:
-
         path = resolve_checkpoint(resume)
         # spaces from the environment, schedules from the card's config: nothing unpickled
         model = load_ppo(path, venv, card=check_card(path), device="cpu", tensorboard_log=tb)
@@ -301,23 +350,38 @@ def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True,
         print(f"note: PPO learns in whole rollouts of n_steps x n_envs = {rollout} steps; {total} requested, "
               f"{-(-total // rollout) * rollout} will run", file=sys.stderr)
     start_steps = model.num_timesteps
+    search_traces = sum(1 for split in (config.corpus_split, *config.search_extra_splits) for t in load_corpus(split=split)
+                        if family.get(t.name) not in config.validation_families)
+    phases = phase_plan(config, len(traces), search_traces, -(-total // rollout) * rollout)
+    print("phases (about, on 2 cores): " + "; ".join(f"{i}/{len(phases)} {what}" + (f" ~{_duration(s)}" if s else "")
+                                                     for i, (what, s) in enumerate(phases, 1)), file=sys.stderr)
     t0 = time.perf_counter()
-    interrupted = False
+    stopped_in: str | None = None
     try:
         model.learn(total_timesteps=total, callback=_callbacks(total, progress, config, out, validation, callbacks or []),
                     reset_num_timesteps=resume is None, tb_log_name=out.stem)
     except KeyboardInterrupt:
-        interrupted = True
+        stopped_in = "ppo"
     finally:
         venv.close()
     _save_atomic(model, out)
-    parts = None if interrupted else train_search(config, out, progress=progress, card=False)
-    train_s = time.perf_counter() - t0
+    parts = results = None
     best = out.with_name(out.stem + ".best.zip")
     held_out = load_corpus(split="test")
     ev = config.eval
-    results = None if interrupted else evaluate(LearnedPolicy(out, mode="greedy"), held_out, ev["budgets"],
-                                              [load_hardware(h) for h in ev["hardware"]], ev.get("baselines", []))
+    if stopped_in is None:
+        # an interruption from here on leaves the PPO checkpoint whole, and a card that says where it stopped
+        try:
+            stopped_in = "search parts"
+            parts = train_search(config, out, progress=progress, card=False)
+            stopped_in = "evaluation"
+            results = evaluate(LearnedPolicy(out, mode="greedy"), held_out, ev["budgets"],
+                               [load_hardware(h) for h in ev["hardware"]], ev.get("baselines", []))
+            stopped_in = None
+        except KeyboardInterrupt:
+            pass
+    interrupted = stopped_in is not None
+    train_s = time.perf_counter() - t0
     card = {
         "checkpoint": out.name,
         "env_version": ENV_VERSION,
@@ -327,6 +391,7 @@ def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True,
         "timesteps_requested": int(total),
         "resumed_from": str(resume) if resume is not None else None,
         "interrupted": interrupted,
+        "stopped_in": stopped_in,
         "seed": config.seed,
         "train_seconds": round(train_s, 1),
         "config": asdict(config),
@@ -339,7 +404,11 @@ def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True,
     card_path = out.with_suffix(".json")
     write_json(card, card_path, indent=1)
     return TrainResult(out, card_path, best if best.is_file() else None, int(model.num_timesteps), train_s,
-                       interrupted, results)
+                       interrupted, results, stopped_in)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
 def evaluate(policy: Any, traces: list, budgets: list[str], hardware: list, baselines: list[str]) -> HeldOut:

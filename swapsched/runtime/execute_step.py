@@ -560,7 +560,8 @@ class ExecuteStep(StepExecution):
                 plan_followed=True, guard_evictions=0, kept_small=int(self.layout.plan.meta.get("kept_small", 0)),
                 cuda_peak_bytes=cuda_peak, recomputed_blocks=self.frame.blocks.names if self.frame.blocks is not None else (),
                 selective_blocks=self.frame.blocks.selective if self.frame.blocks is not None else (),
-                shape_predicted=self.layout.predicted, plain_step_s=self.trace.ideal_s, unhooked=True)
+                shape_predicted=self.layout.predicted, plain_step_s=self.trace.ideal_s, unhooked=True,
+                plan_source=self.layout.plan_source)
         # host-clock gaps mean compute only where compute is synchronous, and only for a whole step
         timed = self.backend.emulated and not self.diverged and len(self.gaps) == self.trace.n_events
         gaps, tail = (tuple(self.gaps), self.tail_s) if timed else self._device_gaps()
@@ -579,7 +580,7 @@ class ExecuteStep(StepExecution):
             measured_peak_bytes=self.measured_peak(), unowned_bytes=int(self.trace.meta.get("unowned_bytes", 0)),
             recomputed_blocks=self.frame.blocks.names if self.frame.blocks is not None else (),
             selective_blocks=self.frame.blocks.selective if self.frame.blocks is not None else (),
-            shape_predicted=self.layout.predicted, plain_step_s=self.trace.ideal_s,
+            shape_predicted=self.layout.predicted, plain_step_s=self.trace.ideal_s, plan_source=self.layout.plan_source,
             host_peak_bytes=self.host_held, host_skipped=self.host_skipped,
         )
 

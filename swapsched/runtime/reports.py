@@ -57,6 +57,13 @@ class PlanLayout:
         """The bytes of the step's first saved tensor: what a step shows of its shape first."""
         return first_bytes(self.trace)
 
+    @property
+    def plan_source(self) -> str:
+        """Whose plan this is: ``"borrowed"`` from a size near it, ``"learned"`` (the quick
+        planner's), or ``"searched"`` (the policy's, or one given)."""
+        meta = self.plan.meta
+        return "borrowed" if "borrowed_from" in meta else "learned" if meta.get("planned_by") == "quick" else "searched"
+
     @cached_property
     def family(self) -> tuple[tuple[bool, int], ...]:
         """``shapes.structure`` of the trace, computed once: layouts of one family share it."""
@@ -91,6 +98,11 @@ class RunSummary:
     shapes: int = 0  # shapes with a plan (steps of any of them execute it)
     new_shapes: int = 0  # of the profiled steps, those that profiled a shape no plan was made for, as it ran
     predicted_steps: int = 0  # of the executed steps, those on a shape predicted from its family, never profiled
+    # the executed steps by the plan they ran (StepReport.plan_source): a new shape starts on a
+    # borrowed or a learned plan, and runs on the policy's searched one once it is ready
+    borrowed_steps: int = 0
+    learned_steps: int = 0
+    searched_steps: int = 0
 
     @property
     def overhead(self) -> float | None:
@@ -114,6 +126,9 @@ class RunSummary:
             parts.append(f"plans for {self.shapes} shapes")
         if self.predicted_steps:
             parts.append(f"{self.predicted_steps} executed steps on predicted shapes")
+        if self.borrowed_steps or self.learned_steps:
+            parts.append(f"plans run: {self.borrowed_steps} borrowed, {self.learned_steps} learned, "
+                         f"{self.searched_steps} searched")
         line = ", ".join(parts)
         # never save_on_cpu behaviour in silence: after the first plan, a step either executes a
         # plan, profiles a shape seen for the first time, or leaves its trace
@@ -138,6 +153,7 @@ class RunTally:
     def __init__(self, window: int = 1000):
         self.steps = self.profiled = self.executed = self.diverged = self.moved = self.guard = 0
         self.new_shapes = self.predicted_steps = 0
+        self.by_source = {"borrowed": 0, "learned": 0, "searched": 0}
         self.peak: int | None = None
         self.peak_budget: int | None = None  # the budget of the step whose peak came nearest its own
         self.recent: deque[float] = deque(maxlen=window)
@@ -155,6 +171,8 @@ class RunTally:
         self.guard += rep.guard_evictions
         if rep.mode == "execute":
             self.executed += 1
+            if rep.plan_source in self.by_source:
+                self.by_source[rep.plan_source] += 1
             self.recent.append(rep.step_s)
             self.plain.append(rep.plain_step_s or 0.0)
             share = rep.peak_device_bytes / rep.budget_bytes if rep.peak_device_bytes is not None and rep.budget_bytes else None
@@ -169,7 +187,8 @@ class RunTally:
             peak_device_bytes=self.peak, budget_bytes=self.peak_budget if self.peak is not None else budget_bytes,
             guard_evictions=self.guard,
             budget_spec=budget_spec, shapes=shapes, new_shapes=self.new_shapes,
-            predicted_steps=self.predicted_steps)
+            predicted_steps=self.predicted_steps, borrowed_steps=self.by_source["borrowed"],
+            learned_steps=self.by_source["learned"], searched_steps=self.by_source["searched"])
 
 
 @dataclass(frozen=True)
@@ -210,6 +229,9 @@ class StepReport:
     selective_blocks: tuple[str, ...] = ()  # those of them checkpointed selectively (R9, selective)
     new_shape: bool = False  # mode "profile": a step whose shape no plan was made for, profiled as it ran
     shape_predicted: bool = False  # executed on a trace predicted from its family's sizes (runtime/shapes.py)
+    # whose plan an executed step ran: "borrowed" (a size near it, in its family), "learned" (the
+    # quick planner's, made on the loop's thread for a new shape), "searched" (the policy's own)
+    plan_source: str | None = None
     plain_step_s: float | None = None  # executed: the step's trace's compute without swapping (its ideal)
     # seconds the runtime spent planning on the training loop's thread for this step: laying out a
     # predicted shape at its first saved tensor, and what it did after the step (the policy's plan,

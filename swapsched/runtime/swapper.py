@@ -87,6 +87,17 @@ UNHOOK_AFTER = 2
 #: budget="device": the share of the device's capacity left out, for the caching allocator's
 #: fragmentation and the CUDA context (PyTorch's own guidance keeps a few percent in reserve)
 DEVICE_MARGIN = 0.05
+#: The share of the run's time that planning on the loop's thread may take (issue 36's 2%): a new
+#: shape gets the quick planner's plan only while the run's planning stays within it
+PLANNING_SHARE = 0.02
+#: What a quick plan is expected to take before one has been timed (the learned greedy plan's
+#: median on the held-out bench, 10 ms)
+QUICK_PLAN_GUESS_S = 0.01
+
+
+def _rank(res: SimResult) -> tuple[bool, bool, float]:
+    """How plans for one shape compare: fits first, then needs no guard evictions, then faster."""
+    return res.oom, res.guard_evictions > 0, res.iteration_s
 
 
 class PolicyRuntime:
@@ -135,7 +146,8 @@ class PolicyRuntime:
                  backend: str | Backend | None = None, *, bandwidth: float | None = None, min_bytes: int = 0,
                  model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  profile_steps: int = 3, retime_steps: int = 3, audit: bool = False, strict: bool = False,
-                 background_planning: bool = True, host_budget: str | int | None = None, unhook: bool = True):
+                 background_planning: bool = True, host_budget: str | int | None = None, unhook: bool = True,
+                 quick_policy: Policy | None = None):
         self.strict = bool(strict)
         self.unhook = bool(unhook)  # a plan that moves nothing may run without hooks (may_unhook)
         # budget="device" (CUDA): the device's capacity less what the process holds beyond the
@@ -146,6 +158,14 @@ class PolicyRuntime:
             raise UserError(f"policy must be an object with plan(trace, budget, hardware), got {policy!r}; "
                             "for a name such as 'default' use swapsched.SwapRuntime or swapsched.get_policy(name)")
         self.policy = policy
+        # a planner fast enough for the loop's thread (the learned parts' greedy plan): a new shape
+        # starts on its plan where it beats the borrowed one and fits the planning share
+        if quick_policy is not None and not isinstance(quick_policy, Policy):
+            raise UserError(f"quick_policy must be an object with plan(trace, budget, hardware), got {quick_policy!r}")
+        self.quick_policy = quick_policy
+        self._quick_s = QUICK_PLAN_GUESS_S  # the last quick plan's seconds: the next one's expected time
+        self._run_s = 0.0  # every step's seconds so far, and the planning done on the loop's thread
+        self._loop_planning_s = 0.0
         name = backend.name if isinstance(backend, Backend) else resolve_backend(backend)
         if self._device_budget and name != "cuda":
             raise UserError("budget='device' is the CUDA device's own capacity; on the CPU backend give bytes "
@@ -288,6 +308,8 @@ class PolicyRuntime:
         t_after = time.perf_counter()
         self._after_step(ex)
         self._report = replace(self._report, planning_s=installing_s + ex.planning_s + time.perf_counter() - t_after)
+        self._run_s += step_s
+        self._loop_planning_s += self._report.planning_s
 
     # ------------------------------------------------------------------ what a running step asks (frame.StepHost)
     def layout_of_shape(self, first_bytes: int, like: PlanLayout) -> PlanLayout | None:
@@ -430,7 +452,7 @@ class PolicyRuntime:
             return
         # at once, the family's plan the simulator times fastest here; the policy's on a thread
         self._take_trace(trace)
-        self._adopt(*self._borrowed(trace, kin))
+        self._adopt(*self._first_plan(trace, kin))
         self._plan_later(self.layout)
 
     def _after_divergence(self, ex: ExecuteStep) -> None:
@@ -734,7 +756,7 @@ class PolicyRuntime:
         if trace is None:
             return None
         budget = self._shape_budget(trace)
-        layout = self._layout(trace, *self._borrowed(trace, kin), first_sight=like.first_sight, predicted=True,
+        layout = self._layout(trace, *self._first_plan(trace, kin), first_sight=like.first_sight, predicted=True,
                               family=like.family)
         self.layouts[s] = layout
         # the policy's own plan for this size, a better donor for sizes near it, unless the borrowed
@@ -777,6 +799,24 @@ class PolicyRuntime:
                 if (lay.family is shape or lay.family == shape)
                 and (lay.first_sight is first_sight or lay.first_sight == first_sight)]
 
+    def _first_plan(self, trace: Trace, kin: list[PlanLayout]) -> tuple[SwapPlan, SimResult]:
+        """A new shape's first plan, made on the loop's thread: the family's borrowed one, or the
+        quick planner's where it simulates faster and planning on the loop's thread stays within
+        ``PLANNING_SHARE`` of the run's time with it (the policy's search improves on either in
+        the background)."""
+        borrowed = self._borrowed(trace, kin)
+        quick = self.quick_policy
+        if quick is None or self._loop_planning_s + self._quick_s > PLANNING_SHARE * self._run_s:
+            return borrowed
+        t0 = time.perf_counter()
+        budget = self._shape_budget(trace)
+        plan = self._without_small(quick.plan(trace.with_segments(lambda sg: False), budget, self.hardware), trace)
+        res = simulate(trace, plan, self.hardware, budget, validate=False, guard=True)
+        self._quick_s = time.perf_counter() - t0
+        if _rank(res) < _rank(borrowed[1]):
+            return SwapPlan(trace.name, plan.policy, plan.evictions, {**plan.meta, "planned_by": "quick"}), res
+        return borrowed
+
     def _borrowed(self, trace: Trace, kin: list[PlanLayout]) -> tuple[SwapPlan, SimResult]:
         """For ``trace``, the plan of one of its family's sizes (the same events: its evictions
         apply as they are, R7), with its simulated result: the nearest larger size's, which evicts
@@ -795,7 +835,7 @@ class PolicyRuntime:
             timed.append((simulate(trace, lay.plan.evictions, self.hardware, budget, validate=False, guard=True), lay))
             if not timed[-1][0].guard_evictions:
                 break
-        res, donor = min(timed, key=lambda x: (x[0].oom, x[0].guard_evictions > 0, x[0].iteration_s, x[1].shape_key))
+        res, donor = min(timed, key=lambda x: (*_rank(x[0]), x[1].shape_key))
         plan = SwapPlan(trace.name, donor.plan.policy, donor.plan.evictions, {**donor.plan.meta, "borrowed_from": donor.trace.name})
         return plan, res
 

@@ -401,3 +401,59 @@ def test_a_shape_refused_under_a_byte_budget_leaves_model_optimizer_and_runtime_
     s1, s2 = o1.state_dict()["state"], o2.state_dict()["state"]
     assert all(torch.equal(s1[k][f], s2[k][f]) for k in s2 for f in ("exp_avg", "exp_avg_sq"))
     assert r1.mode == r2.mode == "execute" and r1.plan_followed
+
+
+class _Quick:
+    """A quick planner for the tests: ``inner``'s plans, counted."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.calls = inner, f"quick-{inner.name}", 0
+
+    def plan(self, trace, budget, hardware):
+        self.calls += 1
+        return self.inner.plan(trace, budget, hardware)
+
+
+def _train_with_quick(quick, share, monkeypatch, policy="min"):
+    from swapsched.runtime import swapper
+
+    monkeypatch.setattr(swapper, "PLANNING_SHARE", share)
+    a, b = Net(), Net()
+    rt = SwapRuntime(budget="60%", policy=policy, backend="cpu", model=a, audit=True, background_planning=False,
+                     quick_policy=quick)
+    try:
+        return train_together(a, b, rt, len(LENGTHS), _step_of_length(LENGTHS))
+    finally:
+        rt.close()
+
+
+def test_a_new_shape_starts_on_the_quick_planners_plan_where_it_simulates_faster(monkeypatch):
+    """LENGTHS' predicted sizes (steps 5-10, four of them new): each new one asks the quick planner
+    at its first saved tensor. The profiled sizes' plans are swap-all's, which stalls on the
+    throttled link; MIN's plan (the quick one here) simulates faster than the one borrowed from
+    them. The run counts each step's plan. (MIN against MIN would tie: a family's sizes share
+    their events, and MIN's choices follow the events.)"""
+    from swapsched.agents.heuristics import Belady
+
+    quick = _Quick(Belady())
+    reports = _train_with_quick(quick, 10.0, monkeypatch, policy="swap-all")  # a share that always admits it
+    assert quick.calls == 4  # 40, 64, 56, 36: the new predicted sizes, once each
+    executed = [r for r in reports if r.mode == "execute"]
+    assert "learned" in [r.plan_source for r in executed]
+    run_ = reports[-1].run
+    assert run_.borrowed_steps + run_.learned_steps + run_.searched_steps == run_.executed
+    assert run_.learned_steps == sum(r.plan_source == "learned" for r in executed) > 0
+    assert "learned" in str(run_)
+    for r in executed:  # whichever plan ran, the budget held and the losses matched (train_together)
+        assert r.peak_device_bytes <= r.budget_bytes and r.measured_peak_bytes <= r.budget_bytes
+
+
+def test_the_quick_planner_is_not_asked_beyond_the_planning_share_nor_taken_where_it_is_worse(monkeypatch):
+    from swapsched.agents.heuristics import Belady, NoSwap
+
+    quick = _Quick(Belady())
+    _train_with_quick(quick, 0.0, monkeypatch)  # no share: planning stays off the loop
+    assert quick.calls == 0
+    keep_all = _Quick(NoSwap())  # keeps everything: runs out of memory at 60%, so the borrowed plan runs
+    reports = _train_with_quick(keep_all, 10.0, monkeypatch)
+    assert keep_all.calls == 4 and not any(r.plan_source == "learned" for r in reports)

@@ -350,3 +350,45 @@ def test_profile_finds_a_factory_in_the_working_directory(tmp_path):
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "t.json").is_file()
+
+
+def test_a_short_run_scales_the_search_parts_and_says_each_phase_up_front(tmp_path):
+    from swapsched.agents.train import TrainConfig, phase_plan
+
+    full = TrainConfig()
+    assert full.scaled(full.total_timesteps * 2) is full  # never above the config's own
+    quick = full.scaled(2048)
+    assert quick.total_timesteps == 2048
+    assert (quick.prior_cases_per_trace, quick.editor_cases_per_trace, quick.blocks_cases_per_trace) == (1, 1, 2)
+    assert (quick.prior_seconds, quick.editor_seconds, quick.editor_rl_iterations) == (0.1, 0.1, 10)
+    half = full.scaled(full.total_timesteps // 2)
+    assert half.blocks_cases_per_trace == 30 and half.prior_seconds == 0.25  # in proportion
+    # 8,192 PPO steps at 150/s; 54 traces x 1 search x 0.1 s for the prior, ...
+    phases = phase_plan(quick, 22, 54, 8192)
+    assert [round(s, 1) for _, s in phases[:2]] == [round(8192 / 150, 1), 5.4]
+    assert sum(s for _, s in phases) < 120  # a couple of minutes, where the full plan is hours
+    assert sum(s for _, s in phase_plan(full, 22, 54, 1_507_328)) > 3600
+
+
+def test_an_interrupted_search_phase_leaves_the_ppo_checkpoint_a_card_and_how_to_go_on(tmp_path, monkeypatch, capsys):
+    import swapsched.agents.train as train_module
+
+    def stopped(*args, **kwargs):  # SIGTERM (raised as KeyboardInterrupt by the CLI) while learning the parts
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "train_search", stopped)
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(TINY_TRAIN)
+    out = tmp_path / "p.zip"
+    assert main(["train-policy", "--config", str(cfg), "--out", str(out), "--no-progress"]) == 130
+    err = capsys.readouterr().err
+    assert "phases (about, on 2 cores): 1/5 PPO" in err
+    assert f"interrupted in search parts: PPO is done and saved; learn the search parts with  swapsched train-policy --config {cfg} --search-only --out {out}" in err
+    card = json.loads(out.with_suffix(".json").read_text())
+    assert card["interrupted"] and card["stopped_in"] == "search parts" and card["timesteps"] == 256
+    from swapsched.agents.learned import LearnedPolicy
+    from swapsched.env.corpus import load_corpus
+    from swapsched.hardware import load_hardware
+
+    tr = load_corpus(names=["mlp-tiny-cpu"])[0]
+    LearnedPolicy(out, mode="ppo").plan(tr, tr.peak_bytes_no_swap, load_hardware("h100-pcie5")).validate(tr)
