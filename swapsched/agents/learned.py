@@ -8,6 +8,7 @@ See :class:`LearnedPolicy` for the modes.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from swapsched.agents.editor import PlanEditor, editor_path
 from swapsched.agents.guide import MovePrior, prior_path
 from swapsched.agents.heuristics import Belady
 from swapsched.agents.joint import joint_search, planning_seconds
+from swapsched.agents.recompute import CheckpointAll, CheckpointSelective, hybridize
+from swapsched.agents.scoring import best_plan
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.trace import Trace
@@ -25,8 +28,11 @@ from swapsched.trace import Trace
 __all__ = ["LearnedPolicy", "CheckpointError", "resolve_checkpoint", "check_card", "greedy_rollout", "ENV_VERSION"]
 
 
-#: How a checkpoint plans: ``search`` (``default``), ``greedy`` (``default-greedy``), ``ppo`` (``default-ppo``).
-MODES = ("search", "greedy", "ppo")
+#: How a checkpoint plans: ``search`` (``default``), ``greedy`` (``default-greedy``), ``guarded``
+#: (``default-greedy-guarded``), ``ppo`` (``default-ppo``).
+MODES = ("search", "greedy", "guarded", "ppo")
+#: The guarded greedy plan's time box for its hybrid candidate (issue 36: a learned plan in <= 100 ms)
+GUARD_SECONDS = 0.05
 
 
 @dataclass
@@ -48,6 +54,10 @@ class LearnedPolicy:
       jointly; ``recompute=False`` (``default-swap``) is the swap-only planner. ``guided=False``
       draws the search's moves uniformly instead of from the move prior (what
       ``scripts/bench_prior.py`` compares it with).
+    - ``mode="guarded"`` (``default-greedy-guarded``): the greedy plan with a safety net: the best
+      in simulation of it, the chooser's next two choices with MIN around them, checkpoint-all,
+      checkpoint-selective and Capuchin's hybrid step over MIN's plan (time-boxed to
+      ``GUARD_SECONDS``). Reported apart from ``greedy``: the candidates are not learned.
     - ``mode="ppo"`` (``default-ppo``): the MaskablePPO policy's one deterministic rollout in
       ``SwapEnv``, the reinforcement-learned planner this project started from.
     """
@@ -70,7 +80,8 @@ class LearnedPolicy:
         self.path = resolve_checkpoint(self.checkpoint)
         self.card = check_card(self.path)
         if self.name == "learned":
-            suffix = {"search": "" if self.recompute else "-swap", "greedy": "-greedy", "ppo": "-ppo"}[self.mode]
+            suffix = {"search": "" if self.recompute else "-swap", "greedy": "-greedy", "guarded": "-greedy-guarded",
+                      "ppo": "-ppo"}[self.mode]
             suffix += "" if self.guided else "-unguided"
             self.name = f"default{suffix}" if self.path.stem == "default" else f"learned{suffix}:{self.path.stem}"
 
@@ -128,6 +139,22 @@ class LearnedPolicy:
                                selective=start.selective)
         return out
 
+    def guarded(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
+        """The greedy plan, or the best in simulation of the cheap candidates beside it (see ``mode``)."""
+        t0 = time.perf_counter()
+        first = self.greedy(trace, budget, hardware)
+        cands = [first]
+        chooser = self._block_chooser() if self.recompute and trace.segments else None
+        if chooser is not None:
+            cands += [joint_plan(trace, budget, hardware, states_of(trace, c), self.name)
+                      for c in chooser.ranked(trace, budget, hardware)[1:3] if c]
+            cands += [CheckpointAll().plan(trace, budget, hardware), CheckpointSelective().plan(trace, budget, hardware)]
+            cands.append(hybridize(trace, budget, hardware, Belady().plan(trace, budget, hardware),
+                                   deadline=t0 + GUARD_SECONDS))
+        best, _ = best_plan(trace, budget, hardware, cands)  # the greedy plan wins ties
+        return SwapPlan.of(trace, self.name, best.evictions, recompute=best.recompute, selective=best.selective,
+                           guard=best.policy if best is not first else "none")
+
     def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
         if self.mode == "ppo":
             self._load()  # once per process, not part of a plan's time
@@ -136,6 +163,8 @@ class LearnedPolicy:
         prior, chooser = self._move_prior(), self._block_chooser()
         if self.mode == "greedy":
             return self.greedy(trace, budget, hardware)
+        if self.mode == "guarded":
+            return self.guarded(trace, budget, hardware)
 
         def proposals(min_plan: SwapPlan) -> list[SwapPlan]:
             out = [editor.edit(trace, budget, hardware, min_plan, "editor")]

@@ -40,6 +40,7 @@ def _factories() -> dict[str, Callable[..., Policy]]:
         "default": lambda seed=0, **kw: LearnedPolicy("default", mode="search", seed=seed),
         "default-swap": lambda seed=0, **kw: LearnedPolicy("default", mode="search", seed=seed, recompute=False),
         "default-greedy": lambda **kw: LearnedPolicy("default", mode="greedy"),
+        "default-greedy-guarded": lambda **kw: LearnedPolicy("default", mode="guarded"),
         "default-ppo": lambda **kw: LearnedPolicy("default", mode="ppo"),
     }
 

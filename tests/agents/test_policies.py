@@ -160,3 +160,25 @@ def test_checkpoint_offload_recomputes_every_block_and_offloads_its_input(one_bl
     checkpointed = one_block.with_segments(lambda sg: False)
     plan = CheckpointOffload().plan(checkpointed, 300, hw)
     assert plan.recompute == () and {e.tensor for e in plan.evictions} == {0, 1}
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny-cpu", "resnet-small-cpu"])
+def test_the_guarded_greedy_plan_is_the_best_of_its_candidates_and_never_worse_than_greedy(name):
+    from swapsched.agents.learned import LearnedPolicy
+    from swapsched.agents.recompute import CheckpointAll, CheckpointSelective
+    from swapsched.agents.scoring import plan_score
+    from swapsched.budget import parse_budget
+
+    tr = load_corpus(names=[name])[0]
+    hw = load_hardware("h100-pcie5")
+    greedy, guarded = LearnedPolicy("default", mode="greedy"), get_policy("default-greedy-guarded")
+    assert guarded.name == "default-greedy-guarded"
+    for b in ("30%", "60%"):
+        budget = parse_budget(b, tr)
+        g, p = greedy.plan(tr, budget, hw), guarded.plan(tr, budget, hw)
+        p.validate(tr)
+        score = plan_score(simulate(tr, p, hw, budget), tr)
+        assert score <= plan_score(simulate(tr, g, hw, budget), tr)
+        for other in (CheckpointAll(), CheckpointSelective()):
+            assert score <= plan_score(simulate(tr, other.plan(tr, budget, hw), hw, budget), tr)
+        assert p.meta["guard"] in ("none", "checkpoint-all", "checkpoint-selective", "min", "default-greedy-guarded")
