@@ -363,9 +363,9 @@ def test_a_short_run_scales_the_search_parts_and_says_each_phase_up_front(tmp_pa
     assert (quick.prior_seconds, quick.editor_seconds, quick.editor_rl_iterations) == (0.1, 0.1, 10)
     half = full.scaled(full.total_timesteps // 2)
     assert half.blocks_cases_per_trace == 30 and half.prior_seconds == 0.25  # in proportion
-    # 8,192 PPO steps at 150/s; 54 traces x 1 search x 0.1 s for the prior, ...
+    # 8,192 PPO steps at 500/s; 54 traces x 1 search x 0.1 s for the prior, ...
     phases = phase_plan(quick, 22, 54, 8192)
-    assert [round(s, 1) for _, s in phases[:2]] == [round(8192 / 150, 1), 5.4]
+    assert [round(s, 1) for _, s in phases[:2]] == [round(8192 / 500, 1), 5.4]
     assert sum(s for _, s in phases) < 120  # a couple of minutes, where the full plan is hours
     assert sum(s for _, s in phase_plan(full, 22, 54, 1_507_328)) > 3600
 
