@@ -52,6 +52,7 @@ TARGETS = {
         "test_spread_picks_evenly_and_keeps_short_lists",
         "test_a_block_member_the_program_still_holds_is_not_freed_by_recomputing",
         "test_where_the_solver_proves_nothing_the_bound_is_the_floor",
+        "test_the_solver_gets_what_is_left_of_the_time_limit_and_at_least_half_a_second",
         "test_a_recomputed_member_is_not_also_counted_away_by_a_swap",
         "test_a_member_of_a_later_block_is_not_also_counted_away_by_a_swap",
         "test_a_selective_recompute_has_its_own_variable",

@@ -180,7 +180,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     precision = Precision(args.dtype or ("bf16" if for_gpu else "fp32"), amp=args.amp)
     target = load_hardware(args.hardware or (DEFAULT_GPU_HARDWARE if for_gpu else "cpu-emulated"))
     target.peak_flops_for(precision.compute_dtype)  # a dtype the hardware lacks: one line, before any work
-    trace = _profile_case(args, device, precision, args.attention or "auto", target.name if for_gpu else None)
+    # the CPU's own measured step runs SDPA as it is; for a GPU, as the GPU's kernel would
+    attention = args.attention or ("auto" if for_gpu else None)
+    trace = _profile_case(args, device, precision, attention, target.name if for_gpu else None)
     out = args.out or f"{trace.name}.json.gz"
     trace.save(out)
     _print_summary(trace.summary())
@@ -200,7 +202,7 @@ def _kernels_used(meta: dict[str, Any]) -> str:
 _READS_VALUES = ("cannot be called on meta tensors", "Cannot copy out of meta tensor", "data-dependent")
 
 
-def _profile_case(args: argparse.Namespace, device: str, precision: Any, attention: str, target: str | None) -> Any:
+def _profile_case(args: argparse.Namespace, device: str, precision: Any, attention: str | None, target: str | None) -> Any:
     """Build and profile the case; an ``hf:`` model whose forward reads tensor values (which meta
     cannot run) is profiled on the CPU instead where its size fits there, timed by roofline for the
     target; any other failure of a ``hf:`` model's step is one line (exit 2)."""
@@ -565,8 +567,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="autocast to --dtype over fp32 weights, grads and Adam states (default); --no-amp: "
                          "parameters and optimizer state in --dtype too")
     sp.add_argument("--attention", choices=["auto", "flash", "mem-efficient", "math", "eager"],
-                    help="the attention kernel (default auto: what SDPA picks on --hardware for these shapes, "
-                         "flash where it can); eager: a hf: model's own attention code")
+                    help="the attention kernel (default, profiling for a GPU: auto, what SDPA picks on --hardware for "
+                         "these shapes, flash where it can; for the CPU's own step: SDPA as it runs there); eager: a hf: "
+                         "model's own attention code")
     sp.add_argument("--optimizer", choices=["adamw", "sgd", "none"], default="adamw",
                     help="whose state the static bytes count (default adamw: 2 states per parameter)")
     sp.add_argument("--out", type=_out_file, help="output trace (.json or .json.gz; default MODEL-SIZE.json.gz)")
