@@ -166,7 +166,7 @@ def _say_if_shrunk(model: str, size: str | None) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from swapsched.hardware import DEFAULT_GPU_HARDWARE, load_hardware
+    from swapsched.hardware import DEFAULT_CPU_HARDWARE, DEFAULT_GPU_HARDWARE, load_hardware
     from swapsched.precision import Precision
 
     _say_if_shrunk(args.model, args.size)
@@ -178,7 +178,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
             raise UserError("--device cuda: no CUDA device is available here; use --device cpu or meta")
     for_gpu = device != "cpu" or args.hardware is not None
     precision = Precision(args.dtype or ("bf16" if for_gpu else "fp32"), amp=args.amp)
-    target = load_hardware(args.hardware or (DEFAULT_GPU_HARDWARE if for_gpu else "cpu-emulated"))
+    target = load_hardware(args.hardware or (DEFAULT_GPU_HARDWARE if for_gpu else DEFAULT_CPU_HARDWARE))
     target.peak_flops_for(precision.compute_dtype)  # a dtype the hardware lacks: one line, before any work
     # the CPU's own measured step runs SDPA as it is; for a GPU, as the GPU's kernel would
     attention = args.attention or ("auto" if for_gpu else None)

@@ -149,8 +149,7 @@ def _mapping(name: str) -> dict[str, str]:
 
 def _head_class(model_type: str, task: str) -> str | None:
     """The class name the task's auto mapping builds for ``model_type`` (its first, where it lists several)."""
-    names = {**_mapping(_MAPPINGS.get(task, "")), **({} if task != "base" else _mapping("MODEL_MAPPING_NAMES"))}
-    found = names.get(model_type)
+    found = _mapping(_MAPPINGS.get(task, "MODEL_MAPPING_NAMES")).get(model_type)  # "base": the bare model
     return found[0] if isinstance(found, (tuple, list)) else found
 
 
@@ -265,8 +264,6 @@ def build_hf(model_type: str, size: str | None, batch_size: int | None, seq_len:
                     raise
                 else:
                     hf = auto.from_config(config, attn_implementation="eager")  # no SDPA code: its own (the trace says so)
-    except HFModelError:
-        raise
     except Exception as exc:  # the library's own message, on one line: this config cannot be built here
         raise HFModelError(f"hf:{model_type}: transformers cannot build it ({one_line(exc)})") from None
     hf = hf.to(device=device, dtype=param_dtype)  # some families make a weight-norm parametrization on the CPU

@@ -320,7 +320,8 @@ def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True,
     out = Path(out)
     if out.suffix != ".zip":
         out = out.with_suffix(".zip")
-    family = {r["name"]: r["family"] for r in corpus_index()}
+    index = corpus_index()
+    family = {r["name"]: r["family"] for r in index}
     pool = load_corpus(split=config.corpus_split)
     traces = [t for t in pool if family.get(t.name) not in config.validation_families]
     validation = [t for t in pool if family.get(t.name) in config.validation_families]
@@ -351,8 +352,9 @@ def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True,
         print(f"note: PPO learns in whole rollouts of n_steps x n_envs = {rollout} steps; {total} requested, "
               f"{-(-total // rollout) * rollout} will run", file=sys.stderr)
     start_steps = model.num_timesteps
-    search_traces = sum(1 for split in (config.corpus_split, *config.search_extra_splits) for t in load_corpus(split=split)
-                        if family.get(t.name) not in config.validation_families)
+    # the search parts' traces, counted from the index (train_search loads them when it runs)
+    search_splits = (config.corpus_split, *config.search_extra_splits)
+    search_traces = sum(1 for r in index if r["split"] in search_splits and r["family"] not in config.validation_families)
     phases = phase_plan(config, len(traces), search_traces, -(-total // rollout) * rollout)
     print("phases (about, on 2 cores): " + "; ".join(f"{i}/{len(phases)} {what}" + (f" ~{_duration(s)}" if s else "")
                                                      for i, (what, s) in enumerate(phases, 1)), file=sys.stderr)
