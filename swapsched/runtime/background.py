@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from swapsched.runtime.reports import PlanLayout
+from swapsched.runtime.layout import PlanLayout
 
 __all__ = ["BackgroundPlans"]
 

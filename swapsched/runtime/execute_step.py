@@ -14,9 +14,10 @@ from swapsched.env.simulator import FREED, HOST, IN, OUT, RESIDENT, event_tables
 from swapsched.errors import internal_assert, present
 from swapsched.runtime.accounting import StepExecution
 from swapsched.runtime.backends import CopyError, Ticket
+from swapsched.runtime.layout import PlanLayout
 from swapsched.runtime.profile_step import ProfileStep
 from swapsched.runtime.profiler import is_parameter, storage_key
-from swapsched.runtime.reports import Divergence, DivergenceError, PlanLayout, StepReport
+from swapsched.runtime.reports import Divergence, DivergenceError, StepReport
 from swapsched.runtime.stash import UNTRACKED, Packed, Record, flat_bytes, rebuild
 
 if TYPE_CHECKING:

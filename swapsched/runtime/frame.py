@@ -18,8 +18,8 @@ if TYPE_CHECKING:
 
     from swapsched.hardware import Hardware
     from swapsched.runtime.backends import Backend
+    from swapsched.runtime.layout import PlanLayout
     from swapsched.runtime.recompute import BlockCheckpoints
-    from swapsched.runtime.reports import PlanLayout
 
 __all__ = ["StepFrame", "StepHost"]
 

@@ -1,20 +1,16 @@
-"""The runtime's records: where a step left its trace, one adopted plan's layout for the hooks,
-each step's report and the run's summary (``runtime.report()``, ``report().run``)."""
+"""The runtime's records: where a step left its trace, each step's report and the run's
+summary (``runtime.report()``, ``report().run``)."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import numpy as np
 
 from swapsched.budget import format_bytes
-from swapsched.plan import SwapPlan
-from swapsched.runtime.shapes import first_bytes, structure
-from swapsched.trace import Trace
 
-__all__ = ["Divergence", "DivergenceError", "PlanLayout", "RunSummary", "StepReport"]
+__all__ = ["Divergence", "DivergenceError", "RunSummary", "StepReport"]
 
 
 @dataclass(frozen=True)
@@ -28,46 +24,6 @@ class Divergence:
 
     def __str__(self) -> str:
         return f"at event {self.event} the trace expected {self.expected}, the step did {self.seen}"
-
-
-@dataclass(frozen=True)
-class PlanLayout:
-    """One adopted plan as the executing hooks read it: the trace it follows, the plan per event
-    (as the simulator lays it out, R5), the expected event codes (a pack's tensor id, an unpack's
-    complement ``~id``), whether anything happens after each event (a free, a swap-out, a
-    prefetch), and the profiling's order of first sight -> trace id."""
-
-    trace: Trace
-    plan: SwapPlan
-    predicted_s: float | None
-    out_at: list[tuple[int, ...]]
-    prefetch_at: list[tuple[int, ...]]
-    expected_codes: list[int]
-    work_at: list[bool]
-    first_sight: dict[int, int]
-    # the trace was predicted from its family's profiled sizes (runtime/shapes.py), not profiled
-    # (its first plan borrowed from a size near it)
-    predicted: bool = False
-    # the budget this shape runs under: a relative budget resolved against this shape's own
-    # activation peak, a byte budget as given (DESIGN.md, "Budgets"); None only in hand-made layouts
-    budget_bytes: int | None = None
-
-    @property
-    def shape_key(self) -> int:
-        """The bytes of the step's first saved tensor: what a step shows of its shape first."""
-        return first_bytes(self.trace)
-
-    @property
-    def plan_source(self) -> str:
-        """Whose plan this is: ``"borrowed"`` from a size near it, ``"learned"`` (the quick
-        planner's), or ``"searched"`` (the policy's, or one given)."""
-        meta = self.plan.meta
-        return "borrowed" if "borrowed_from" in meta else "learned" if meta.get("planned_by") == "quick" else "searched"
-
-    @cached_property
-    def family(self) -> tuple[tuple[bool, int], ...]:
-        """``shapes.structure`` of the trace, computed once: layouts of one family share it."""
-        return structure(self.trace)
 
 
 class DivergenceError(RuntimeError):

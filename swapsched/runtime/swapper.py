@@ -39,30 +39,31 @@ import contextlib
 import enum
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
 import torch
 
-from swapsched.budget import BudgetError, check_budget, format_bytes, parse_budget, smallest_feasible
-from swapsched.env.simulator import SimResult, analytic_floor, event_tables, simulate
+from swapsched.budget import BudgetError, parse_budget
+from swapsched.env.simulator import SimResult
 from swapsched.errors import UserError, internal_assert, present
 from swapsched.hardware import HOST_COSTS, Hardware, default_hardware, load_hardware
 from swapsched.plan import SwapPlan, carry_evictions
 from swapsched.policy import Policy
 from swapsched.runtime.accounting import StepExecution
 from swapsched.runtime.backends import Backend, CpuBackend, make_backend, resolve_backend
-from swapsched.runtime.background import BackgroundPlans
+from swapsched.runtime.budgets import ShapeBudgets
 from swapsched.runtime.execute_step import ExecuteStep
 from swapsched.runtime.frame import StepFrame
+from swapsched.runtime.layout import PlanLayout
+from swapsched.runtime.plans import ShapePlans, without_small
 from swapsched.runtime.profile_step import ProfileStep
 from swapsched.runtime.profiler import static_bytes_of, storage_key
 from swapsched.runtime.recompute import BlockCheckpoints
-from swapsched.runtime.reports import Divergence, DivergenceError, PlanLayout, RunSummary, RunTally, StepReport
+from swapsched.runtime.reports import Divergence, DivergenceError, RunSummary, RunTally, StepReport
 from swapsched.runtime.retime import fitted_host_costs, median_trace, timed_by_execution
-from swapsched.runtime.shapes import FamilyFit, first_bytes, structure
+from swapsched.runtime.shapes import first_bytes, structure
 from swapsched.trace import Trace
 
 __all__ = ["PolicyRuntime", "Phase", "StepReport", "RunSummary", "Divergence", "DivergenceError"]
@@ -83,21 +84,6 @@ class Phase(enum.Enum):
 
 #: Executed steps of a shape that follow a plan moving nothing, before its steps run unhooked
 UNHOOK_AFTER = 2
-
-#: budget="device": the share of the device's capacity left out, for the caching allocator's
-#: fragmentation and the CUDA context (PyTorch's own guidance keeps a few percent in reserve)
-DEVICE_MARGIN = 0.05
-#: The share of the run's time that planning on the loop's thread may take (issue 36's 2%): a new
-#: shape gets the quick planner's plan only while the run's planning stays within it
-PLANNING_SHARE = 0.02
-#: What a quick plan is expected to take before one has been timed (the learned greedy plan's
-#: median on the held-out bench, 10 ms)
-QUICK_PLAN_GUESS_S = 0.01
-
-
-def _rank(res: SimResult) -> tuple[bool, bool, float]:
-    """How plans for one shape compare: fits first, then needs no guard evictions, then faster."""
-    return res.oom, res.guard_evictions > 0, res.iteration_s
 
 
 class PolicyRuntime:
@@ -150,24 +136,17 @@ class PolicyRuntime:
                  quick_policy: Policy | None = None):
         self.strict = bool(strict)
         self.unhook = bool(unhook)  # a plan that moves nothing may run without hooks (may_unhook)
-        # budget="device" (CUDA): the device's capacity less what the process holds beyond the
-        # model's static bytes at the first step, less DEVICE_MARGIN; resolved then, into bytes
-        self._device_budget = budget == "device"
-        self.budget_spec = budget if self._device_budget else check_budget(budget)  # malformed: fails here
+        # the budget in bytes per shape (budgets.py); "device" (CUDA) is resolved at the first step
+        budgets = ShapeBudgets(budget)  # malformed: fails here
         if policy is not None and not isinstance(policy, Policy):
             raise UserError(f"policy must be an object with plan(trace, budget, hardware), got {policy!r}; "
                             "for a name such as 'default' use swapsched.SwapRuntime or swapsched.get_policy(name)")
-        self.policy = policy
         # a planner fast enough for the loop's thread (the learned parts' greedy plan): a new shape
         # starts on its plan where it beats the borrowed one and fits the planning share
         if quick_policy is not None and not isinstance(quick_policy, Policy):
             raise UserError(f"quick_policy must be an object with plan(trace, budget, hardware), got {quick_policy!r}")
-        self.quick_policy = quick_policy
-        self._quick_s = QUICK_PLAN_GUESS_S  # the last quick plan's seconds: the next one's expected time
-        self._run_s = 0.0  # every step's seconds so far, and the planning done on the loop's thread
-        self._loop_planning_s = 0.0
         name = backend.name if isinstance(backend, Backend) else resolve_backend(backend)
-        if self._device_budget and name != "cuda":
+        if budgets.device and name != "cuda":
             raise UserError("budget='device' is the CUDA device's own capacity; on the CPU backend give bytes "
                             "('6GiB') or a share of the step's activation peak ('60%')")
         if bandwidth is not None and not bandwidth > 0:
@@ -182,7 +161,9 @@ class PolicyRuntime:
             if isinstance(host_budget, str) and host_budget.strip().endswith("%"):
                 raise UserError(f"host_budget {host_budget!r}: give bytes, like '64GiB' (pinned host memory for this rank)")
             hw = hw.with_host(host_budget_bytes=parse_budget(host_budget))
-        self.hardware = hw
+        # the layouts per shape, each shape's first plan, and the policy's plans made on a thread
+        # while steps run on a plan borrowed at once from the family (plans.py)
+        self.plans = ShapePlans(hw, budgets, policy, quick_policy, min_bytes=min_bytes, background=background_planning)
         if isinstance(backend, Backend):
             self.backend = backend
         elif name == "cpu" and bandwidth is not None and hardware is not None:
@@ -224,18 +205,11 @@ class PolicyRuntime:
         # the adopted plan laid out for the hooks, and one per shape seen (keyed by the bytes of the
         # step's first saved tensor): a step of a shape profiled before executes that shape's plan
         self.layout: PlanLayout | None = None
-        self.layouts: dict[int, PlanLayout] = {}
-        # the budget in bytes of the current shape: a relative budget is resolved per shape, against
-        # each shape's own activation peak (each layout keeps its own); a byte budget is the same
-        # bytes for every shape, and a shape no plan fits in them is refused
-        self.budget_bytes: int | None = None
-        self._budget_high = 0  # the most bytes any shape's budget has stood for in this run
         self._hooked = False  # the step's hooks are on the stack (see step and take_hooks_off)
         self._followed: dict[int, int] = {}  # shape -> executed steps in a row that followed its plan
         # use_plan's plan that recomputes and swaps: (the trace it was made on, the plan) until the
         # steps with its blocks checkpointed are profiled and its swaps carried onto them
         self._given: tuple[Trace, SwapPlan] | None = None
-        self._budget_by_shape: dict[int, int] = {}  # a relative budget per shape (first_bytes), see _budget_for
         self._grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []  # see note_grads
         self.predicted_s: float | None = None
         self.steps = 0
@@ -246,16 +220,33 @@ class PolicyRuntime:
         # whether the executing plan's trace has been re-timed from executed steps (run state,
         # kept here; the trace's meta only records how many steps timed it)
         self._retimed = False
-        # plans for shapes after the first, made by the policy on a thread while steps run on a
-        # plan borrowed at once from the family (see _plan_later)
-        self.background_planning = bool(background_planning)
-        self._background = BackgroundPlans()
-        self._fits: dict[tuple[int, ...], FamilyFit] = {}  # ids of a family's profiled traces -> their fit
-        # family (its structure) -> size -> (gaps, tail) as the latest executed step of that size
-        # measured them: they time the family's predicted sizes (see FamilyFit.at)
-        self._executed_times: dict[tuple[tuple[bool, int], ...], dict[int, tuple[np.ndarray, float]]] = {}
-        # shape key -> (its layout, the report of its first executed step): re-timed on its next step
-        self._untimed: dict[int, tuple[PlanLayout, StepReport]] = {}
+
+    # ------------------------------------------------------------------ what the plans hold
+    @property
+    def policy(self) -> Policy | None:
+        """What plans (``plan(trace, budget, hardware) -> SwapPlan``); None plans nothing."""
+        return self.plans.policy
+
+    @property
+    def hardware(self) -> Hardware:
+        """The profile plans are made and timed for (host costs fitted from executed steps, where fitted)."""
+        return self.plans.hardware
+
+    @property
+    def layouts(self) -> dict[int, PlanLayout]:
+        """The layout of each shape seen, by the bytes of its first saved tensor."""
+        return self.plans.layouts
+
+    @property
+    def budget_spec(self) -> str | int | float:
+        """The budget as given (``"device"`` resolved into bytes at the first step)."""
+        return self.plans.budgets.spec
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """The current shape's budget in bytes: a relative budget resolved against that shape's own
+        activation peak (each layout keeps its own), a byte budget as given. None before a trace."""
+        return self.plans.budgets.bytes
 
     # ------------------------------------------------------------------ the public surface
     @contextlib.contextmanager
@@ -270,10 +261,13 @@ class PolicyRuntime:
         self.backend.synchronize()
         self.backend.take_device_stall_s()  # waits of an earlier, aborted step do not count
         self.steps += 1
-        if self._device_budget:
-            self._resolve_device_budget()
+        if self.plans.budgets.device:
+            # budget="device": the device's capacity less what the process holds beyond the model
+            total = int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+            others = max(0, int(torch.cuda.memory_allocated()) - self.static_bytes)
+            self.plans.budgets.resolve_device(total, others, self.static_bytes)
         t_install = time.perf_counter()
-        if self._background:
+        if self.plans.planning:
             self._install_plans()  # laying out the plans made in the background counts as planning too
         installing_s = time.perf_counter() - t_install
         frame = StepFrame(backend=self.backend, hardware=self.hardware, model=self.model, static_bytes=self.static_bytes,
@@ -308,12 +302,11 @@ class PolicyRuntime:
         t_after = time.perf_counter()
         self._after_step(ex)
         self._report = replace(self._report, planning_s=installing_s + ex.planning_s + time.perf_counter() - t_after)
-        self._run_s += step_s
-        self._loop_planning_s += self._report.planning_s
+        self.plans.note_step(step_s, self._report.planning_s)
 
     # ------------------------------------------------------------------ what a running step asks (frame.StepHost)
     def layout_of_shape(self, first_bytes: int, like: PlanLayout) -> PlanLayout | None:
-        return self._layout_for(first_bytes) or self._predicted_layout(like, first_bytes)
+        return self.plans.get(first_bytes) or self.plans.predict(like, first_bytes)
 
     def may_unhook(self, layout: PlanLayout) -> bool:
         """Whether a step of ``layout``'s shape may run without hooks once its first saved tensor
@@ -344,7 +337,7 @@ class PolicyRuntime:
         if isinstance(ex, ExecuteStep) and ex.profile is None:
             self._note_followed(ex)
             if not ex.diverged:
-                self._note_times(ex.layout)
+                self.plans.note_times(ex.layout, present(self._report, "the report of the step that just ran"))
         if isinstance(ex, ProfileStep):
             if ex.trace is not None:
                 self.first_sight = ex.first_sight
@@ -357,8 +350,8 @@ class PolicyRuntime:
             self._after_new_shape(ex.profile)
         elif ex.diverged:
             self._after_divergence(ex)
-        elif ex.layout is not self.layout:
-            self._after_other_shape(ex)
+        elif ex.layout is not self.layout:  # another shape's, under its own plan: it re-times nothing of this one
+            self.plans.note_other_shape(ex.layout, present(self._report, "the report of the step that just ran"))
         elif self.phase is Phase.RETIME:
             self._after_retime_step()
 
@@ -372,17 +365,6 @@ class PolicyRuntime:
         return Phase.EXECUTE
 
     # ------------------------------------------------------------------ after a step, per phase
-    def _note_times(self, layout: PlanLayout) -> None:
-        """Keep the gaps the step of ``layout``'s shape just measured, for its family's predictions."""
-        rep = present(self._report, "the report of the step that just ran")
-        if rep.gaps_s is None or len(rep.gaps_s) != layout.trace.n_events:
-            return
-        times = self._executed_times.setdefault(layout.family, {})
-        times.pop(layout.shape_key, None)
-        times[layout.shape_key] = (np.asarray(rep.gaps_s, dtype=np.float64), float(rep.tail_s or 0.0))
-        if len(times) > 64:  # the oldest size goes: a long run's sizes are timed by their latest steps
-            del times[next(iter(times))]
-
     def _after_profile(self, ex: ProfileStep) -> None:
         """A profiling step: once ``profile_steps`` are in, plan on their median trace."""
         if ex.trace is None:  # nothing was unpacked (no backward): nothing learned, profile again
@@ -422,12 +404,13 @@ class PolicyRuntime:
         for trace, first_sight in reversed(profiled):  # the latest step of each size
             key = first_bytes(trace)
             if (key in self.layouts or first_sight != planned.first_sight or structure(trace) != planned.family
-                    or trace.min_feasible_bytes > self._budget_or_none(trace)):  # refused when it comes again
+                    or trace.min_feasible_bytes > self.plans.budgets.or_zero(trace)):  # refused when it comes again
                 continue
-            layout = self._layout(trace, *self._borrowed(trace, self._kin(trace, first_sight)), first_sight=first_sight)
-            self.layouts[key] = layout
+            layout = self.plans.lay_out(trace, *self.plans.borrowed(trace, self.plans.kin(trace, first_sight)),
+                                        first_sight=first_sight)
+            self.plans.keep(layout)
             if self.policy is not None:
-                self._replan(layout, trace)
+                self.plans.replan(layout, trace)
 
     def _after_new_shape(self, profiled: ProfileStep) -> None:
         """A shape no plan was made for, profiled in the step that showed it: planned now, from
@@ -437,7 +420,7 @@ class PolicyRuntime:
             return
         trace = profiled.trace
         try:
-            self._shape_budget(trace)
+            self.plans.budgets.of(trace)
         except BudgetError:
             # refused: the step ran on the host (profiling), so nothing but its gradients is left
             # of it; those are put back as they were, so that the model, the optimizer (it has not
@@ -446,36 +429,23 @@ class PolicyRuntime:
             raise
         self._grads = []
         self._forget_executed()
-        kin = self._kin(trace, self.first_sight)
-        if not (kin and self.background_planning and self.policy is not None):
+        kin = self.plans.kin(trace, self.first_sight)
+        if not (kin and self.plans.background and self.policy is not None):
             self._plan_from(trace)
             return
         # at once, the family's plan the simulator times fastest here; the policy's on a thread
         self._take_trace(trace)
-        self._adopt(*self._first_plan(trace, kin))
-        self._plan_later(self.layout)
+        self._adopt(*self.plans.first_plan(trace, kin))
+        self.plans.plan_later(present(self.layout, "the layout just adopted"))
 
     def _after_divergence(self, ex: ExecuteStep) -> None:
         """The step left its trace: the next step is profiled and planned again."""
         if ex.layout.predicted:  # the prediction was wrong: that size is profiled when it comes again
-            self.layouts.pop(ex.layout.shape_key, None)
+            self.plans.forget(ex.layout.shape_key)
         self.trace = self.plan = self.layout = None
         self._profiled = self.profile_steps - 1
         self._profiles = []
         self._forget_executed()
-
-    def _after_other_shape(self, ex: ExecuteStep) -> None:
-        """A step of another shape, under its own plan: it re-times nothing of the current one. A
-        borrowed plan that did not hold is replanned for that shape; else the shape's first
-        executed step re-times its trace, so that its prediction and its plain step follow the
-        compute as it runs (the profiling steps' copies stretch the gaps they measure)."""
-        rep = present(self._report, "the report of the step that just ran")
-        layout = ex.layout
-        if layout.predicted and not rep.plan_followed and self.policy is not None:
-            self._plan_predicted(layout, rep)
-        elif (rep.gaps_s is not None and len(rep.gaps_s) == layout.trace.n_events
-              and "timed_by_execution" not in layout.trace.meta):
-            self._untimed[layout.shape_key] = (layout, rep)  # re-timed when the shape comes again
 
     def _after_retime_step(self) -> None:
         """Every ``retime_steps`` executed steps: the trace's gaps from them (and the host's costs,
@@ -492,7 +462,7 @@ class PolicyRuntime:
         retimed = timed_by_execution(trace, self._executed)
         self._executed = []
         if self._fit_host:
-            self.hardware = fitted_host_costs(self._given_hardware, list(self._host_steps), retimed.n_events)
+            self.plans.hardware = fitted_host_costs(self._given_hardware, list(self._host_steps), retimed.n_events)
         if first and self._policy_planned:
             self._plan_from(retimed, retimed=True)  # once: the policy plans again, on the compute as it runs
         else:
@@ -514,9 +484,7 @@ class PolicyRuntime:
         if self.trace is None:
             raise UserError("use_plan() needs the profiled trace: run the profiling steps first")
         if budget is not None:
-            self._budget_by_shape.clear()  # another budget: every shape resolves it anew
-            self.budget_bytes = self._budget_for(check_budget(budget), self.trace)
-            self.budget_spec = budget  # a malformed budget fails here, not after profiling
+            self.plans.budgets.respecify(budget, self.trace)  # a malformed budget fails here, not after profiling
         if plan.recompute or plan.selective:
             # R9's two stages for a plan given whole: its blocks are checkpointed, the steps are
             # profiled again, and its swaps are carried onto what they then save (carry_evictions)
@@ -538,7 +506,7 @@ class PolicyRuntime:
     def close(self) -> None:
         """Stop the copy engines. ``with SwapRuntime(...) as runtime:`` closes itself."""
         self._closed = True
-        self._background.shutdown()
+        self.plans.shutdown()
         if self.blocks is not None:
             self.blocks.remove()
         self.backend.shutdown()
@@ -556,59 +524,6 @@ class PolicyRuntime:
         self.close()
 
     # ------------------------------------------------------------------ planning
-    def _budget_for(self, spec: str | int | float, trace: Trace, resolved: int | None = None) -> int:
-        """``spec`` in bytes for this step's trace (``resolved``: the bytes it already stands for
-        in this run); below what the step can meet, one error that names the runtime's budget and
-        says why the step cannot go lower."""
-        relative = isinstance(spec, str) and spec.strip().endswith("%")
-        if relative:
-            # per shape, resolved once, on the shape's first trace: the steps as they run with no
-            # block checkpointed (R9's second stage profiles the same shape again, checkpointed:
-            # the budget stays what it was, or recomputing would shrink it)
-            key = first_bytes(trace)
-            out = self._budget_by_shape.get(key)
-            if out is None:
-                out = self._budget_by_shape[key] = parse_budget(spec, trace, check_feasible=False)
-        else:
-            out = parse_budget(spec, trace, check_feasible=False) if resolved is None else resolved
-        if out >= trace.min_feasible_bytes:
-            self._budget_high = max(self._budget_high, out)
-            return out
-        need, pct = smallest_feasible(trace)
-        if relative and resolved is not None and need <= self._budget_high:
-            # a later shape whose share is below what it can meet (a small batch, whose transients
-            # weigh more) runs at its smallest feasible budget, within the bytes the run already holds
-            return need
-        passes = int(trace.meta.get("backward_passes", 1))
-        if passes > 1:
-            why = (f"; its {passes} backward passes read the same saved tensors (retain_graph=True or "
-                   "create_graph=True), and each tensor stays on the device from its first unpack to its last")
-        elif need >= trace.peak_bytes_no_swap:
-            # one autograd node reads every saved tensor at once: nothing can be away when it runs
-            why = ("; its backward reads every saved tensor at once, as a model compiled whole with "
-                   "torch.compile does (one autograd node): compile its blocks separately so that tensors "
-                   "can move between them")
-        else:
-            why = ""
-        if resolved is not None and not relative:
-            why += f"; the budget stands for {format_bytes(resolved)} for every shape, and this step's shape needs more"
-        raise BudgetError(f"the runtime's budget {spec!r} is below this training step's smallest "
-                          f"feasible budget, {format_bytes(need)} ({need} bytes, {pct:.1f}% of its activation "
-                          f"peak above static memory, transients included){why}; give at least that")
-
-    def _resolve_device_budget(self) -> None:
-        """budget="device", at the first step: the device's capacity, less what the process holds
-        there beyond the model's static bytes (other models, data, the CUDA context's allocations
-        through torch), less ``DEVICE_MARGIN`` of the capacity (the allocator's fragmentation)."""
-        total = int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-        others = max(0, int(torch.cuda.memory_allocated()) - self.static_bytes)
-        self.budget_spec = int(total * (1 - DEVICE_MARGIN)) - others
-        self._device_budget = False
-        if self.budget_spec <= self.static_bytes:
-            raise BudgetError(f"budget='device': the device's {format_bytes(total)} less {DEVICE_MARGIN:.0%} and the "
-                              f"{format_bytes(others)} the process holds leave nothing beyond the model's "
-                              f"{format_bytes(self.static_bytes)}")
-
     def note_grads(self) -> None:
         """Before a step of a new shape reaches backward: the model's gradients as they are (None
         as a rule, a copy where the loop accumulates), to put back if the shape is refused."""
@@ -619,18 +534,6 @@ class PolicyRuntime:
         for p, g in self._grads:
             p.grad = g
         self._grads = []
-
-    def _shape_budget(self, trace: Trace) -> int:
-        """The budget in bytes of ``trace``'s shape (see ``budget_bytes``), or the refusal of a shape
-        no plan can fit."""
-        return self._budget_for(self.budget_spec, trace, resolved=self.budget_bytes)
-
-    def _budget_or_none(self, trace: Trace) -> int:
-        """``_shape_budget``, or 0 for a shape no plan fits (for a caller that skips those)."""
-        try:
-            return self._shape_budget(trace)
-        except BudgetError:
-            return 0
 
     def _planned_on(self, trace: Trace) -> Trace:
         """What the policy may plan on: with the blocks already checkpointed, ``trace`` is the steps
@@ -648,11 +551,10 @@ class PolicyRuntime:
     def _take_trace(self, trace: Trace, retimed: bool = False) -> None:
         """``trace`` (profiled, or ``retimed`` by executed steps) is the one plans are made on
         from now, with the run's budget checked against it."""
-        budget = self._budget_for(self.budget_spec, trace, resolved=self.budget_bytes)  # a refusal changes nothing
+        self.plans.budgets.take(trace)  # a refusal changes nothing
         self.trace, self._retimed = trace, retimed
         if self.blocks is None or not self.blocks.names:
             self._unwrapped_trace, self._unwrapped_first_sight = trace, dict(self.first_sight)
-        self.budget_bytes = budget
 
     def _plan_from(self, trace: Trace, retimed: bool = False) -> None:
         """Plan on ``trace`` (profiled, or ``retimed`` by executed steps) and adopt the plan."""
@@ -662,7 +564,7 @@ class PolicyRuntime:
             before, given = self._given
             self._given = None
             plan = SwapPlan.of(trace, given.policy, carry_evictions(given, before, trace), carried_from=given.trace)
-            self._adopt(self._without_small(plan, trace))
+            self._adopt(without_small(plan, trace, self.min_bytes))
             return
         if self.policy is None:  # nothing plans: every tensor stays until use_plan()
             plan = SwapPlan.of(trace, "keep-all", [])
@@ -672,15 +574,7 @@ class PolicyRuntime:
         if plan.recompute or plan.selective:
             self._recompute(plan, planned_on)
             return
-        self._adopt(self._without_small(plan, trace))
-
-    def _without_small(self, plan: SwapPlan, trace: Trace) -> SwapPlan:
-        """``plan`` less its evictions of tensors under ``min_bytes``: copying them costs more than it saves."""
-        small = [e for e in plan.evictions if trace.tensors[e.tensor].bytes < self.min_bytes]
-        if not small:
-            return plan
-        return SwapPlan(plan.trace, plan.policy, tuple(e for e in plan.evictions if e not in small),
-                        {**plan.meta, "kept_small": len(small)})
+        self._adopt(without_small(plan, trace, self.min_bytes))
 
     def _recompute(self, plan: SwapPlan, trace: Trace) -> None:
         """R9, in two stages. Here: checkpoint ``plan``'s blocks from the next step on, and profile
@@ -711,9 +605,7 @@ class PolicyRuntime:
     def _drop_layouts(self) -> None:
         """The blocks checkpointed changed: every layout (and plan in the making) was laid out for
         steps that ran otherwise, and the executed steps kept for re-timing ran another trace."""
-        self.layouts.clear()
-        self._background.clear()  # dropped when ready
-        self._untimed.clear()
+        self.plans.clear()
         self._forget_executed()
 
     def _adopt(self, plan: SwapPlan, simulated: SimResult | None = None) -> None:
@@ -721,177 +613,18 @@ class PolicyRuntime:
         internal_assert(not (plan.recompute or plan.selective), "a plan that recomputes goes through _recompute (R9's two stages)")
         trace = present(self.trace, "the trace a plan is adopted on")
         plan.validate(trace)
-        self.layout = self._layout(trace, plan, simulated, first_sight=self.first_sight)
+        self.layout = self.plans.lay_out(trace, plan, simulated, first_sight=self.first_sight)
         self.plan, self.predicted_s = plan, self.layout.predicted_s
-        self.layouts[self.layout.shape_key] = self.layout
-
-    def _layout(self, trace: Trace, plan: SwapPlan, simulated: SimResult | None = None, *, first_sight: dict[int, int],
-                predicted: bool = False, family: Any = None) -> PlanLayout:
-        """``plan`` on ``trace`` laid out for the hooks, with its predicted step time (``simulated``:
-        the simulator's result of ``plan`` on ``trace`` already at hand). Predictions simulate the
-        runtime's guard too (R4, guard): a plan that leaves no room runs with the guard's evictions.
-        ``family``: the trace's structure where the caller knows it (a size predicted from it)."""
-        budget = self._shape_budget(trace)
-        res = simulated or simulate(trace, plan, self.hardware, budget, validate=False, guard=True)
-        out_at, prefetch_at = plan.by_event(trace.n_events)  # as the simulator lays it out
-        tb = event_tables(trace)
-        out = PlanLayout(
-            trace, plan, None if res.oom else res.iteration_s, out_at, prefetch_at,
-            expected_codes=[~t if u else t for t, u in zip(tb.tensor, tb.is_unpack, strict=False)],
-            work_at=[bool(f or o or p) for f, o, p in zip(tb.free, out_at, prefetch_at, strict=False)],
-            first_sight=first_sight, predicted=predicted, budget_bytes=budget)
-        if family is not None:
-            out.__dict__["family"] = family  # PlanLayout.family, shared: _kin compares it by identity first
-        return out
-
-    def _predicted_layout(self, like: PlanLayout, s: int) -> PlanLayout | None:
-        """A layout for the step of ``like``'s family whose first saved tensor has ``s`` bytes,
-        without profiling it: its trace predicted from the family's profiled sizes, and the plan of
-        a size near it (the same events: its evictions apply as they are), the one the simulator
-        times fastest on the predicted trace among the nearest few. None where the family cannot
-        predict it. A size that no plan can fit in the run's bytes is refused here, at the step's
-        first saved tensor, before its memory is spent."""
-        kin = self._kin(like.trace, like.first_sight, like.family)
-        trace = self._family_fit([lay.trace for lay in kin if not lay.predicted]).at(s, self._executed_times.get(like.family))
-        if trace is None:
-            return None
-        budget = self._shape_budget(trace)
-        layout = self._layout(trace, *self._first_plan(trace, kin), first_sight=like.first_sight, predicted=True,
-                              family=like.family)
-        self.layouts[s] = layout
-        # the policy's own plan for this size, a better donor for sizes near it, unless the borrowed
-        # one already meets R8's floor here (a size that fits needs no plan): no plan is faster
-        at_floor = (layout.predicted_s is not None
-                    and layout.predicted_s <= analytic_floor(trace, budget, self.hardware) * (1 + 1e-9))
-        if self.background_planning and self.policy is not None and not at_floor:
-            self._plan_later(layout)
-        return layout
-
-    def _family_fit(self, profiled: list[Trace]) -> FamilyFit:
-        """The fit of these profiled traces, made once while they stay the family's (see FamilyFit)."""
-        key = tuple(id(t) for t in profiled)
-        fit = self._fits.get(key)
-        if fit is None:
-            if len(self._fits) >= 8:  # the families' members changed (re-timed, profiled again)
-                self._fits.clear()
-            fit = self._fits[key] = FamilyFit(profiled)  # it holds the traces: their ids stay theirs
-        return fit
-
-    def _layout_for(self, key: int) -> PlanLayout | None:
-        """The layout of the shape whose first saved tensor has ``key`` bytes, if any; a shape that
-        has run once is re-timed from that step as it comes again (not before: with lengths drawn
-        at random most shapes never come again, and re-timing one costs a simulation)."""
-        layout = self.layouts.get(key)
-        untimed = self._untimed.pop(key, None)
-        if layout is not None and untimed is not None and untimed[0] is layout:
-            rep = untimed[1]
-            layout = self._layout(timed_by_execution(layout.trace, [rep]), layout.plan, first_sight=layout.first_sight,
-                                  predicted=layout.predicted)
-            self.layouts[key] = layout
-        return layout
-
-    def _kin(self, trace: Trace, first_sight: dict[int, int], family: Any = None) -> list[PlanLayout]:
-        """The layouts of ``trace``'s family: the same events, the same storages in order of first
-        sight (``family``: ``structure(trace)``, where a layout has it already). Compared by
-        identity first: a family's layouts share one structure and one order of first sight."""
-        shape = family if family is not None else structure(trace)
-        return [lay for lay in self.layouts.values()
-                if (lay.family is shape or lay.family == shape)
-                and (lay.first_sight is first_sight or lay.first_sight == first_sight)]
-
-    def _first_plan(self, trace: Trace, kin: list[PlanLayout]) -> tuple[SwapPlan, SimResult]:
-        """A new shape's first plan, made on the loop's thread: the family's borrowed one, or the
-        quick planner's where it simulates faster and planning on the loop's thread stays within
-        ``PLANNING_SHARE`` of the run's time with it (the policy's search improves on either in
-        the background)."""
-        borrowed = self._borrowed(trace, kin)
-        quick = self.quick_policy
-        if quick is None or self._loop_planning_s + self._quick_s > PLANNING_SHARE * self._run_s:
-            return borrowed
-        t0 = time.perf_counter()
-        budget = self._shape_budget(trace)
-        plan = self._without_small(quick.plan(trace.with_segments(lambda sg: False), budget, self.hardware), trace)
-        res = simulate(trace, plan, self.hardware, budget, validate=False, guard=True)
-        self._quick_s = time.perf_counter() - t0
-        if _rank(res) < _rank(borrowed[1]):
-            return SwapPlan(trace.name, plan.policy, plan.evictions, {**plan.meta, "planned_by": "quick"}), res
-        return borrowed
-
-    def _borrowed(self, trace: Trace, kin: list[PlanLayout]) -> tuple[SwapPlan, SimResult]:
-        """For ``trace``, the plan of one of its family's sizes (the same events: its evictions
-        apply as they are, R7), with its simulated result: the nearest larger size's, which evicts
-        no less, so its plan fits here as a rule; where the simulator finds it needs the guard,
-        the nearest two sizes' in turn, and the fastest of those tried. Each try is a simulation
-        inside the step whose shape it is: one as a rule."""
-        s = first_bytes(trace)
-        near = sorted(kin, key=lambda lay: abs(lay.shape_key - s))[:2]
-        larger = [lay for lay in kin if lay.shape_key >= s]
-        if larger and (bigger := min(larger, key=lambda lay: lay.shape_key)) not in near:
-            near.append(bigger)
-        budget = self._shape_budget(trace)
-        near.sort(key=lambda lay: (lay.shape_key < s, abs(lay.shape_key - s)))  # larger ones first, nearest first
-        timed = []
-        for lay in near:
-            timed.append((simulate(trace, lay.plan.evictions, self.hardware, budget, validate=False, guard=True), lay))
-            if not timed[-1][0].guard_evictions:
-                break
-        res, donor = min(timed, key=lambda x: (*_rank(x[0]), x[1].shape_key))
-        plan = SwapPlan(trace.name, donor.plan.policy, donor.plan.evictions, {**donor.plan.meta, "borrowed_from": donor.trace.name})
-        return plan, res
-
-    def _plan_predicted(self, layout: PlanLayout, rep: StepReport) -> None:
-        """A predicted shape whose borrowed plan did not hold: the policy plans it, on the trace as
-        that step ran it (its gaps re-timed where the host clock measured them)."""
-        trace = layout.trace
-        if rep.gaps_s is not None and len(rep.gaps_s) == trace.n_events:
-            trace = timed_by_execution(trace, [rep])
-        self._replan(layout, trace)
-
-    def _replan(self, layout: PlanLayout, trace: Trace) -> None:
-        """The policy's own plan for ``layout``'s shape, on ``trace``: on the planner thread, or
-        now, between steps, where planning is not in the background."""
-        if self.background_planning:
-            self._plan_later(layout, trace)
-            return
-        self.layouts[layout.shape_key] = self._policy_layout(layout, trace)()
-
-    # ------------------------------------------------------------------ planning in the background
-    def _plan_later(self, layout: PlanLayout, trace: Trace | None = None) -> None:
-        """Have the policy plan ``layout``'s shape (on ``trace``, default its own) on the planner
-        thread, and lay the plan out there too; :meth:`_install_plans` puts the new layout in place
-        of ``layout`` once it is ready. The policy reads only its arguments (``plan(trace, budget,
-        hardware)``) and the layout only the trace, the plan and these two, so both may run beside
-        the training step; on a machine with few cores they take their time from it."""
-        self._background.submit(layout.shape_key, layout, self._policy_layout(layout, layout.trace if trace is None else trace))
-
-    def _policy_layout(self, layout: PlanLayout, trace: Trace) -> Callable[[], PlanLayout]:
-        """The policy's plan for ``layout``'s shape on ``trace``, laid out: a job that reads only
-        what it is given here (the run's budget and hardware as they are now), so it may run on
-        the planner thread. It swaps only: blocks are chosen on the first shape (R9's two stages),
-        and later shapes run with those blocks as they are."""
-        policy = present(self.policy, "the policy that plans a later shape")
-        budget = self._shape_budget(trace)
-        hardware, first_sight, predicted, family = self.hardware, layout.first_sight, layout.predicted, layout.family
-
-        def plan_and_lay_out() -> PlanLayout:
-            plan = policy.plan(trace.with_segments(lambda sg: False), budget, hardware)
-            plan = self._without_small(plan, trace)
-            return self._layout(trace, plan, simulate(trace, plan, hardware, budget, validate=False, guard=True),
-                                first_sight=first_sight, predicted=predicted, family=family)
-
-        return plan_and_lay_out
-
-    def _install_plans(self, wait: bool = False) -> None:
-        """Put every background layout that is ready (all of them, with ``wait``) in place of the
-        layout it was made for, unless that layout has gone since (a wrong prediction, new blocks)."""
-        for key, replaced, layout in self._background.ready(wait):  # a policy's error surfaces here
-            if self.layouts.get(key) is not replaced:
-                continue
-            self.layouts[key] = layout
-            if self.layout is replaced:  # the current shape's: later steps of it follow the new plan
-                self.layout, self.plan, self.predicted_s, self.trace = layout, layout.plan, layout.predicted_s, layout.trace
+        self.plans.keep(self.layout)
 
     def wait_for_plans(self) -> None:
         """Wait for the plans being made in the background, and use them from the next step on."""
         self._install_plans(wait=True)
+
+    def _install_plans(self, wait: bool = False) -> None:
+        """The plans made in the background that are ready (all of them, with ``wait``) in place
+        of the layouts they were made for; the current shape's later steps follow its new plan."""
+        for replaced, layout in self.plans.install_ready(wait):
+            if self.layout is replaced:
+                self.layout, self.plan, self.predicted_s, self.trace = layout, layout.plan, layout.predicted_s, layout.trace
 

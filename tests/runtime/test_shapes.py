@@ -260,8 +260,10 @@ def test_a_later_shape_is_planned_for_swaps_only_where_the_policy_would_recomput
         train_together(a, b, rt, len(lengths), run)
         layout = rt.layout
         assert rt.trace.segments and not rt.blocks.names  # min planned swaps on a trace with blocks
-        rt.policy = CheckpointAll()
-        replanned = rt._policy_layout(layout, layout.trace)()
+        rt.plans.policy = CheckpointAll()
+        rt.plans.replan(layout, layout.trace)  # on the planner thread
+        ((replaced, replanned),) = rt.plans.install_ready(wait=True)
+        assert replaced is layout
         assert replanned.plan.recompute == () and replanned.plan.selective == ()
         assert replanned.plan.policy == "checkpoint-all" and replanned.family is layout.family
     finally:
@@ -415,9 +417,9 @@ class _Quick:
 
 
 def _train_with_quick(quick, share, monkeypatch, policy="min"):
-    from swapsched.runtime import swapper
+    from swapsched.runtime import plans
 
-    monkeypatch.setattr(swapper, "PLANNING_SHARE", share)
+    monkeypatch.setattr(plans, "PLANNING_SHARE", share)
     a, b = Net(), Net()
     rt = SwapRuntime(budget="60%", policy=policy, backend="cpu", model=a, audit=True, background_planning=False,
                      quick_policy=quick)

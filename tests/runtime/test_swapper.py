@@ -786,7 +786,7 @@ def test_a_device_budget_is_refused_on_the_cpu_with_what_to_pass():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_device_budget_is_the_devices_capacity_less_what_the_process_holds():
-    from swapsched.runtime.swapper import DEVICE_MARGIN
+    from swapsched.runtime.budgets import DEVICE_MARGIN
 
     case = build_model("mlp", "tiny", seed=1, device="cuda")
     other = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")  # something else the process holds
