@@ -27,14 +27,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from swapsched.budget import parse_budget
 from swapsched.errors import UserError
+from swapsched.hardware import Hardware, default_hardware, load_hardware
 
-__all__ = ["resolve_backend", "Ticket", "Backend", "CpuBackend", "CudaBackend", "HostPool", "CopyError", "make_backend"]
+__all__ = ["resolve_backend", "Ticket", "Backend", "CpuBackend", "CudaBackend", "HostPool", "CopyError", "make_backend",
+           "runtime_devices"]
 
 
 class CopyError(RuntimeError):
@@ -454,3 +457,32 @@ def make_backend(name: str | None, hardware: Any = None) -> Backend:
             return CpuBackend(hardware.d2h_bytes_per_s, hardware.h2d_bytes_per_s, hardware.copy_latency_s)
         return CpuBackend()
     raise UserError(f"unknown backend {name!r}; use 'cpu' or 'cuda'")
+
+
+def runtime_devices(name: str, backend: Backend | None, hardware: Hardware | str | None, bandwidth: float | None,
+                    host_budget: str | int | None) -> tuple[Hardware, Backend]:
+    """The runtime's hardware profile (what it plans for) and backend (what copies), from its
+    arguments (``PolicyRuntime``'s docstring): ``name`` is ``resolve_backend``'s pick, ``backend``
+    one given as an object."""
+    if bandwidth is not None and not bandwidth > 0:
+        raise UserError(f"bandwidth must be positive bytes/s, got {bandwidth!r}")
+    if hardware is None:
+        hw = load_hardware(default_hardware(name))
+        if bandwidth is not None:  # plan for the link the copies really get
+            hw = replace(hw, name=f"{hw.name}@{bandwidth:.3g}B/s", d2h_bytes_per_s=bandwidth, h2d_bytes_per_s=bandwidth)
+    else:
+        hw = load_hardware(hardware)  # e.g. a calibrated profile: used for planning as it is
+    if host_budget is not None:  # R11: the host bytes swapped tensors may hold; plans and the pool keep to it
+        if isinstance(host_budget, str) and host_budget.strip().endswith("%"):
+            raise UserError(f"host_budget {host_budget!r}: give bytes, like '64GiB' (pinned host memory for this rank)")
+        hw = hw.with_host(host_budget_bytes=parse_budget(host_budget))
+    if backend is not None:
+        out = backend
+    elif name == "cpu" and bandwidth is not None and hardware is not None:
+        out = CpuBackend(bandwidth, bandwidth, 0.0)  # the link alone; its latency was measured
+    else:
+        out = make_backend(name, hw)
+    pool = getattr(out, "pool", None)  # a backend given as an object may keep no pool
+    if pool is not None:
+        pool.limit = hw.host_budget_bytes
+    return hw, out

@@ -9,19 +9,64 @@ goes through :class:`StepHost`'s four calls, and nothing else.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
 
 if TYPE_CHECKING:
-    import torch
-
     from swapsched.hardware import Hardware
     from swapsched.runtime.backends import Backend
     from swapsched.runtime.layout import PlanLayout
     from swapsched.runtime.recompute import BlockCheckpoints
 
-__all__ = ["StepFrame", "StepHost"]
+__all__ = ["StepFrame", "StepHost", "SavedTensorHooks", "GradientsKept"]
+
+
+class GradientsKept:
+    """The model's gradients as they were before a step of a new shape reached backward (None as
+    a rule, a copy where the loop accumulates), to put back if the runtime refuses that shape."""
+
+    def __init__(self, model: torch.nn.Module | None) -> None:
+        self.model = model
+        self._grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
+
+    def keep(self) -> None:
+        if self.model is not None:
+            self._grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in self.model.parameters()]
+
+    def restore(self) -> None:
+        for p, g in self._grads:
+            p.grad = g
+        self._grads = []
+
+    def drop(self) -> None:
+        self._grads = []
+
+
+class SavedTensorHooks:
+    """A step's pack and unpack hooks on autograd's stack, as ``saved_tensors_hooks`` pushes and
+    pops them, but by hand: an executing step may take them off after its first saved tensor
+    (:meth:`off`, ``StepHost.take_hooks_off``), and the pop at the step's end must not then take
+    another's."""
+
+    def __init__(self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]) -> None:
+        self.pack, self.unpack, self.on = pack, unpack, False
+
+    def __enter__(self) -> SavedTensorHooks:
+        torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
+        self.on = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.on:
+            self.off()
+
+    def off(self) -> None:
+        """Pop the hooks (from inside the step's first pack: they are the innermost ones)."""
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        self.on = False
 
 
 class StepHost(Protocol):

@@ -89,6 +89,7 @@ class ShapePlans:
         self._executed_times: dict[Family, dict[int, tuple[np.ndarray, float]]] = {}
         # shape key -> (its layout, the report of its first executed step): re-timed on its next step
         self._untimed: dict[int, tuple[PlanLayout, StepReport]] = {}
+        self._followed: dict[int, int] = {}  # shape key -> hooked steps in a row that followed its plan
         self._quick_s = QUICK_PLAN_GUESS_S  # the last quick plan's seconds: the next one's expected time
         self._run_s = 0.0  # every step's seconds so far, and the planning done on the loop's thread
         self._loop_planning_s = 0.0
@@ -247,7 +248,32 @@ class ShapePlans:
                 installed.append((replaced, layout))
         return installed
 
+    def keep_sizes(self, profiled: list[tuple[Trace, dict[int, int]]], planned: PlanLayout) -> None:
+        """The profiling steps (trace, order of first sight) of sizes other than the one planned
+        (``planned``: a padded batch's first steps): each of the planned family's sizes gets a
+        layout of its own, as a new shape profiled as it ran does, so that the family predicts from
+        all of them. Other structures are left out, and sizes no plan fits (refused when they come)."""
+        for trace, first_sight in reversed(profiled):  # the latest step of each size
+            if (first_bytes(trace) in self.layouts or first_sight != planned.first_sight
+                    or structure(trace) != planned.family or trace.min_feasible_bytes > self.budgets.or_zero(trace)):
+                continue
+            layout = self.lay_out(trace, *self.borrowed(trace, self.kin(trace, first_sight)), first_sight=first_sight)
+            self.keep(layout)
+            if self.policy is not None:
+                self.replan(layout, trace)
+
     # ------------------------------------------------------------------ what executed steps measured
+    def note_followed(self, layout: PlanLayout, followed: bool) -> None:
+        """A hooked step ran ``layout``'s plan: ``followed`` as planned within the budget, or not."""
+        if followed:
+            self._followed[layout.shape_key] = self._followed.get(layout.shape_key, 0) + 1
+        else:
+            self._followed.pop(layout.shape_key, None)
+
+    def followed(self, layout: PlanLayout) -> int:
+        """Hooked steps in a row that ran ``layout``'s shape's plan as planned within the budget."""
+        return self._followed.get(layout.shape_key, 0)
+
     def note_times(self, layout: PlanLayout, rep: StepReport) -> None:
         """Keep the gaps the step of ``layout``'s shape just measured, for its family's predictions."""
         if rep.gaps_s is None or len(rep.gaps_s) != layout.trace.n_events:

@@ -181,6 +181,26 @@ class BlockCheckpoints:
         return trace.with_segments(lambda sg: self._module(sg.name) is not None,
                                    selective=self._made_by(trace) is not None and _POLICY_SEES_OUTPUT)
 
+    def fell_short(self, trace: Trace, budget: int | None) -> bool:
+        """R9, selective: the steps as they ran with blocks checkpointed selectively (``trace``)
+        cannot meet ``budget``, as the plan made before expected. A selective recompute runs every
+        op it does not save, so its transients can exceed the bytes it was planned to rebuild;
+        then those blocks are to be checkpointed whole, which frees all of each block."""
+        return bool(self.selective) and budget is not None and trace.min_feasible_bytes > budget
+
+    def planned_on(self, trace: Trace) -> Trace:
+        """What the policy may plan on: with blocks already checkpointed, ``trace`` is the steps as
+        they run so (R9's second stage), and only swaps are planned; else :meth:`executable`."""
+        return trace.with_segments(lambda sg: False) if self.names else self.executable(trace)
+
+    @staticmethod
+    def rebuilt_bytes(trace: Trace, plan: SwapPlan) -> dict[str, int]:
+        """Block -> the bytes ``plan``'s recompute of it rebuilds, until a profile measures them: a
+        block checkpointed whole all its members, a selective one only its cheap ones (R9)."""
+        segments = {sg.name: sg for sg in trace.segments}
+        return {**{name: segments[name].bytes for name in plan.recompute},
+                **{name: segments[name].cheap_bytes for name in plan.selective}}
+
     def record_producers(self, trace: Trace, producers: dict[int, tuple[tuple[str, Any, int], ...]]) -> None:
         """A profiling step's ``trace`` and which op call made each of its saved tensors, per
         module (``ProfileStep.producers``); kept from a whole step with no block checkpointed."""

@@ -7,6 +7,7 @@ gives what the runtime costs the host. ``PolicyRuntime`` (``runtime/swapper.py``
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -19,7 +20,40 @@ from swapsched.trace import Trace
 if TYPE_CHECKING:
     from swapsched.runtime.reports import StepReport
 
-__all__ = ["timed_by_execution", "median_trace", "fitted_host_costs", "nonnegative_fit"]
+__all__ = ["timed_by_execution", "median_trace", "fitted_host_costs", "nonnegative_fit", "ExecutedSteps"]
+
+#: Executed steps whose hook times the host's costs are fitted from (the latest ones)
+HOST_STEPS_KEPT = 64
+
+
+class ExecutedSteps:
+    """The executed steps of the current trace, kept to re-time it every ``every`` of them.
+
+    ``given``: the hardware as given; ``fit_host``: fit the host's costs onto it from the latest
+    ``HOST_STEPS_KEPT`` steps (uncalibrated hardware on the emulated device)."""
+
+    def __init__(self, every: int, given: Hardware, fit_host: bool) -> None:
+        self.every, self.given, self.fit_host = every, given, fit_host
+        self._steps: list[StepReport] = []  # not yet used to re-time the trace
+        self._host: deque[StepReport] = deque(maxlen=HOST_STEPS_KEPT)
+
+    def add(self, rep: StepReport, trace: Trace) -> tuple[Trace, Hardware | None] | None:
+        """``rep`` ran ``trace``. Every ``every`` steps: the trace re-timed from them, and the
+        hardware with the host's costs fitted (None where they are not fitted); else None."""
+        if rep.gaps_s is not None:
+            self._steps.append(rep)
+            self._host.append(rep)
+        if len(self._steps) < self.every:
+            return None
+        retimed = timed_by_execution(trace, self._steps)
+        self._steps = []
+        fitted = fitted_host_costs(self.given, list(self._host), retimed.n_events) if self.fit_host else None
+        return retimed, fitted
+
+    def forget(self) -> None:
+        """Drop the steps kept: they ran another trace (their events differ)."""
+        self._steps = []
+        self._host.clear()
 
 
 def timed_by_execution(trace: Trace, reports: list[StepReport]) -> Trace:

@@ -7,30 +7,10 @@
         optimizer.step(); optimizer.zero_grad()
     print(runtime.report())
 
-Step 1 is profiled into a Trace (``timing: measured``) while every saved tensor goes to the host
-and comes back on demand (PyTorch's ``save_on_cpu`` semantics, so the profiling step fits any
-feasible budget); the policy then plans once (on the CPU backend, once more after the first
-executed steps have re-timed the trace: ``timed_by_execution``). Later steps execute the plan by
-the rules the simulator uses (R4-R7): at each hook call *i* (an event of the trace) the runtime (a)
-makes the unpacked tensor resident, waiting for its swap-in or copying it on demand, (b) frees
-tensors whose last use is *i*, (c) issues the swap-outs planned at *i*, (d) issues the prefetches
-planned at *i*, which wait in issue order for room under the budget.
-
-Each step's events are checked against the trace. A step whose first saved tensor has other
-bytes is another shape: it runs that shape's plan, or one predicted for it from its family's
-profiled sizes (``shapes.py``), or is profiled as it runs and planned after it. A step that leaves
-its trace later (other control flow, a wrong prediction) diverges: it finishes on demand (nothing
-new is planned, everything evicted comes back when unpacked, R4 still makes room) and the next
-step is profiled and planned again. A guard evicts on the spot, by the MIN rule, when the
-accounted device memory would exceed the budget despite the plan.
-
-Where each job lives: this module is ``PolicyRuntime``, the runtime to which ``swapsched.SwapRuntime``
-gives policies by name (profile, plan, execute, re-time, one phase after another, see
-:class:`Phase`); ``profile_step.py`` the profiling step;
-``execute_step.py`` the executing step and its guard; ``accounting.py`` what both count;
-``stash.py`` what autograd keeps per saved tensor; ``retime.py`` the re-timing from executed steps;
-``shapes.py`` the families of shapes; ``background.py`` the plans made on the planner thread;
-``recompute.py`` the checkpointed blocks (R9), selective ones included.
+What a run does, phase by phase, and which module holds each job: the package's docstring
+(``swapsched/runtime/__init__.py``). This module is ``PolicyRuntime``, the runtime to which
+``swapsched.SwapRuntime`` gives policies by name: profile, plan, execute, re-time, one phase after
+another (see :class:`Phase`), and R9's two stages.
 """
 
 from __future__ import annotations
@@ -38,32 +18,30 @@ from __future__ import annotations
 import contextlib
 import enum
 import time
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from swapsched.budget import BudgetError, parse_budget
+from swapsched.budget import BudgetError
 from swapsched.env.simulator import SimResult
 from swapsched.errors import UserError, internal_assert, present
-from swapsched.hardware import HOST_COSTS, Hardware, default_hardware, load_hardware
+from swapsched.hardware import HOST_COSTS, Hardware
 from swapsched.plan import SwapPlan, carry_evictions
 from swapsched.policy import Policy
 from swapsched.runtime.accounting import StepExecution
-from swapsched.runtime.backends import Backend, CpuBackend, make_backend, resolve_backend
+from swapsched.runtime.backends import Backend, resolve_backend, runtime_devices
 from swapsched.runtime.budgets import ShapeBudgets
 from swapsched.runtime.execute_step import ExecuteStep
-from swapsched.runtime.frame import StepFrame
+from swapsched.runtime.frame import GradientsKept, SavedTensorHooks, StepFrame
 from swapsched.runtime.layout import PlanLayout
 from swapsched.runtime.plans import ShapePlans, without_small
 from swapsched.runtime.profile_step import ProfileStep
 from swapsched.runtime.profiler import static_bytes_of, storage_key
 from swapsched.runtime.recompute import BlockCheckpoints
 from swapsched.runtime.reports import Divergence, DivergenceError, RunSummary, RunTally, StepReport
-from swapsched.runtime.retime import fitted_host_costs, median_trace, timed_by_execution
-from swapsched.runtime.shapes import first_bytes, structure
+from swapsched.runtime.retime import ExecutedSteps, median_trace
 from swapsched.trace import Trace
 
 __all__ = ["PolicyRuntime", "Phase", "StepReport", "RunSummary", "Divergence", "DivergenceError"]
@@ -149,29 +127,11 @@ class PolicyRuntime:
         if budgets.device and name != "cuda":
             raise UserError("budget='device' is the CUDA device's own capacity; on the CPU backend give bytes "
                             "('6GiB') or a share of the step's activation peak ('60%')")
-        if bandwidth is not None and not bandwidth > 0:
-            raise UserError(f"bandwidth must be positive bytes/s, got {bandwidth!r}")
-        if hardware is None:
-            hw = load_hardware(default_hardware(name))
-            if bandwidth is not None:  # plan for the link the copies really get
-                hw = replace(hw, name=f"{hw.name}@{bandwidth:.3g}B/s", d2h_bytes_per_s=bandwidth, h2d_bytes_per_s=bandwidth)
-        else:
-            hw = load_hardware(hardware)  # e.g. a calibrated profile: used for planning as it is
-        if host_budget is not None:  # R11: the host bytes swapped tensors may hold; plans and the pool keep to it
-            if isinstance(host_budget, str) and host_budget.strip().endswith("%"):
-                raise UserError(f"host_budget {host_budget!r}: give bytes, like '64GiB' (pinned host memory for this rank)")
-            hw = hw.with_host(host_budget_bytes=parse_budget(host_budget))
+        hw, self.backend = runtime_devices(name, backend if isinstance(backend, Backend) else None, hardware, bandwidth,
+                                           host_budget)
         # the layouts per shape, each shape's first plan, and the policy's plans made on a thread
         # while steps run on a plan borrowed at once from the family (plans.py)
         self.plans = ShapePlans(hw, budgets, policy, quick_policy, min_bytes=min_bytes, background=background_planning)
-        if isinstance(backend, Backend):
-            self.backend = backend
-        elif name == "cpu" and bandwidth is not None and hardware is not None:
-            self.backend = CpuBackend(bandwidth, bandwidth, 0.0)  # the link alone; its latency was measured
-        else:
-            self.backend = make_backend(name, hw)
-        if hasattr(self.backend, "pool"):
-            self.backend.pool.limit = hw.host_budget_bytes
         self.min_bytes = int(min_bytes)
         if profile_steps < 1:
             raise UserError(f"profile_steps must be at least 1, got {profile_steps}")
@@ -181,11 +141,8 @@ class PolicyRuntime:
         if retime_steps < 0:
             raise UserError(f"retime_steps must be 0 (off) or more, got {retime_steps}")
         self.retime_steps = int(retime_steps)
-        self._executed: list[StepReport] = []  # executed steps not yet used to re-time the trace
-        # uncalibrated hardware (no host costs): the runtime fits them from its executed steps
-        self._given_hardware = self.hardware
-        self._fit_host = self.backend.emulated and not any(getattr(hw, k) for k in HOST_COSTS)
-        self._host_steps: deque[StepReport] = deque(maxlen=64)
+        # executed steps re-time the trace; on uncalibrated hardware (no host costs) they fit those too
+        self._executed = ExecutedSteps(self.retime_steps, hw, self.backend.emulated and not any(getattr(hw, k) for k in HOST_COSTS))
         self._policy_planned = False  # the plan is the policy's (re-planned after re-timing), not use_plan's
         # parameters, gradients and optimizer state: counted in absolute budgets when the model is given
         self.static_bytes = static_bytes_of(model, optimizer) if model is not None else 0
@@ -205,12 +162,11 @@ class PolicyRuntime:
         # the adopted plan laid out for the hooks, and one per shape seen (keyed by the bytes of the
         # step's first saved tensor): a step of a shape profiled before executes that shape's plan
         self.layout: PlanLayout | None = None
-        self._hooked = False  # the step's hooks are on the stack (see step and take_hooks_off)
-        self._followed: dict[int, int] = {}  # shape -> executed steps in a row that followed its plan
+        self._hooks: SavedTensorHooks | None = None  # the running step's (see take_hooks_off)
         # use_plan's plan that recomputes and swaps: (the trace it was made on, the plan) until the
         # steps with its blocks checkpointed are profiled and its swaps carried onto them
         self._given: tuple[Trace, SwapPlan] | None = None
-        self._grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []  # see note_grads
+        self._grads = GradientsKept(model)  # see note_grads
         self.predicted_s: float | None = None
         self.steps = 0
         self._report: StepReport | None = None
@@ -278,16 +234,8 @@ class PolicyRuntime:
         self._exec = ex
         t0 = time.perf_counter()
         try:
-            # saved_tensors_hooks' own push and pop, by hand: an executing step may take the hooks
-            # off after its first saved tensor (take_hooks_off), and the pop must not then take another's
-            torch._C._autograd._push_saved_tensors_default_hooks(ex.pack, ex.unpack)
-            self._hooked = True
-            try:
+            with SavedTensorHooks(ex.pack, ex.unpack) as self._hooks:
                 yield self
-            finally:
-                if self._hooked:
-                    torch._C._autograd._pop_saved_tensors_default_hooks()
-                    self._hooked = False
             ex.finish()
         except BaseException:
             ex.abort()  # leave no held buffers; the next step starts clean
@@ -315,29 +263,20 @@ class PolicyRuntime:
         (``audit``, ``strict``, ``unhook=False``: what measures the hooks themselves), and
         ``UNHOOK_AFTER`` steps of the shape have executed it as planned within the budget."""
         return (self.unhook and not self.audit and not self.strict and (self._retimed or not self.retime_steps)
-                and not layout.plan.evictions and self._followed.get(layout.shape_key, 0) >= UNHOOK_AFTER)
+                and not layout.plan.evictions and self.plans.followed(layout) >= UNHOOK_AFTER)
 
     def take_hooks_off(self) -> None:
         """Take the step's hooks off (from inside its first pack: they are the innermost ones)."""
-        torch._C._autograd._pop_saved_tensors_default_hooks()
-        self._hooked = False
-
-    def _note_followed(self, ex: ExecuteStep) -> None:
-        rep = present(self._report, "the report of the step that just ran")
-        key = ex.layout.shape_key
-        if rep.unhooked:
-            return
-        if rep.plan_followed and rep.guard_evictions == 0 and not ex.diverged:
-            self._followed[key] = self._followed.get(key, 0) + 1
-        else:
-            self._followed.pop(key, None)
+        present(self._hooks, "the running step's hooks").off()
 
     def _after_step(self, ex: StepExecution) -> None:
         """The after-step work of the kind of step ``ex`` was (one method per kind)."""
+        rep = present(self._report, "the report of the step that just ran")
         if isinstance(ex, ExecuteStep) and ex.profile is None:
-            self._note_followed(ex)
+            if not rep.unhooked:
+                self.plans.note_followed(ex.layout, rep.plan_followed and rep.guard_evictions == 0 and not ex.diverged)
             if not ex.diverged:
-                self.plans.note_times(ex.layout, present(self._report, "the report of the step that just ran"))
+                self.plans.note_times(ex.layout, rep)
         if isinstance(ex, ProfileStep):
             if ex.trace is not None:
                 self.first_sight = ex.first_sight
@@ -351,7 +290,7 @@ class PolicyRuntime:
         elif ex.diverged:
             self._after_divergence(ex)
         elif ex.layout is not self.layout:  # another shape's, under its own plan: it re-times nothing of this one
-            self.plans.note_other_shape(ex.layout, present(self._report, "the report of the step that just ran"))
+            self.plans.note_other_shape(ex.layout, rep)
         elif self.phase is Phase.RETIME:
             self._after_retime_step()
 
@@ -376,41 +315,12 @@ class PolicyRuntime:
         if self._profiled >= self.profile_steps:
             profiled, self._profiles = self._profiles, []
             trace = median_trace([trace for trace, _ in profiled])
-            if self._selective_fell_short(trace):
+            if self.blocks is not None and self.blocks.fell_short(trace, self.budget_bytes):
+                self._checkpoint_blocks(self.blocks.names, {})  # whole, and profiled again
                 return
             self._plan_from(trace)
-            self._keep_other_sizes(profiled[:-1])
-
-    def _selective_fell_short(self, trace: Trace) -> bool:
-        """R9, selective: the steps as they ran with blocks checkpointed selectively (``trace``)
-        cannot meet the run's budget, as the plan made before expected. A selective recompute runs
-        every op it does not save, so its transients can exceed the bytes it was planned to
-        rebuild. Then those blocks are checkpointed whole, which frees all of each block, and the
-        steps are profiled again."""
-        blocks = self.blocks
-        if (blocks is None or not blocks.selective or self.budget_bytes is None
-                or trace.min_feasible_bytes <= self.budget_bytes):
-            return False
-        self._checkpoint_blocks(blocks.names, {})
-        return True
-
-    def _keep_other_sizes(self, profiled: list[tuple[Trace, dict[int, int]]]) -> None:
-        """The profiling steps of sizes other than the one planned (a padded batch's first steps):
-        each of the planned family's sizes gets a layout of its own, as a new shape profiled as it
-        ran does, so that the family predicts from all of them. Other structures are left out."""
-        if self.layout is None:  # R9's first stage: the steps are profiled again, with the blocks checkpointed
-            return
-        planned = self.layout
-        for trace, first_sight in reversed(profiled):  # the latest step of each size
-            key = first_bytes(trace)
-            if (key in self.layouts or first_sight != planned.first_sight or structure(trace) != planned.family
-                    or trace.min_feasible_bytes > self.plans.budgets.or_zero(trace)):  # refused when it comes again
-                continue
-            layout = self.plans.lay_out(trace, *self.plans.borrowed(trace, self.plans.kin(trace, first_sight)),
-                                        first_sight=first_sight)
-            self.plans.keep(layout)
-            if self.policy is not None:
-                self.plans.replan(layout, trace)
+            if self.layout is not None:  # else R9's first stage: the steps are profiled again, blocks checkpointed
+                self.plans.keep_sizes(profiled[:-1], self.layout)
 
     def _after_new_shape(self, profiled: ProfileStep) -> None:
         """A shape no plan was made for, profiled in the step that showed it: planned now, from
@@ -425,10 +335,10 @@ class PolicyRuntime:
             # refused: the step ran on the host (profiling), so nothing but its gradients is left
             # of it; those are put back as they were, so that the model, the optimizer (it has not
             # stepped) and this runtime are as if the step had never come
-            self._restore_grads()
+            self._grads.restore()
             raise
-        self._grads = []
-        self._forget_executed()
+        self._grads.drop()
+        self._executed.forget()
         kin = self.plans.kin(trace, self.first_sight)
         if not (kin and self.plans.background and self.policy is not None):
             self._plan_from(trace)
@@ -442,28 +352,20 @@ class PolicyRuntime:
         """The step left its trace: the next step is profiled and planned again."""
         if ex.layout.predicted:  # the prediction was wrong: that size is profiled when it comes again
             self.plans.forget(ex.layout.shape_key)
-        self.trace = self.plan = self.layout = None
-        self._profiled = self.profile_steps - 1
-        self._profiles = []
-        self._forget_executed()
+        self._profile_again(steps=1)
 
     def _after_retime_step(self) -> None:
         """Every ``retime_steps`` executed steps: the trace's gaps from them (and the host's costs,
         where fitted); the first time the policy plans again on them, later only the prediction
         follows."""
-        rep = present(self._report, "the report of the step that just ran")
-        trace = present(self.trace, "the trace of the executing plan")
-        if rep.gaps_s is not None:
-            self._executed.append(rep)
-            self._host_steps.append(rep)
-        if len(self._executed) < self.retime_steps:
+        due = self._executed.add(present(self._report, "the report of the step that just ran"),
+                                 present(self.trace, "the trace of the executing plan"))
+        if due is None:
             return
-        first = not self._retimed
-        retimed = timed_by_execution(trace, self._executed)
-        self._executed = []
-        if self._fit_host:
-            self.plans.hardware = fitted_host_costs(self._given_hardware, list(self._host_steps), retimed.n_events)
-        if first and self._policy_planned:
+        retimed, fitted = due
+        if fitted is not None:
+            self.plans.hardware = fitted
+        if not self._retimed and self._policy_planned:
             self._plan_from(retimed, retimed=True)  # once: the policy plans again, on the compute as it runs
         else:
             # the plan stays (a plan given by use_plan always does); its prediction follows the
@@ -525,28 +427,15 @@ class PolicyRuntime:
 
     # ------------------------------------------------------------------ planning
     def note_grads(self) -> None:
-        """Before a step of a new shape reaches backward: the model's gradients as they are (None
-        as a rule, a copy where the loop accumulates), to put back if the shape is refused."""
-        if self.model is not None:
-            self._grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in self.model.parameters()]
-
-    def _restore_grads(self) -> None:
-        for p, g in self._grads:
-            p.grad = g
-        self._grads = []
+        """Before a step of a new shape reaches backward: the model's gradients as they are, to put
+        back if the shape is refused."""
+        self._grads.keep()
 
     def _planned_on(self, trace: Trace) -> Trace:
         """What the policy may plan on: with the blocks already checkpointed, ``trace`` is the steps
         as they run so (R9 done), and only swaps are planned; else the blocks the runtime can
         checkpoint (none without a model: no module was recorded)."""
-        if self.blocks is None or self.blocks.names:
-            return trace.with_segments(lambda sg: False)
-        return self.blocks.executable(trace)
-
-    def _forget_executed(self) -> None:
-        """Drop the executed steps kept for re-timing: they ran another trace (their events differ)."""
-        self._executed = []
-        self._host_steps.clear()
+        return trace.with_segments(lambda sg: False) if self.blocks is None else self.blocks.planned_on(trace)
 
     def _take_trace(self, trace: Trace, retimed: bool = False) -> None:
         """``trace`` (profiled, or ``retimed`` by executed steps) is the one plans are made on
@@ -585,11 +474,8 @@ class PolicyRuntime:
             raise UserError(f"plan {plan.policy!r} recomputes {len(blocks)} block(s) (R9): give the runtime "
                             "the model (SwapRuntime(model=...)) so that it can run them under torch.utils.checkpoint")
         plan.validate(trace)
-        segments = {sg.name: sg for sg in trace.segments}
         saved = self.blocks.selective_saves(trace, plan)
-        # the bytes each recompute rebuilds, until the profile measures them: a selective one only its cheap members
-        self._rebuilt = {name: segments[name].bytes for name in plan.recompute}
-        self._rebuilt.update({name: segments[name].cheap_bytes for name in plan.selective})
+        self._rebuilt = self.blocks.rebuilt_bytes(trace, plan)
         self._checkpoint_blocks(blocks, saved)
 
     def _checkpoint_blocks(self, names: tuple[str, ...], saved: dict[str, frozenset[Any]]) -> None:
@@ -597,16 +483,21 @@ class PolicyRuntime:
         which is profiled again: plans and layouts made before are for steps that ran otherwise."""
         present(self.blocks, "the model's blocks").install(names, saved)
         self._drop_layouts()
-        self.trace = self.plan = self.layout = None
-        self.predicted_s = None
-        self._profiled = 0
+        self._profile_again(steps=self.profile_steps)
+
+    def _profile_again(self, steps: int) -> None:
+        """The next ``steps`` steps are profiled, and the policy plans after them: what was planned
+        is for steps that ran otherwise (new blocks checkpointed, a step that left its trace)."""
+        self.trace = self.plan = self.layout = self.predicted_s = None
+        self._profiled = self.profile_steps - steps
         self._profiles = []
+        self._executed.forget()
 
     def _drop_layouts(self) -> None:
         """The blocks checkpointed changed: every layout (and plan in the making) was laid out for
         steps that ran otherwise, and the executed steps kept for re-timing ran another trace."""
         self.plans.clear()
-        self._forget_executed()
+        self._executed.forget()
 
     def _adopt(self, plan: SwapPlan, simulated: SimResult | None = None) -> None:
         """Check ``plan`` (R7), predict its step time, and lay it out per event for the hooks."""
