@@ -17,6 +17,8 @@ from swapsched.runtime.reports import Divergence, StepReport
 from swapsched.runtime.stash import Record
 
 if TYPE_CHECKING:
+    import torch
+
     from swapsched.runtime.frame import StepFrame
 
 __all__ = ["StepExecution"]
@@ -77,6 +79,14 @@ class StepExecution:
         if not self.frame.audit:
             return None
         return self.frame.static_bytes + self.alive_peak if self.audit else self.backend.peak_bytes()
+
+    def pack(self, t: torch.Tensor) -> Any:
+        """The saved-tensor pack hook: what autograd keeps for ``t``."""
+        raise NotImplementedError
+
+    def unpack(self, p: Any) -> torch.Tensor:
+        """The unpack hook: ``t`` back from what :meth:`pack` returned."""
+        raise NotImplementedError
 
     def finish(self) -> None:
         pass

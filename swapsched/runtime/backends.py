@@ -131,6 +131,7 @@ class Backend:
     name = "abstract"
     device_type = "cpu"
     emulated = True
+    pool: HostPool  # the host buffers swapped tensors go to (R11's limit on them)
 
     def synchronize(self) -> None:
         """Wait until the device has run everything queued (step boundaries only)."""
@@ -203,12 +204,12 @@ class _CopyEngine(threading.Thread):
     def __init__(self, name: str, bytes_per_s: float | None, latency_s: float):
         super().__init__(name=name, daemon=True)
         self.bytes_per_s, self.latency_s = bytes_per_s, latency_s
-        self.queue: deque[tuple[Ticket, Callable[[], None]]] = deque()
+        self.queue: deque[tuple[Ticket, Callable[[], object]]] = deque()
         self.cv = threading.Condition()
         self.stopped = False
         self.start()
 
-    def submit(self, t: Ticket, copy: Callable[[], None]) -> None:
+    def submit(self, t: Ticket, copy: Callable[[], object]) -> None:
         with self.cv:
             self.queue.append((t, copy))
             self.cv.notify()
@@ -321,7 +322,7 @@ class CpuBackend(Backend):
         d2h, h2d, _ = self.rates
         if d2h is None and h2d is None:
             return "emulated, unthrottled"
-        rate = f"{d2h / 1e9:.3g} GB/s" if d2h == h2d else f"{(d2h or 0) / 1e9:.3g}/{(h2d or 0) / 1e9:.3g} GB/s"
+        rate = f"{(d2h or 0) / 1e9:.3g} GB/s" if d2h == h2d else f"{(d2h or 0) / 1e9:.3g}/{(h2d or 0) / 1e9:.3g} GB/s"
         return f"emulated, {rate}"
 
     def copy_in_now(self, host: torch.Tensor, device: Any = None) -> torch.Tensor:

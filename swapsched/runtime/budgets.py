@@ -25,9 +25,9 @@ class ShapeBudgets:
     ``spec``: ``"60%"``, bytes (``"6GiB"``, an int), or ``"device"`` (resolved by
     :meth:`resolve_device` before the first step)."""
 
-    def __init__(self, spec: str | int) -> None:
+    def __init__(self, spec: str | int | float) -> None:
         self.device = spec == "device"
-        self.spec: str | int = spec if self.device else check_budget(spec)  # malformed: fails here
+        self.spec: str | int | float = spec if self.device else check_budget(spec)  # malformed: fails here
         self.bytes: int | None = None  # the current shape's, once a trace has been taken
         self._by_shape: dict[int, int] = {}  # a relative budget per shape (its first saved tensor's bytes)
         self._high = 0  # the most bytes any shape's budget has stood for in this run
@@ -50,7 +50,7 @@ class ShapeBudgets:
         self.bytes = self.of(trace)
         return self.bytes
 
-    def respecify(self, spec: str | int, trace: Trace) -> None:
+    def respecify(self, spec: str | int | float, trace: Trace) -> None:
         """Another budget from now (``use_plan(budget=...)``): every shape resolves it anew, and
         ``trace``'s shape is the current one. A malformed or infeasible one fails here."""
         spec = check_budget(spec)
@@ -69,7 +69,7 @@ class ShapeBudgets:
                               f"{format_bytes(others_bytes)} the process holds leave nothing beyond the model's "
                               f"{format_bytes(static_bytes)}")
 
-    def _resolve(self, spec: str | int, trace: Trace, resolved: int | None) -> int:
+    def _resolve(self, spec: str | int | float, trace: Trace, resolved: int | None) -> int:
         """``spec`` in bytes for this step's trace (``resolved``: the bytes it already stands for
         in this run); below what the step can meet, one error that names the runtime's budget and
         says why the step cannot go lower."""

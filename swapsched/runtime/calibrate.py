@@ -235,7 +235,7 @@ def calibrate_host(backend_name: str, bandwidth: float | None = None, rounds: in
     rows, ys, hooks = [], [], []
     for model, size in WORKLOADS:
         (keep, *moving), n_events = _measure_workload(model, size, backend_name, bandwidth, rounds, on_round)
-        hooks.append(med(r.hook_s for rnd in keep for r in rnd) / n_events)
+        hooks.append(med(r.hook_s or 0.0 for rnd in keep for r in rnd) / n_events)
         for plan_rounds in moving:
             reps = [r for rnd in plan_rounds for r in rnd]
             rows.append([med(r.copies for r in reps), med(r.evicted_bytes + r.prefetched_bytes + r.on_demand_bytes for r in reps),

@@ -155,13 +155,13 @@ class ExecuteStep(StepExecution):
 
     def _drain(self) -> None:
         self._count_deaths()
-        while self.outs and self.backend.done(self.outs[0].out):
+        while self.outs and self.backend.done(present(self.outs[0].out, "a swap-out in flight")):
             self._retire_out(self.outs.popleft())
         if self.waiting:
             self._admit()
 
     def _retire_out(self, rec: Record) -> None:
-        t = rec.out
+        t = present(rec.out, "a retired swap-out's ticket")
         if t.error is not None:
             raise CopyError(f"swap-out of tensor {rec.tid} ({format_bytes(rec.nbytes)}) failed: {t.error}") from t.error
         t.src = None  # complete, or compute waits for it: the device storage may go (see backends.py)
@@ -178,7 +178,7 @@ class ExecuteStep(StepExecution):
 
     def _start_in(self, rec: Record) -> None:
         self._account(rec.nbytes)
-        rec.inn = self.backend.copy_in(rec.host, rec.out)
+        rec.inn = self.backend.copy_in(present(rec.host, "an evicted tensor's host copy"), rec.out)
         st = rec.inn.dst.untyped_storage()
         self._on_death(st, self.deaths.append, rec.nbytes)
         if self.audit:
@@ -204,12 +204,14 @@ class ExecuteStep(StepExecution):
                 continue
             if self.outs:
                 t0 = time.perf_counter()
-                self.waits += not self.backend.done(self.outs[0].out)
+                first = self.outs[0]
+                out = present(first.out, "a swap-out in flight")
+                self.waits += not self.backend.done(out)
                 # the compute that follows waits for the swap-out, not the host (a stream wait on
                 # CUDA, so the device's queue does not drain; its stall is timed on the device).
                 # Dropping the source then is safe: only compute, queued after the wait, can reuse
                 # its memory, and a swap-in of it waits for the swap-out on its own stream (R6)
-                self._wait(self.outs[0], self.outs[0].out, use=True)
+                self._wait(first, out, use=True)
                 self.stall_s += time.perf_counter() - t0
                 self._retire_out(self.outs.popleft())
                 continue
@@ -239,9 +241,9 @@ class ExecuteStep(StepExecution):
         """Take back a prefetch not yet used: wait for its copy (the ticket holds the device
         buffer until then), then drop the ticket, the buffer's one owner, so it dies and its
         finalizer takes its bytes out of the accounting (see _start_in)."""
-        internal_assert(rec.inn is not None and rec.host is not None, f"a prefetch taken back (tensor {rec.tid}) has its copy")
+        internal_assert(rec.host is not None, f"a prefetch taken back (tensor {rec.tid}) has its host copy")
         t0 = time.perf_counter()
-        self._wait(rec, rec.inn)
+        self._wait(rec, present(rec.inn, f"the swap-in of a prefetch taken back (tensor {rec.tid})"))
         self.stall_s += time.perf_counter() - t0
         rec.inn = None
         rec.state = HOST
@@ -325,7 +327,7 @@ class ExecuteStep(StepExecution):
                 return Packed(None, t)
             if i == 0 and tid >= 0 and self.tensor_bytes[tid] != nbytes:
                 if not self._first_tensor(nbytes):  # a new shape: this step profiles it
-                    return self.profile.pack(t)
+                    return present(self.profile, "the profiling step a new shape hands over to").pack(t)
                 tid = self.first_sight.get(self.n_seen, -1)
             self.n_seen += 1
             if tid < 0:
@@ -371,21 +373,21 @@ class ExecuteStep(StepExecution):
 
     def unpack(self, p: Packed) -> torch.Tensor:
         if p.profiled:  # packed after this step handed its hooks to a profiling step
-            return self.profile.unpack(p)
+            return present(self.profile, "the profiling step this one handed over to").unpack(p)
         t_in = time.perf_counter()
         if self.marks_in is not None and self.i < len(self.marks_in):
             self.marks_in[self.i] = self.backend.mark()
         p.check_version()
         rec = p.rec
         if rec is None:
-            return p.tensor
+            return present(p.tensor, "a kept tensor")
         i = self.i
         ex = self.expected
         if i >= len(ex) or ex[i] != ~rec.tid:
             self._diverge(f"unpack of tensor {rec.tid}")
         out = p.tensor
         if out is None:  # evicted at some point (a handle holds its tensor only while resident)
-            out = self._make_resident(p)
+            out = self._make_resident(p, rec)
         self._end_event(i, t_in)
         return out
 
@@ -410,9 +412,8 @@ class ExecuteStep(StepExecution):
         self.hook_s += now - t_in
         self.last_exit = now
 
-    def _make_resident(self, p: Packed) -> torch.Tensor:
-        """(a) of an unpack whose tensor was evicted: wait for its prefetch, or bring it on demand."""
-        rec = p.rec
+    def _make_resident(self, p: Packed, rec: Record) -> torch.Tensor:
+        """(a) of an unpack of ``rec`` whose tensor was evicted: wait for its prefetch, or bring it on demand."""
         if self.outs or self.deaths:
             self._drain()
         # a freed tensor unpacked again (the step diverged) comes back from its host copy, which
@@ -424,24 +425,26 @@ class ExecuteStep(StepExecution):
             self._start_in(rec)
             self.on_demand += rec.nbytes
         if rec.state == IN:
+            inn = present(rec.inn, f"the swap-in of tensor {rec.tid}")
             t0 = time.perf_counter()
-            self.waits += not self.backend.done(rec.inn)
-            self._wait(rec, rec.inn, use=True)
+            self.waits += not self.backend.done(inn)
+            self._wait(rec, inn, use=True)
             self.stall_s += time.perf_counter() - t0
             if self.diverged:
                 # no plan says when it is last used: the swap-in buffer lives only as long as
                 # autograd holds what unpack returns (its finalizer takes the bytes out); an unpack
                 # after that brings it back again from the host copy, which stays to the step's end
-                buf, rec.inn, rec.state = rec.inn.dst, None, HOST
-                return rebuild(p, buf)
-            rec.flat = rec.inn.dst
+                rec.inn, rec.state = None, HOST
+                return rebuild(p, inn.dst)
+            rec.flat = flat = inn.dst
             rec.state = RESIDENT
             # a backward that records a graph (double backward) may save what it unpacked: the
             # swap-in buffer is the same saved tensor (R2), as the profiling step numbered it
-            st = rec.flat.untyped_storage()
+            st = flat.untyped_storage()
             self.keys[st._cdata] = rec
             self._on_death(st, self.keys.pop, st._cdata, None)
-        return rebuild(p, rec.flat)
+            return rebuild(p, flat)
+        return rebuild(p, present(rec.flat, f"tensor {rec.tid} on the device"))
 
     def _after_event(self, i: int) -> None:
         """(b)-(d) after event ``i``; called only for events with work (``self.work``)."""
@@ -459,19 +462,19 @@ class ExecuteStep(StepExecution):
                 del self.keys[rec.key]  # no pack of it may follow; its address may be reused
         # (c) swap-outs planned here
         for tid in self.out_at[i]:
-            rec = self.by_tid.get(tid)
-            if rec is not None and rec.state == RESIDENT:
-                if not self._host_room(rec.nbytes):
+            out = self.by_tid.get(tid)
+            if out is not None and out.state == RESIDENT:
+                if not self._host_room(out.nbytes):
                     self.host_skipped += 1  # R11: no room on the host, it stays (as the simulator has it)
                     continue
-                self._issue_out(rec)
+                self._issue_out(out)
         # (d) prefetches planned here, in issue order, waiting for room (R6)
         pf = self.prefetch_at[i]
         if pf:
             for tid in pf:
-                rec = self.by_tid.get(tid)
-                if rec is not None and rec.state in (OUT, HOST) and rec not in self.waiting:
-                    self.waiting.append(rec)
+                inn = self.by_tid.get(tid)
+                if inn is not None and inn.state in (OUT, HOST) and inn not in self.waiting:
+                    self.waiting.append(inn)
             self._admit()
 
     # ------------------------------------------------------------------ end of step
@@ -510,7 +513,7 @@ class ExecuteStep(StepExecution):
         complete, so its buffers may be reused; one that never completed may still write its host
         buffer, which is then dropped instead of pooled, and the backend starts fresh engines."""
         stuck: set[int] = set()
-        pending = [(rec, rec.out) for rec in self.outs]
+        pending = [(rec, rec.out) for rec in self.outs if rec.out is not None]  # every swap-out in flight has one
         pending += [(rec, rec.inn) for rec in self.ins if rec.inn is not None]  # None: released at its use
         for rec, t in pending:
             try:

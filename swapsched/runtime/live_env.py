@@ -17,7 +17,7 @@ import gymnasium as gym
 import numpy as np
 
 from swapsched.env.swap_env import SwapEnv
-from swapsched.errors import UserError
+from swapsched.errors import UserError, present
 from swapsched.plan import SwapPlan
 from swapsched.runtime.swapper import PolicyRuntime
 from swapsched.zoo import ModelCase, build_model
@@ -84,7 +84,7 @@ class LiveSwapEnv(gym.Env):
         obs, _, terminated, truncated, info = self.sim_env.step(action)
         if not terminated:
             return obs, 0.0, False, False, info
-        plan = SwapPlan.of(self.runtime.trace, "live-env", self.sim_env.evictions)
+        plan = SwapPlan.of(present(self.runtime.trace, "the profiled trace"), "live-env", self.sim_env.evictions)
         self.runtime.use_plan(plan)
         measured = statistics.median(self._train_step(self.runtime.step) for _ in range(self.steps_per_episode))
         rep = self.runtime.report()

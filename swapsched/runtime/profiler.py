@@ -23,6 +23,7 @@ import weakref
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import FlopCounterMode
 
 from swapsched.attention import AttentionKernel
-from swapsched.errors import UserError
+from swapsched.errors import UserError, present
 from swapsched.hardware import DEFAULT_CPU_HARDWARE, DEFAULT_GPU_HARDWARE, Hardware, load_hardware
 from swapsched.precision import Precision, autocast_for
 from swapsched.trace import Event, TensorInfo, Trace
@@ -258,7 +259,7 @@ class TraceRecorder:
             )
             self.op_names.append("")
             if self.ops is not None:
-                self.ops.name_saver(t, lambda name, i=tid: self.op_names.__setitem__(i, name))
+                self.ops.name_saver(t, partial(self.op_names.__setitem__, tid))
         self._mark(t0)
         self.kinds.append("pack")
         self.tensor_of.append(tid)
@@ -343,7 +344,7 @@ class TraceRecorder:
                         for new, old in enumerate(keep))
         if not events:
             raise ProfileError(f"{name}: the step saved no tensors for backward; there is nothing to swap")
-        tail_flops = (total_flops - marks_f[-1] + carry_f) if marks_f else 0.0
+        tail_flops = (total_flops - marks_f[-1] + carry_f) if marks_f and total_flops is not None else 0.0
         return Trace(
             name=name, timing=timing, device=device, static_bytes=int(static), tail_compute_s=float(tail + carry_s),
             tensors=tensors, events=tuple(events),
@@ -483,7 +484,7 @@ def profile(
     if dev.type == "meta":
         return replace(structural.retimed(target), device=f"meta->{target.name}")
 
-    _restore(snap)
+    _restore(present(snap, "the model's state before the structural step"))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     timing = TraceRecorder("cuda" if dev.type == "cuda" else "cpu")

@@ -272,7 +272,7 @@ class BlockCheckpoints:
                 # is the checkpoint's, dropped after forward and rebuilt when backward needs it,
                 # or (selective) kept in its cache until then. context_fn runs as the checkpoint
                 # starts (given only where needed: under torch.compile it must give dispatch modes)
-                extra = {"context_fn": lambda: self._contexts(name)} if self.metered or name in self.saved else {}
+                extra: dict[str, Any] = {"context_fn": lambda: self._contexts(name)} if self.metered or name in self.saved else {}
                 return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
             finally:
                 self.entering = outer

@@ -115,7 +115,7 @@ class RunTally:
         self.recent: deque[float] = deque(maxlen=window)
         self.plain: deque[float] = deque(maxlen=window)  # each of those steps' own plain step (its trace's)
 
-    def add(self, rep: StepReport, *, budget_bytes: int | None, budget_spec: str | int, shapes: int) -> RunSummary:
+    def add(self, rep: StepReport, *, budget_bytes: int | None, budget_spec: str | int | float, shapes: int) -> RunSummary:
         """The run so far, with ``rep``; the run's budget (``budget_spec``, in bytes for the
         current shape) and how many shapes have a plan."""
         self.steps += 1
@@ -209,7 +209,7 @@ class StepReport:
             f"stall {1e3 * self.stall_s:.2f} ms",
             f"  evicted {format_bytes(self.evicted_bytes)}, prefetched {format_bytes(self.prefetched_bytes)}, "
             f"on demand {format_bytes(self.on_demand_bytes)}",
-            (f"  peak device {format_bytes(self.peak_device_bytes)} of budget {format_bytes(self.budget_bytes)}"
+            (f"  peak device {format_bytes(self.peak_device_bytes)} of budget {format_bytes(self.budget_bytes or 0)}"
              if self.peak_device_bytes is not None else "  profiling step: every saved tensor on the host, back on demand"
              + (" (a shape no plan was made for; it is planned now)" if self.new_shape else ""))
             + (f" (torch peak {format_bytes(self.cuda_peak_bytes)})" if self.cuda_peak_bytes is not None else "")

@@ -69,7 +69,7 @@ def timed_by_execution(trace: Trace, reports: list[StepReport]) -> Trace:
     timed = [r for r in reports if r.gaps_s is not None and len(r.gaps_s) == trace.n_events]
     if not timed:
         raise UserError("timed_by_execution needs reports of whole executed steps with their gaps measured")
-    return _median_timing(trace, [r.gaps_s for r in timed], [r.tail_s for r in timed], "timed_by_execution")
+    return _median_timing(trace, [r.gaps_s for r in timed], [r.tail_s or 0.0 for r in timed], "timed_by_execution")
 
 
 def fitted_host_costs(hardware: Hardware, reports: list[StepReport], n_events: int) -> Hardware:
@@ -116,4 +116,4 @@ def _median_timing(trace: Trace, gaps: list, tails: list[float], meta_key: str) 
     """``trace`` with each gap and the tail the median over several timings of the same events;
     ``meta[meta_key]`` says how many."""
     median = np.median(np.array(gaps, dtype=np.float64), axis=0)
-    return trace.with_timing(median, float(np.median(tails)), **{meta_key: len(tails)})
+    return trace.with_timing(median.tolist(), float(np.median(tails)), **{meta_key: len(tails)})

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from swapsched.env.simulator import RESIDENT
+from swapsched.errors import present
 from swapsched.runtime.backends import Ticket
 
 __all__ = ["Record", "Packed", "UNTRACKED", "rebuild", "flat_bytes"]
@@ -71,7 +72,8 @@ class Packed:
         # reference cycle (the handle lives in that grad_fn) that only the cyclic GC frees;
         # autograd re-attaches the grad_fn when it unpacks (as with save_on_cpu's copies). The
         # alias shares the tensor's storage and its version counter.
-        self.rec, self.tensor = rec, t.detach()
+        self.rec = rec
+        self.tensor: torch.Tensor | None = t.detach()
         # the profiling step's trace id (None for a parameter; an executing step's is rec.tid), and
         # which kind of step made it: a step that hands its hooks over mid-step gets both kinds back
         self.tid, self.profiled = tid, profiled
@@ -108,7 +110,7 @@ class Packed:
 
 def rebuild(p: Packed, flat: torch.Tensor) -> torch.Tensor:
     """``p``'s view, rebuilt on the storage of ``flat`` (a swap-in buffer or a host copy brought back)."""
-    dtype, size, stride, offset, conj, neg = p.geometry
+    dtype, size, stride, offset, conj, neg = present(p.geometry, "a let-go tensor's geometry")
     out = torch.empty(0, dtype=dtype, device=flat.device).set_(flat.untyped_storage(), offset, size, stride)
     if neg:
         out = torch._neg_view(out)

@@ -458,7 +458,7 @@ class PolicyRuntime:
         if self.policy is None:  # nothing plans: every tensor stays until use_plan()
             plan = SwapPlan.of(trace, "keep-all", [])
         else:
-            plan = self.policy.plan(planned_on, self.budget_bytes, self.hardware)
+            plan = self.policy.plan(planned_on, present(self.budget_bytes, "the run's budget"), self.hardware)
         self._policy_planned = True
         if plan.recompute or plan.selective:
             self._recompute(plan, planned_on)
