@@ -33,7 +33,8 @@ from _bench import table, write  # noqa: E402
 
 from swapsched.agents.registry import get_policy  # noqa: E402
 from swapsched.budget import parse_budget, smallest_feasible  # noqa: E402
-from swapsched.env.simulator import joint_floor, simulate  # noqa: E402
+from swapsched.env.floors import joint_floor  # noqa: E402
+from swapsched.env.simulator import simulate  # noqa: E402
 from swapsched.hardware import load_hardware  # noqa: E402
 from swapsched.precision import Precision  # noqa: E402
 from swapsched.runtime.profiler import profile  # noqa: E402

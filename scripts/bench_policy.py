@@ -39,7 +39,8 @@ from swapsched.agents.joint import LocalSearch  # noqa: E402
 from swapsched.agents.registry import get_policy  # noqa: E402
 from swapsched.budget import BudgetError, parse_budget  # noqa: E402
 from swapsched.env.corpus import load_corpus  # noqa: E402
-from swapsched.env.simulator import joint_floor, simulate  # noqa: E402
+from swapsched.env.floors import joint_floor  # noqa: E402
+from swapsched.env.simulator import simulate  # noqa: E402
 from swapsched.hardware import load_hardware  # noqa: E402
 from swapsched.trace import Trace  # noqa: E402
 

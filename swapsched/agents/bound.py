@@ -1,6 +1,6 @@
 """A proven lower bound on the step time of every plan: a linear relaxation of R1-R8, solved by HiGHS.
 
-The R8 floor (``env.simulator.analytic_floor``) looks at one gap at a time and lets one copy
+The R8 floor (``env.floors.analytic_floor``) looks at one gap at a time and lets one copy
 stream carry all of the bytes that must be away. This relaxation looks at many gaps together, per
 tensor, with the copies' own latencies and the stalls they force.
 
@@ -40,7 +40,7 @@ Formulation (indices are events; gap *j* is the compute before event *j*, R1):
   block's recompute stall paid for the member's swap-in). The anchor's presence at ``at_s``, and the
   rebuilt members' room, are not constrained (relaxed).
 - Objective: minimize ``S_n``; the bound is ``G_n + tail + S_n``, and never below the floor (R8's,
-  or over the joint space ``env.simulator.joint_floor``).
+  or over the joint space ``env.floors.joint_floor``).
 
 What is relaxed (so the bound stays a bound): each tensor's away-gaps need not be contiguous; the FIFO order of
 each copy engine (R6) becomes only its capacity over windows; the host's own cost per copy
@@ -66,7 +66,7 @@ import numpy as np
 from scipy import sparse
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from swapsched.env.simulator import analytic_floor, joint_floor
+from swapsched.env.floors import analytic_floor, joint_floor
 from swapsched.hardware import Hardware
 from swapsched.trace import Trace
 

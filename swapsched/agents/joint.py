@@ -26,7 +26,8 @@ from swapsched.agents.heuristics import heuristic_plans, min_around_blocks
 from swapsched.agents.local_search import improve
 from swapsched.agents.recompute import CheckpointAll, CheckpointSelective, hybridize, with_all_recomputed
 from swapsched.agents.scoring import best_plan, plan_score, reaches
-from swapsched.env.simulator import analytic_floor, joint_floor, simulate
+from swapsched.env.floors import analytic_floor, joint_floor
+from swapsched.env.simulator import simulate
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.trace import Trace

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from swapsched.budget import format_bytes
-from swapsched.env.simulator import FREED, HOST, IN, OUT, RESIDENT, event_tables
+from swapsched.env.events import FREED, HOST, IN, OUT, RESIDENT, event_tables
 from swapsched.errors import internal_assert, present
 from swapsched.runtime.accounting import StepExecution
 from swapsched.runtime.backends import CopyError, Ticket

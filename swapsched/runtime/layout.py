@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from swapsched.env.simulator import SimResult, event_tables, simulate
+from swapsched.env.events import event_tables
+from swapsched.env.simulator import SimResult, simulate
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.runtime.shapes import first_bytes, structure

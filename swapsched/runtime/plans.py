@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from swapsched.env.simulator import SimResult, analytic_floor, simulate
+from swapsched.env.floors import analytic_floor
+from swapsched.env.simulator import SimResult, simulate
 from swapsched.errors import present
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan

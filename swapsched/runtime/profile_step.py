@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from swapsched.env.simulator import HOST
+from swapsched.env.events import HOST
 from swapsched.errors import present
 from swapsched.runtime.accounting import StepExecution
 from swapsched.runtime.profiler import ModulePath, OpNames, StorageIds, TraceRecorder, is_cached_cast, storage_key

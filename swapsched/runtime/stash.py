@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from swapsched.env.simulator import RESIDENT
+from swapsched.env.events import RESIDENT
 from swapsched.errors import present
 from swapsched.runtime.backends import Ticket
 

@@ -14,7 +14,8 @@ from swapsched.agents import get_policy
 from swapsched.agents.bound import _spread, lower_bound
 from swapsched.agents.optimal import Optimal
 from swapsched.env.corpus import load_corpus
-from swapsched.env.simulator import analytic_floor, joint_floor, simulate
+from swapsched.env.floors import analytic_floor, joint_floor
+from swapsched.env.simulator import simulate
 from swapsched.hardware import load_hardware
 from swapsched.plan import Eviction, SwapPlan
 from tests.agents.test_policies import small_cases

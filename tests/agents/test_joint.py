@@ -12,7 +12,8 @@ from swapsched.agents.recompute import CheckpointAll
 from swapsched.agents.scoring import plan_score
 from swapsched.budget import parse_budget
 from swapsched.env.corpus import load_corpus
-from swapsched.env.simulator import analytic_floor, joint_floor, simulate
+from swapsched.env.floors import analytic_floor, joint_floor
+from swapsched.env.simulator import simulate
 from swapsched.hardware import load_hardware
 
 # mlp-medium (16 tensors) on h100-pcie5: at 50% recompute lowers R8's floor 3.2x, at 90% 1.02x

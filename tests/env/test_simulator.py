@@ -10,7 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from swapsched.env.simulator import Simulation, analytic_floor, joint_floor, simulate
+from swapsched.env.floors import analytic_floor, joint_floor
+from swapsched.env.simulator import Simulation, simulate
 from swapsched.plan import Eviction, PlanError, SwapPlan
 from tests.conftest import make_hw, make_trace
 

@@ -233,7 +233,7 @@ def test_new_shapes_run_a_borrowed_plan_at_once_and_the_policys_from_the_backgro
         assert "borrowed_from" in waited[4][s48] and "borrowed_from" not in rt.layouts[s48].plan.meta
         # 64 runs under its own 60%: the plan it borrows is replaced by the policy's unless it
         # already meets R8's floor there (no plan is faster)
-        from swapsched.env.simulator import analytic_floor
+        from swapsched.env.floors import analytic_floor
 
         lay = rt.layouts[s64]
         assert lay.predicted and ("borrowed_from" not in lay.plan.meta or lay.predicted_s
