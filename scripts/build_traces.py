@@ -26,6 +26,7 @@ from tqdm import tqdm
 from swapsched.generated import describe, random_architecture
 from swapsched.jsonfile import write_json
 from swapsched.runtime.profiler import profile
+from swapsched.trace_file import save_trace
 from swapsched.zoo import build_model
 
 MEASURED = [(f, s) for f in ("mlp", "vgg", "resnet", "gpt", "bert", "unet") for s in ("tiny", "small", "medium")]
@@ -77,7 +78,7 @@ def main() -> int:
             split = "test" if family in HELD_OUT_FAMILIES or (family, size) in HELD_OUT_SIZES else "train"
         trace = profile(case.model, case.inputs, case.loss_fn, device=device, name=name, hardware=hw)
         file = f"{name}.json.gz"
-        trace.save(out / file)
+        save_trace(trace, out / file)
         row = {"file": file, "name": name, "family": family, "size": size, "batch_size": batch, "timing": trace.timing,
                "device": trace.device, "tensors": trace.n_tensors, "events": trace.n_events, "split": split}
         if family == "generated":

@@ -7,7 +7,8 @@ from swapsched.budget import BudgetError, parse_budget
 from swapsched.errors import UserError
 from swapsched.hardware import Hardware, HardwareError, load_hardware
 from swapsched.plan import Eviction, PlanError, SwapPlan, load_plan
-from swapsched.trace import Event, TensorInfo, Trace, TraceError, load_trace
+from swapsched.trace import Event, TensorInfo, Trace, TraceError
+from swapsched.trace_file import load_trace
 
 __version__ = "0.1.0"
 

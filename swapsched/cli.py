@@ -168,6 +168,7 @@ def _say_if_shrunk(model: str, size: str | None) -> None:
 def cmd_profile(args: argparse.Namespace) -> int:
     from swapsched.hardware import DEFAULT_CPU_HARDWARE, DEFAULT_GPU_HARDWARE, load_hardware
     from swapsched.precision import Precision
+    from swapsched.trace_file import save_trace
 
     _say_if_shrunk(args.model, args.size)
     device = args.device
@@ -184,7 +185,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     attention = args.attention or ("auto" if for_gpu else None)
     trace = _profile_case(args, device, precision, attention, target.name if for_gpu else None)
     out = args.out or f"{trace.name}.json.gz"
-    trace.save(out)
+    save_trace(trace, out)
     _print_summary(trace.summary())
     print(f"precision    {precision} (compute {precision.compute_dtype}); attention {_kernels_used(trace.meta)}")
     print(f"wrote {out}", file=sys.stderr)
@@ -262,7 +263,7 @@ def _print_summary(s: dict[str, Any]) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from swapsched.trace import load_trace
+    from swapsched.trace_file import load_trace
 
     s = load_trace(args.trace).summary()
     if args.json:
@@ -279,7 +280,7 @@ def _load_case(trace_path: str, hardware: str, budget: str, executor: str = "hoo
                host_budget: int | None = None) -> tuple[Any, Any, int]:
     from swapsched.budget import parse_budget
     from swapsched.hardware import load_hardware
-    from swapsched.trace import load_trace
+    from swapsched.trace_file import load_trace
 
     trace = load_trace(trace_path)
     hw = load_hardware(hardware).for_executor(executor).with_host(host_budget_bytes=host_budget)
@@ -351,7 +352,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from swapsched.env.corpus import load_corpus
     from swapsched.hardware import load_hardware
     from swapsched.report import format_summary, format_table
-    from swapsched.trace import load_trace
+    from swapsched.trace_file import load_trace
 
     policies = expand_policies(args.policies)
     hws = [load_hardware(h).for_executor(args.executor).with_host(ranks_per_host=r, host_budget_bytes=args.host_budget)

@@ -277,7 +277,7 @@ def _sac_blocks(model: nn.Module) -> int:
 
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-    from swapsched.trace import SELECTIVE_SAVE_OPS
+    from swapsched.segments import SELECTIVE_SAVE_OPS
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         name = getattr(getattr(op, "overloadpacket", op), "__name__", "")

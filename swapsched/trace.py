@@ -5,8 +5,8 @@ time in the gap before each event, every saved tensor's size and provenance, and
 cannot be swapped (``static_bytes``: parameters, gradients, optimizer state). It is the only thing
 policies and the simulator know about a model.
 
-On disk it is versioned JSON (``.json`` or ``.json.gz``); :func:`load_trace` validates everything
-and raises :class:`TraceError` naming the file, the field and the offending value.
+On disk it is versioned JSON (``trace_file.py``); a trace made in memory is checked as a file is
+(:func:`validate_trace`), and a bad one raises :class:`TraceError` naming the field and the value.
 """
 
 from __future__ import annotations
@@ -15,21 +15,18 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from swapsched.errors import UserError
-from swapsched.jsonfile import Fields, open_json, write_json
+from swapsched.segments import Segment, rebuilt_selectively, segment_of
 
 if TYPE_CHECKING:
     from swapsched.hardware import Hardware
 
-__all__ = ["TensorInfo", "Event", "Trace", "Segment", "segment_of", "SELECTIVE_SAVE_OPS", "VIEW_OPS", "rebuilt_selectively", "TraceError", "load_trace", "save_trace"]
+__all__ = ["TensorInfo", "Event", "Trace", "TraceError", "validate_trace", "TIMINGS"]
 
-FORMAT = "swapsched.trace"
-VERSION = 1
 TIMINGS = ("measured", "roofline")
 
 
@@ -68,67 +65,6 @@ class Event:
     other_bytes: int | None = None  # non-saved device memory live during the gap before it (R3)
 
 
-def segment_of(module: str) -> tuple[str, int] | None:
-    """The container element activation checkpointing would wrap for a tensor packed in
-    ``module``: ``(container path, index)`` at the first index in the path (``blocks.3.attn.qkv``
-    -> ``("blocks", 3)``), as users checkpoint each element of a ``ModuleList``/``Sequential``.
-    None outside any container (embeddings, a final head): not recomputable."""
-    parts = module.split(".")
-    for i, p in enumerate(parts):
-        if p.isdigit():
-            return ".".join(parts[:i]), int(p)
-    return None
-
-
-#: Ops whose outputs selective activation checkpointing saves (the usual policy, as in torchtitan's
-#: ``_op_sac_save_list``): matrix products, convolutions and attention. Every other op is
-#: recomputed (R9, selective).
-SELECTIVE_SAVE_OPS = frozenset({
-    "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_mm", "convolution", "_convolution",
-    "cudnn_convolution", "mkldnn_convolution", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward", "_efficient_attention_forward",
-})
-#: Ops whose output is a view of another op's storage: a saved view frees nothing when it is
-#: recomputed unless its storage's producer is, which a trace does not record, so it is counted kept.
-VIEW_OPS = frozenset({"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "slice", "select",
-                      "as_strided", "unsqueeze", "squeeze", "alias", "detach", "split", "chunk", "unbind"})
-
-
-def rebuilt_selectively(op: str) -> bool:
-    """Whether selective checkpointing recomputes (rather than saves) a saved tensor made by ``op``.
-    An unknown op (an empty name) is counted kept."""
-    return bool(op) and op not in SELECTIVE_SAVE_OPS and op not in VIEW_OPS
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A block that can be recomputed instead of kept or swapped (R9, DESIGN.md).
-
-    ``anchor`` is the block's first saved tensor, its input as the block's first op saved it: a
-    checkpoint keeps it (or it is swapped). ``members`` are the other tensors the block saves,
-    which a recompute rebuilds. ``at`` is the event at which backward recomputes the block (the
-    first unpack of a member); ``forward_s`` the block's forward compute, the gaps before its
-    forward packs (R1), which the recompute spends again; ``flops`` the same from the events'
-    FLOPs where every one has them.
-
-    Selective checkpointing (R9, selective) rebuilds only ``cheap``, the members made by ops it
-    does not save (:func:`rebuilt_selectively`), for ``cheap_forward_s``, the gaps before their
-    forward packs; the other members stay on the device, held by the checkpoint."""
-
-    index: int
-    name: str
-    anchor: int
-    members: tuple[int, ...]
-    at: int
-    forward_s: float
-    bytes: int
-    flops: float | None = None
-    cheap: tuple[int, ...] = ()
-    cheap_forward_s: float = 0.0
-    cheap_bytes: int = 0
-
-
 #: Trace's cached tables that depend only on its structure (the events' kinds and tensors, the
 #: tensors' modules, ops and R2 fields), not on bytes or times: Trace.resized shares them
 _STRUCTURAL = ("event_kind_is_unpack", "event_tensor", "first_pack", "first_unpack", "last_unpack",
@@ -153,7 +89,7 @@ class Trace:
     derived: dict[Any, Any] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        _validate(self, source="<trace object>")
+        validate_trace(self, source="<trace object>")
 
     # ---------------------------------------------------------------- derived tables (cached)
     @property
@@ -471,117 +407,6 @@ class Trace:
             meta={**self.meta, "retimed_from": self.device},
         )
 
-    def to_dict(self) -> dict[str, Any]:
-        def ev(e: Event) -> dict[str, Any]:
-            d: dict[str, Any] = {"kind": e.kind, "tensor": e.tensor, "compute_s": e.compute_s}
-            if e.flops is not None:
-                d["flops"] = e.flops
-            if e.other_bytes is not None:
-                d["other_bytes"] = e.other_bytes
-            return d
-
-        return {
-            "format": FORMAT,
-            "version": VERSION,
-            "name": self.name,
-            "timing": self.timing,
-            "device": self.device,
-            "static_bytes": int(self.static_bytes),
-            "tail_compute_s": float(self.tail_compute_s),
-            "meta": self.meta,
-            "tensors": [_tensor_dict(t) for t in self.tensors],
-            "events": [ev(e) for e in self.events],
-        }
-
-    def save(self, path: str | Path) -> Path:
-        return save_trace(self, path)
-
-
-# -------------------------------------------------------------------- the file format
-
-
-def _tensor_dict(t: TensorInfo) -> dict[str, Any]:
-    d: dict[str, Any] = {"id": t.id, "bytes": t.bytes, "shape": list(t.shape), "dtype": t.dtype, "op": t.op,
-                         "module": t.module}
-    if t.released_at is not None:
-        d["released_at"] = t.released_at
-    if t.freed_at is not None:
-        d["freed_at"] = t.freed_at
-    return d
-
-
-def save_trace(trace: Trace, path: str | Path) -> Path:
-    return write_json(trace.to_dict(), path)
-
-
-def trace_from_dict(data: Any, source: str = "<dict>") -> Trace:
-    f = Fields(source, TraceError)
-    if not isinstance(data, dict):
-        raise TraceError(f"{source}: expected a JSON object at the top level, got {type(data).__name__}")
-    fmt = data.get("format")
-    if fmt != FORMAT:
-        raise TraceError(f"{source}: field format: expected {FORMAT!r}, got {fmt!r} (is this a swapsched trace?)")
-    ver = data.get("version")
-    if ver != VERSION:
-        raise TraceError(f"{source}: field version: this swapsched reads version {VERSION}, got {ver!r}")
-    name = f.get(data, "name", "name", str)
-    timing = f.get(data, "timing", "timing", str)
-    if timing not in TIMINGS:
-        f.fail("timing", f"expected one of {list(TIMINGS)}, got {timing!r}")
-    device = f.get(data, "device", "device", str)
-    static = f.number(data, "static_bytes", "static_bytes", integer=True)
-    tail = f.number(data, "tail_compute_s", "tail_compute_s")
-    meta = f.get(data, "meta", "meta", dict, optional=True) or {}
-    raw_tensors = f.get(data, "tensors", "tensors", list)
-    tensors = []
-    for k, t in enumerate(raw_tensors):
-        w = f"tensors[{k}]"
-        tid = f.number(t, "id", f"{w}.id", integer=True)
-        if tid != k:
-            f.fail(f"{w}.id", f"tensor ids must be 0..n-1 in order, got {tid!r} at position {k}")
-        shape = f.get(t, "shape", f"{w}.shape", list, optional=True) or []
-        if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
-            f.fail(f"{w}.shape", f"expected a list of non-negative integers, got {shape!r}")
-        tensors.append(
-            TensorInfo(
-                id=tid,
-                bytes=f.number(t, "bytes", f"{w}.bytes", integer=True),
-                shape=tuple(shape),
-                dtype=f.get(t, "dtype", f"{w}.dtype", str, optional=True) or "",
-                op=f.get(t, "op", f"{w}.op", str, optional=True) or "",
-                module=f.get(t, "module", f"{w}.module", str, optional=True) or "",
-                released_at=f.number(t, "released_at", f"{w}.released_at", optional=True, integer=True),
-                freed_at=f.number(t, "freed_at", f"{w}.freed_at", optional=True, integer=True),
-            )
-        )
-    raw_events = f.get(data, "events", "events", list)
-    events = []
-    for i, e in enumerate(raw_events):
-        w = f"events[{i}]"
-        kind = f.get(e, "kind", f"{w}.kind", str)
-        if kind not in ("pack", "unpack"):
-            f.fail(f"{w}.kind", f"expected 'pack' or 'unpack', got {kind!r}")
-        events.append(
-            Event(
-                kind=kind,
-                tensor=f.number(e, "tensor", f"{w}.tensor", integer=True),
-                compute_s=float(f.number(e, "compute_s", f"{w}.compute_s")),
-                flops=f.number(e, "flops", f"{w}.flops", optional=True),
-                other_bytes=f.number(e, "other_bytes", f"{w}.other_bytes", optional=True, integer=True),
-            )
-        )
-    trace = object.__new__(Trace)
-    fields: dict[str, Any] = dict(
-        name=name, timing=timing, device=device, static_bytes=static, tail_compute_s=float(tail),
-        tensors=tuple(tensors), events=tuple(events), meta=meta,
-    )
-    for attr, value in fields.items():
-        object.__setattr__(trace, attr, value)
-    object.__setattr__(trace, "derived", {})
-    _validate(trace, source)
-    return trace
-
-
 _R = TypeVar("_R")
 
 
@@ -593,7 +418,7 @@ def _record(cls: type[_R], fields: dict[str, Any]) -> _R:
     return out
 
 
-def _validate(trace: Trace, source: str) -> None:
+def validate_trace(trace: Trace, source: str) -> None:
     """Structural checks shared by files and in-memory construction (R1/R2 preconditions)."""
 
     def fail(where: str, msg: str) -> None:
@@ -637,8 +462,3 @@ def _validate(trace: Trace, source: str) -> None:
             fail(f"tensors[{k}]", "never packed: every tensor needs a pack event")
         if not unpacked[k]:
             fail(f"tensors[{k}]", "never unpacked: every saved tensor needs an unpack event")
-
-
-def load_trace(path: str | Path) -> Trace:
-    """Load and validate a trace file (``.json`` or ``.json.gz``)."""
-    return trace_from_dict(open_json(path, TraceError), source=str(path))

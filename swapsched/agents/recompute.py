@@ -25,7 +25,8 @@ from swapsched.agents.scoring import TINY_S, improves, plan_score
 from swapsched.env.simulator import simulate
 from swapsched.hardware import Hardware
 from swapsched.plan import BlockState, SwapPlan, lead_eviction
-from swapsched.trace import Segment, Trace, segment_of
+from swapsched.segments import Segment, segment_of
+from swapsched.trace import Trace
 
 __all__ = ["CheckpointAll", "CheckpointSelective", "CheckpointOffload", "hybridize", "with_all_recomputed", "by_msps"]
 

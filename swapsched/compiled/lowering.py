@@ -28,7 +28,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from swapsched.compiled.graph_trace import GraphTrace, module_path
 from swapsched.plan import SwapPlan
-from swapsched.trace import SELECTIVE_SAVE_OPS
+from swapsched.segments import SELECTIVE_SAVE_OPS
 
 __all__ = ["Lowered", "rebase_views", "tag_joint", "place_copies", "lowered_decisions", "OFFLOAD_PREFIXES", "RELOAD_PREFIXES"]
 

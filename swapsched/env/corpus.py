@@ -11,7 +11,8 @@ from typing import Any
 
 from swapsched._paths import corpus_dir
 from swapsched.errors import UserError
-from swapsched.trace import Trace, load_trace
+from swapsched.trace import Trace
+from swapsched.trace_file import load_trace
 
 __all__ = ["corpus_index", "load_corpus", "CorpusError"]
 

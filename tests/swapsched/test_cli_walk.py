@@ -15,6 +15,7 @@ import torch
 
 from swapsched.cli import build_parser, main
 from swapsched.plan import Eviction, SwapPlan
+from swapsched.trace_file import save_trace
 from tests.conftest import make_trace
 
 MISSING = "/no/such/dir/file.json"
@@ -25,7 +26,7 @@ UNWRITABLE = "/proc/swapsched-no/out.json"  # /proc takes no new directories, ev
 def files(tmp_path_factory) -> dict[str, str]:
     tmp = tmp_path_factory.mktemp("walk")
     tr = make_trace([4096, 8192], [("pack", 0, 1e-3), ("pack", 1, 1e-3), ("unpack", 1, 2e-3), ("unpack", 0, 1e-3)])
-    tr.save(tmp / "t.json")
+    save_trace(tr, tmp / "t.json")
     SwapPlan.of(tr, "hand", [Eviction(0, 0, 2)]).save(tmp / "p.json")
     return {"trace": str(tmp / "t.json"), "plan": str(tmp / "p.json"), "dir": str(tmp)}
 

@@ -12,7 +12,7 @@ import torch
 from swapsched.cli import main
 from swapsched.precision import Precision
 from swapsched.runtime.profiler import profile
-from swapsched.trace import load_trace
+from swapsched.trace_file import load_trace
 from swapsched.zoo import build_model
 
 transformers = pytest.importorskip("transformers")

@@ -25,7 +25,8 @@ from swapsched.agents.train import load_train_config
 from swapsched.errors import UserError
 from swapsched.hardware import HardwareError, load_hardware
 from swapsched.plan import Eviction, PlanError, SwapPlan, load_plan
-from swapsched.trace import TraceError, load_trace
+from swapsched.trace import TraceError
+from swapsched.trace_file import load_trace, save_trace
 from tests.conftest import make_trace
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -41,7 +42,7 @@ def _trace():
 
 def _valid_files(tmp: Path) -> dict[str, Path]:
     tr = _trace()
-    tr.save(tmp / "t.json")
+    save_trace(tr, tmp / "t.json")
     plan = SwapPlan.of(tr, "hand", [Eviction(0, 0, 4), Eviction(1, 1, 3)])
     plan.save(tmp / "p.json")
     (tmp / "h.yaml").write_text("name: fuzz\nd2h_bytes_per_s: 2.0e10\nh2d_bytes_per_s: 2.0e10\ncopy_latency_s: 1.0e-5\n"

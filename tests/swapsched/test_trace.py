@@ -10,13 +10,14 @@ from dataclasses import fields, replace
 import pytest
 
 from swapsched.hardware import Hardware, HardwareError
-from swapsched.trace import Event, TensorInfo, Trace, TraceError, load_trace
+from swapsched.trace import Event, TensorInfo, Trace, TraceError
+from swapsched.trace_file import load_trace, save_trace, trace_to_dict
 from tests.conftest import make_trace
 
 
 def test_round_trip_json_and_gz(tmp_path, two_tensors):
     for name in ("t.json", "t.json.gz"):
-        p = two_tensors.save(tmp_path / name)
+        p = save_trace(two_tensors, tmp_path / name)
         assert load_trace(p) == two_tensors
     assert gzip.decompress((tmp_path / "t.json.gz").read_bytes()).startswith(b"{")
 
@@ -62,7 +63,7 @@ def _write(tmp_path, data) -> str:
     ],
 )
 def test_load_rejects_bad_files_naming_file_field_and_value(tmp_path, two_tensors, mutate, message):
-    d = two_tensors.to_dict()
+    d = trace_to_dict(two_tensors)
     mutate(d)
     path = _write(tmp_path, d)
     with pytest.raises(TraceError) as exc:
@@ -116,11 +117,11 @@ def test_release_and_free_events_round_trip_and_are_validated(tmp_path, two_tens
 
     t = replace(two_tensors, tensors=(replace(two_tensors.tensors[0], released_at=1, freed_at=3),
                                       replace(two_tensors.tensors[1], freed_at=3)))
-    back = load_trace(t.save(tmp_path / "r.json"))
+    back = load_trace(save_trace(t, tmp_path / "r.json"))
     assert back == t and list(back.release) == [1, 1] and list(back.freed) == [3, 3]
     # without them: released at the last forward pack, freed at the last unpack (R2)
     assert list(two_tensors.release) == [0, 1] and list(two_tensors.freed) == [3, 2]
-    data = t.to_dict()
+    data = trace_to_dict(t)
     data["tensors"][0]["released_at"] = 9
     with pytest.raises(TraceError, match=r"tensors\[0\]\.released_at"):
         load_trace(_write(tmp_path, data))
@@ -136,7 +137,7 @@ def test_with_timing_replaces_gaps_and_tail_and_keeps_the_events(two_tensors):
 
 
 def test_blocks_are_container_elements_or_runs_of_single_layers():
-    from swapsched.trace import segment_of
+    from swapsched.segments import segment_of
 
     assert segment_of("blocks.3.attn.qkv") == ("blocks", 3) and segment_of("net.2") == ("net", 2)
     assert segment_of("tok") is None
