@@ -1,4 +1,4 @@
-"""swapsched/cli.py: every command end to end on small inputs; bad input exits 2 with one line."""
+"""swapsched/cli/:  every command end to end on small inputs; bad input exits 2 with one line."""
 
 from __future__ import annotations
 

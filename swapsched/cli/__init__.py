@@ -1,122 +1,39 @@
-"""The ``swapsched`` command. Every sub-command has ``--help``; bad input exits 2 with one line."""
+"""The ``swapsched`` command. Every sub-command has ``--help``; bad input exits 2 with one line.
+
+This module holds the commands after ``profile``/``inspect`` (``profile.py``), the parser and
+``main``; ``arguments.py`` holds the argument types that check each value where it is given."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from swapsched.cli.arguments import (
+    Parser,
+    budget,
+    budgets,
+    csv_list,
+    host_budget,
+    in_file,
+    out_dir,
+    out_file,
+    policy_list,
+    positive_float,
+    positive_int,
+    ranks,
+)
+from swapsched.cli.profile import cmd_inspect, cmd_profile, say_if_shrunk
 from swapsched.errors import UserError
 from swapsched.hardware import DEFAULT_GPU_HARDWARE, EXECUTORS
 
 __all__ = ["main"]
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad argument as one line (no usage dump) and exits 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _csv(value: str) -> list[str]:
-    items = [v.strip() for v in value.split(",") if v.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError("expected a comma-separated list")
-    return items
-
-
 #: What ``compare`` runs by default: the single-pass heuristics and the shipped planner (under 1 s a case).
 FAST_POLICIES = ("swap-all", "vdnn-all", "min", "capuchin", "checkpoint-all", "checkpoint-selective", "default")
-
-
-def _budgets(value: str) -> list[str]:
-    """A comma list of budgets, each checked for form where it is given."""
-    from swapsched.budget import BudgetError, check_budget
-
-    items = _csv(value)
-    for item in items:
-        try:
-            check_budget(item)
-        except BudgetError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    return items
-
-
-def _host_budget(value: str) -> int:
-    """A host budget (R11): bytes, like '64GiB' (a percentage has nothing to be a share of)."""
-    from swapsched.budget import BudgetError, parse_budget
-
-    if value.strip().endswith("%"):
-        raise argparse.ArgumentTypeError(f"host budget {value!r}: give bytes, like '64GiB' (pinned host memory for this rank)")
-    try:
-        return parse_budget(value)
-    except BudgetError as exc:
-        raise argparse.ArgumentTypeError(str(exc).replace("budget", "host budget", 1)) from None
-
-
-def _ranks(value: str) -> list[int]:
-    """A comma list of ranks per host, each a positive integer."""
-    out = []
-    for item in _csv(value):
-        if not item.isdigit() or int(item) < 1:
-            raise argparse.ArgumentTypeError(f"ranks per host must be positive integers, got {item!r}")
-        out.append(int(item))
-    return out
-
-
-def _budget(value: str) -> str:
-    """One budget, checked for form where it is given."""
-    from swapsched.budget import BudgetError, check_budget
-
-    try:
-        return str(check_budget(value))
-    except BudgetError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _writable(path: Path) -> None:
-    """Make ``path``'s folder and prove a file can be written in it, before any work is done."""
-    import tempfile
-
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".swapsched-probe-"):
-            pass
-    except OSError as exc:
-        raise argparse.ArgumentTypeError(f"cannot write in {path}: {exc.strerror or exc}") from None
-
-
-def _out_file(value: str) -> str:
-    """An argparse type: a file path the command can write (checked now, written at the end)."""
-    _writable(Path(value).parent)
-    return value
-
-
-def _out_dir(value: str) -> str:
-    """An argparse type: a folder the command can write files in."""
-    _writable(Path(value))
-    return value
-
-
-def _in_file(value: str) -> str:
-    """An argparse type: a file that exists."""
-    if not Path(value).is_file():
-        raise argparse.ArgumentTypeError(f"{value}: no such file")
-    return value
-
-
-def _policy_list(value: str) -> list[str]:
-    """A comma list of policy names, each checked against the registry where it is given."""
-    from swapsched.agents.registry import expand_policies
-
-    try:
-        return expand_policies(value)
-    except UserError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _simulated_on(trace: Any, hw: Any) -> str:
@@ -127,150 +44,11 @@ def _simulated_on(trace: Any, hw: Any) -> str:
     return f"simulated on {hw.name}"
 
 
-def _positive(cast: type) -> Callable[[str], Any]:
-    """An argparse type: a positive int or float, or one clear line."""
-    kind = "integer" if cast is int else "number"
-
-    def parse(value: str) -> Any:
-        try:
-            v = cast(value)
-        except ValueError:
-            v = None
-        if v is None or not v > 0:
-            raise argparse.ArgumentTypeError(f"expected a positive {kind}, got {value!r}")
-        return v
-
-    parse.__name__ = f"positive {kind}"
-    return parse
-
-
-_positive_int = _positive(int)
-_positive_float = _positive(float)
-
-
 def _write_json(data: Any, path: str) -> None:
     from swapsched.jsonfile import write_json
 
     p = write_json(data, path, indent=2)
     print(f"wrote {p}", file=sys.stderr)
-
-
-# ----------------------------------------------------------------------------- profile / inspect
-
-
-def _say_if_shrunk(model: str, size: str | None) -> None:
-    """hf: models are built small unless asked for the library's full configuration: say so."""
-    if model.startswith("hf:") and size in (None, "small"):
-        print(f"{model}: built small (2 layers, width 128, vocabulary 1024); --size full builds the library's "
-              "default configuration", file=sys.stderr)
-
-
-def cmd_profile(args: argparse.Namespace) -> int:
-    from swapsched.hardware import DEFAULT_CPU_HARDWARE, DEFAULT_GPU_HARDWARE, load_hardware
-    from swapsched.precision import Precision
-    from swapsched.trace_file import save_trace
-
-    _say_if_shrunk(args.model, args.size)
-    device = args.device
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UserError("--device cuda: no CUDA device is available here; use --device cpu or meta")
-    for_gpu = device != "cpu" or args.hardware is not None
-    precision = Precision(args.dtype or ("bf16" if for_gpu else "fp32"), amp=args.amp)
-    target = load_hardware(args.hardware or (DEFAULT_GPU_HARDWARE if for_gpu else DEFAULT_CPU_HARDWARE))
-    target.peak_flops_for(precision.compute_dtype)  # a dtype the hardware lacks: one line, before any work
-    # the CPU's own measured step runs SDPA as it is; for a GPU, as the GPU's kernel would
-    attention = args.attention or ("auto" if for_gpu else None)
-    trace = _profile_case(args, device, precision, attention, target.name if for_gpu else None)
-    out = args.out or f"{trace.name}.json.gz"
-    save_trace(trace, out)
-    _print_summary(trace.summary())
-    print(f"precision    {precision} (compute {precision.compute_dtype}); attention {_kernels_used(trace.meta)}")
-    print(f"wrote {out}", file=sys.stderr)
-    return 0
-
-
-def _kernels_used(meta: dict[str, Any]) -> str:
-    used = meta.get("attention")
-    if used is None:
-        return "as SDPA ran on the profiling device"
-    return ", ".join(f"{k} x{n}" for k, n in used.items()) or "the model's own (no SDPA call)"
-
-
-#: What a forward says when it reads a tensor's values, which the meta device has none of
-_READS_VALUES = ("cannot be called on meta tensors", "Cannot copy out of meta tensor", "data-dependent")
-
-
-def _profile_case(args: argparse.Namespace, device: str, precision: Any, attention: str | None, target: str | None) -> Any:
-    """Build and profile the case; an ``hf:`` model whose forward reads tensor values (which meta
-    cannot run) is profiled on the CPU instead where its size fits there, timed by roofline for the
-    target; any other failure of a ``hf:`` model's step is one line (exit 2)."""
-    import torch
-
-    from swapsched.hf_models import one_line
-    from swapsched.runtime.profiler import profile
-    from swapsched.zoo import build_model
-
-    def run_on(dev: str) -> Any:
-        case = build_model(args.model, args.size, batch_size=args.batch_size, seq_len=args.seq_len, device=dev,
-                           dtype=precision.param_dtype, attention=attention)
-        optimizer = _optimizer(args.optimizer, case.model)
-        return profile(case.model, case.inputs, case.loss_fn, optimizer, device=dev, name=case.name, hardware=target,
-                       precision=precision, attention=attention)
-
-    if not args.model.startswith("hf:"):
-        return run_on(device)
-    try:
-        return run_on(device)
-    except UserError:
-        raise
-    except Exception as exc:
-        if device == "meta" and any(m in str(exc) for m in _READS_VALUES) and args.size in (None, "small") and target:
-            print(f"{args.model}: its forward reads tensor values, which the meta device has none of; profiling "
-                  "it on the CPU instead (timed by roofline for the target)", file=sys.stderr)
-            torch.manual_seed(0)
-            try:
-                return run_on("cpu")
-            except UserError:
-                raise
-            except Exception as exc2:
-                exc = exc2
-        raise UserError(f"{args.model}: its training step fails on {device}: {one_line(exc)}") from None
-
-
-def _optimizer(name: str, model: Any) -> Any:
-    """The optimizer whose state the trace's static bytes count (state in the parameters' dtype)."""
-    import torch
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    if name == "none" or not params:
-        return None
-    return torch.optim.AdamW(params) if name == "adamw" else torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-
-def _print_summary(s: dict[str, Any]) -> None:
-    from swapsched.budget import format_bytes
-
-    c = s["compute_s"]
-    print(f"trace        {s['name']}  ({s['timing']} on {s['device']})")
-    print(f"tensors      {s['tensors']}   events {s['events']}")
-    print(f"saved peak   {format_bytes(s['saved_bytes_peak'])}  (nothing evicted)")
-    print(f"static       {format_bytes(s['static_bytes'])}  (params, grads, optimizer state)")
-    print(f"device peak  {format_bytes(s['peak_bytes_no_swap'])}  (no swap; 100%)   smallest feasible {format_bytes(s['min_feasible_bytes'])}")
-    print(f"compute      forward {1e3 * c['forward']:.3f} ms   backward {1e3 * c['backward']:.3f} ms   step {1e3 * c['total']:.3f} ms")
-
-
-def cmd_inspect(args: argparse.Namespace) -> int:
-    from swapsched.trace_file import load_trace
-
-    s = load_trace(args.trace).summary()
-    if args.json:
-        print(json.dumps(s, indent=2))
-    else:
-        _print_summary(s)
-    return 0
 
 
 # ----------------------------------------------------------------------------- simulate / plan
@@ -405,7 +183,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from swapsched.run import NothingToSwap, run_runtime
 
     common = dict(size=args.size, batch_size=args.batch_size, seq_len=args.seq_len)
-    _say_if_shrunk(args.model, args.size)
+    say_if_shrunk(args.model, args.size)
     progress = not args.no_progress
 
     def show(s: int, dt: float, ok: bool, rep: Any) -> None:
@@ -544,9 +322,9 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from swapsched import __version__
 
-    p = _Parser(prog="swapsched", description="Learned and heuristic activation-swap scheduling for PyTorch training.")
+    p = Parser(prog="swapsched", description="Learned and heuristic activation-swap scheduling for PyTorch training.")
     p.add_argument("--version", action="version", version=f"swapsched {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser, metavar="COMMAND")
 
     def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help, description=help)
@@ -556,8 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("profile", cmd_profile, "Profile one training step of a zoo model into a trace.")
     sp.add_argument("model", help="zoo family (mlp, vgg, resnet, gpt, bert, unet), hf:MODEL_TYPE, or package.module:function")
     sp.add_argument("--size", help="size from configs/models/FAMILY.yaml (default: small)")
-    sp.add_argument("--batch-size", type=_positive_int, help="batch size (default: the size's own)")
-    sp.add_argument("--seq-len", type=_positive_int, help="sequence length (gpt, bert, hf:)")
+    sp.add_argument("--batch-size", type=positive_int, help="batch size (default: the size's own)")
+    sp.add_argument("--seq-len", type=positive_int, help="sequence length (gpt, bert, hf:)")
     sp.add_argument("--device", choices=["cpu", "cuda", "meta"], default="cpu",
                     help="meta: no memory, no data; roofline timing for --hardware (default h100-pcie5)")
     sp.add_argument("--hardware", help="retime by roofline for this hardware (name or YAML path)")
@@ -573,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "model's own attention code")
     sp.add_argument("--optimizer", choices=["adamw", "sgd", "none"], default="adamw",
                     help="whose state the static bytes count (default adamw: 2 states per parameter)")
-    sp.add_argument("--out", type=_out_file, help="output trace (.json or .json.gz; default MODEL-SIZE.json.gz)")
+    sp.add_argument("--out", type=out_file, help="output trace (.json or .json.gz; default MODEL-SIZE.json.gz)")
 
     sp = add("inspect", cmd_inspect, "Summarize a trace.")
     sp.add_argument("trace")
@@ -583,40 +361,40 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--trace", required=True, help="trace file (.json or .json.gz)")
     sp.add_argument("--plan", required=True, help="plan file written by swapsched plan")
     sp.add_argument("--hardware", required=True, help="name (configs/hardware) or YAML path")
-    sp.add_argument("--budget", type=_budget, required=True, help="'6GiB', '6e9' or '60%%' of the activation peak")
-    sp.add_argument("--json", metavar="OUT", type=_out_file, help="write the result as JSON")
-    sp.add_argument("--plot", metavar="PNG", type=_out_file, help="draw memory over time and the three streams")
+    sp.add_argument("--budget", type=budget, required=True, help="'6GiB', '6e9' or '60%%' of the activation peak")
+    sp.add_argument("--json", metavar="OUT", type=out_file, help="write the result as JSON")
+    sp.add_argument("--plot", metavar="PNG", type=out_file, help="draw memory over time and the three streams")
     sp.add_argument("--executor", choices=EXECUTORS, default="hooks",
                     help="who executes the plan (R10): hooks (SwapRuntime, its host costs, two copy streams) or "
                          "compiled (CompileBackend: no hook costs, one transfer stream); default hooks")
-    sp.add_argument("--host-budget", type=_host_budget, metavar="BYTES",
+    sp.add_argument("--host-budget", type=host_budget, metavar="BYTES",
                     help="host memory this rank's swapped tensors may hold at once, like '64GiB' (R11; default unlimited)")
 
     sp = add("plan", cmd_plan, "Make a plan with a policy and write it as JSON.")
     sp.add_argument("--trace", required=True, help="trace file (.json or .json.gz)")
     sp.add_argument("--policy", required=True, help="registry name (see compare --help) or a checkpoint .zip")
     sp.add_argument("--hardware", required=True, help="name (configs/hardware) or YAML path")
-    sp.add_argument("--budget", type=_budget, required=True, help="'6GiB', '6e9' or '60%%' of the activation peak")
-    sp.add_argument("--out", required=True, type=_out_file, help="plan file to write (JSON)")
+    sp.add_argument("--budget", type=budget, required=True, help="'6GiB', '6e9' or '60%%' of the activation peak")
+    sp.add_argument("--out", required=True, type=out_file, help="plan file to write (JSON)")
     sp.add_argument("--seed", type=int, default=0, help="seed of the randomized policies (default 0)")
-    sp.add_argument("--search-seconds", type=_positive_float, default=10.0, help="time box of swapadvisor")
+    sp.add_argument("--search-seconds", type=positive_float, default=10.0, help="time box of swapadvisor")
     sp.add_argument("--executor", choices=EXECUTORS, default="hooks",
                     help="who executes the plan (R10): hooks (SwapRuntime, its host costs, two copy streams) or "
                          "compiled (CompileBackend: no hook costs, one transfer stream); default hooks")
-    sp.add_argument("--host-budget", type=_host_budget, metavar="BYTES",
+    sp.add_argument("--host-budget", type=host_budget, metavar="BYTES",
                     help="host memory this rank's swapped tensors may hold at once, like '64GiB' (R11; default unlimited)")
 
     sp = add("compare", cmd_compare, "Compare policies on traces x budgets x hardware in one table.")
     sp.add_argument("--traces", nargs="+", metavar="T", help="trace files (default: the shipped corpus of zoo models, train and test splits)")
-    sp.add_argument("--budgets", type=_budgets, default=["30%", "50%", "70%"], help="comma list (default 30%%,50%%,70%%)")
-    sp.add_argument("--hardware", type=_csv, default=[DEFAULT_GPU_HARDWARE],
+    sp.add_argument("--budgets", type=budgets, default=["30%", "50%", "70%"], help="comma list (default 30%%,50%%,70%%)")
+    sp.add_argument("--hardware", type=csv_list, default=[DEFAULT_GPU_HARDWARE],
                     help=f"comma list of names or YAML paths (default {DEFAULT_GPU_HARDWARE})")
     sp.add_argument("--executor", choices=EXECUTORS, default="hooks",
                     help="who executes the plan (R10): hooks (SwapRuntime, its host costs, two copy streams) or "
                          "compiled (CompileBackend: no hook costs, one transfer stream); default hooks")
-    sp.add_argument("--host-budget", type=_host_budget, metavar="BYTES",
+    sp.add_argument("--host-budget", type=host_budget, metavar="BYTES",
                     help="host memory this rank's swapped tensors may hold at once, like '64GiB' (R11; default unlimited)")
-    sp.add_argument("--ranks-per-host", type=_ranks, default=[1], metavar="N[,N...]",
+    sp.add_argument("--ranks-per-host", type=ranks, default=[1], metavar="N[,N...]",
                     help="ranks sharing the host's memory bandwidth (R11: FSDP/DDP ranks on one node), a row per value; default 1")
     sp.add_argument("--policies", default=",".join(FAST_POLICIES),
                     help="'all' or a comma list of: no-swap, swap-all, vdnn-all, vdnn-conv, min, capuchin, capuchin-swap, "
@@ -625,48 +403,48 @@ def build_parser() -> argparse.ArgumentParser:
                          f"learned-greedy:PATH.zip, learned-ppo:PATH.zip (default: {','.join(FAST_POLICIES)}; the searches "
                          "local-search, swapadvisor and optimal take 1-60 s per case)")
     sp.add_argument("--seed", type=int, default=0, help="seed of the randomized policies (default 0)")
-    sp.add_argument("--search-seconds", type=_positive_float, default=2.0, help="time box of swapadvisor per case")
-    sp.add_argument("--json", metavar="OUT", type=_out_file, help="write every row and the summary as JSON")
-    sp.add_argument("--plot", metavar="PNG", type=_out_file, help="heat map of each policy's step over the R8 floor per budget (+ PNG-timeline for the first case)")
+    sp.add_argument("--search-seconds", type=positive_float, default=2.0, help="time box of swapadvisor per case")
+    sp.add_argument("--json", metavar="OUT", type=out_file, help="write every row and the summary as JSON")
+    sp.add_argument("--plot", metavar="PNG", type=out_file, help="heat map of each policy's step over the R8 floor per budget (+ PNG-timeline for the first case)")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     sp = add("run", cmd_run, "Train a zoo model with the live runtime; --compare runs every policy and PyTorch's peers.")
     sp.add_argument("model", help="zoo family, hf:MODEL_TYPE, or package.module:function")
     sp.add_argument("--size", help="size from configs/models/FAMILY.yaml (default: small)")
-    sp.add_argument("--batch-size", type=_positive_int, help="batch size (default: the size's own)")
-    sp.add_argument("--seq-len", type=_positive_int, help="sequence length (gpt, bert, hf:)")
-    sp.add_argument("--budget", type=_budget, default="50%", help="'60%%' of the activation peak, or bytes like '6GiB' (default 50%%)")
+    sp.add_argument("--batch-size", type=positive_int, help="batch size (default: the size's own)")
+    sp.add_argument("--seq-len", type=positive_int, help="sequence length (gpt, bert, hf:)")
+    sp.add_argument("--budget", type=budget, default="50%", help="'60%%' of the activation peak, or bytes like '6GiB' (default 50%%)")
     sp.add_argument("--policy", default="default", help="registry name or checkpoint .zip (default: the learned policy)")
-    sp.add_argument("--steps", type=_positive_int, default=10, help="training steps, the first 3 are profiled (default 10)")
+    sp.add_argument("--steps", type=positive_int, default=10, help="training steps, the first 3 are profiled (default 10)")
     sp.add_argument("--backend", choices=["cpu", "cuda"], help="default: cuda when available")
-    sp.add_argument("--bandwidth", type=_positive_float, help="CPU backend: throttle both copy engines to this many bytes/s")
+    sp.add_argument("--bandwidth", type=positive_float, help="CPU backend: throttle both copy engines to this many bytes/s")
     sp.add_argument("--hardware", help="profile the plan is made for (default: cpu-emulated on cpu, h100-pcie5 on cuda)")
     sp.add_argument("--compare", action="store_true",
                     help="also run the other policies and the peers (plain, checkpointing, selective checkpointing, "
                          "save_on_cpu, checkpoint-offload) in shuffled interleaved rounds, each with its measured peak")
-    sp.add_argument("--rounds", type=_positive_int, default=6, help="with --compare: interleaved rounds (default 6, at least 2)")
-    sp.add_argument("--round-steps", type=_positive_int, default=2, help="with --compare: steps per method per round (default 2)")
-    sp.add_argument("--compare-policies", type=_policy_list, help="with --compare: which other policies (default: all but optimal, swapadvisor)")
-    sp.add_argument("--json", metavar="OUT", type=_out_file, help="write one record per method as JSON")
-    sp.add_argument("--plot", metavar="PNG", type=_out_file, help="step time and peak memory per method")
+    sp.add_argument("--rounds", type=positive_int, default=6, help="with --compare: interleaved rounds (default 6, at least 2)")
+    sp.add_argument("--round-steps", type=positive_int, default=2, help="with --compare: steps per method per round (default 2)")
+    sp.add_argument("--compare-policies", type=policy_list, help="with --compare: which other policies (default: all but optimal, swapadvisor)")
+    sp.add_argument("--json", metavar="OUT", type=out_file, help="write one record per method as JSON")
+    sp.add_argument("--plot", metavar="PNG", type=out_file, help="step time and peak memory per method")
     sp.add_argument("--no-progress", action="store_true", help="no per-step lines")
 
     sp = add("calibrate", cmd_calibrate, "Measure this machine's link and the runtime's host costs into a hardware YAML for the simulator.")
     sp.add_argument("--backend", choices=["cpu", "cuda"], default="cpu", help="backend whose copies are measured (default cpu)")
-    sp.add_argument("--bandwidth", type=_positive_float, help="CPU backend: measure the engines throttled to this many bytes/s")
+    sp.add_argument("--bandwidth", type=positive_float, help="CPU backend: measure the engines throttled to this many bytes/s")
     sp.add_argument("--name", help="profile name (default calibrated-BACKEND)")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
-    sp.add_argument("--out", default="calibrated.yaml", type=_out_file, help="hardware YAML to write (default calibrated.yaml)")
+    sp.add_argument("--out", default="calibrated.yaml", type=out_file, help="hardware YAML to write (default calibrated.yaml)")
 
     sp = add("train-policy", cmd_train_policy, "Train a swap policy (MaskablePPO on SwapEnv) and evaluate it on held-out traces.")
     sp.add_argument("--config", default=str(_default_train_config()), help="PPO settings YAML (default: configs/train/default.yaml)")
-    sp.add_argument("--out", default="checkpoints/mine.zip", type=_out_file, help="checkpoint path; NAME.json is written beside it")
-    sp.add_argument("--timesteps", type=_positive_int, help="override the config's total_timesteps (with --resume: steps to add); PPO runs whole rollouts "
+    sp.add_argument("--out", default="checkpoints/mine.zip", type=out_file, help="checkpoint path; NAME.json is written beside it")
+    sp.add_argument("--timesteps", type=positive_int, help="override the config's total_timesteps (with --resume: steps to add); PPO runs whole rollouts "
                     "(n_steps x n_envs), so it rounds up to the next multiple and says so")
     sp.add_argument("--seed", type=int, help="override the config's seed (training is deterministic for a seed with --n-envs 1)")
-    sp.add_argument("--n-envs", type=_positive_int, help="override the config's n_envs (more than 1: subprocess environments)")
-    sp.add_argument("--resume", metavar="CKPT", type=_in_file, help="continue this checkpoint: its step count, optimizer state and schedule")
-    sp.add_argument("--tensorboard", metavar="DIR", type=_out_dir, help="write learning curves and the validation ratio to min here")
+    sp.add_argument("--n-envs", type=positive_int, help="override the config's n_envs (more than 1: subprocess environments)")
+    sp.add_argument("--resume", metavar="CKPT", type=in_file, help="continue this checkpoint: its step count, optimizer state and schedule")
+    sp.add_argument("--tensorboard", metavar="DIR", type=out_dir, help="write learning curves and the validation ratio to min here")
     sp.add_argument("--quick", action="store_true",
                     help="a short run, a couple of minutes end to end: --timesteps 2048 with the search parts scaled down alike "
                          "(any --timesteps below the config's scales them the same way)")
@@ -706,6 +484,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, previous)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

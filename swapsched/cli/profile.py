@@ -1,0 +1,128 @@
+"""``swapsched profile`` and ``swapsched inspect``: a model's training step into a Trace, and a
+trace's summary."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from swapsched.errors import UserError
+
+__all__ = ["cmd_profile", "cmd_inspect", "print_summary", "say_if_shrunk"]
+
+
+def say_if_shrunk(model: str, size: str | None) -> None:
+    """hf: models are built small unless asked for the library's full configuration: say so."""
+    if model.startswith("hf:") and size in (None, "small"):
+        print(f"{model}: built small (2 layers, width 128, vocabulary 1024); --size full builds the library's "
+              "default configuration", file=sys.stderr)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from swapsched.hardware import DEFAULT_CPU_HARDWARE, DEFAULT_GPU_HARDWARE, load_hardware
+    from swapsched.precision import Precision
+    from swapsched.trace_file import save_trace
+
+    say_if_shrunk(args.model, args.size)
+    device = args.device
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError("--device cuda: no CUDA device is available here; use --device cpu or meta")
+    for_gpu = device != "cpu" or args.hardware is not None
+    precision = Precision(args.dtype or ("bf16" if for_gpu else "fp32"), amp=args.amp)
+    target = load_hardware(args.hardware or (DEFAULT_GPU_HARDWARE if for_gpu else DEFAULT_CPU_HARDWARE))
+    target.peak_flops_for(precision.compute_dtype)  # a dtype the hardware lacks: one line, before any work
+    # the CPU's own measured step runs SDPA as it is; for a GPU, as the GPU's kernel would
+    attention = args.attention or ("auto" if for_gpu else None)
+    trace = _profile_case(args, device, precision, attention, target.name if for_gpu else None)
+    out = args.out or f"{trace.name}.json.gz"
+    save_trace(trace, out)
+    print_summary(trace.summary())
+    print(f"precision    {precision} (compute {precision.compute_dtype}); attention {_kernels_used(trace.meta)}")
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def _kernels_used(meta: dict[str, Any]) -> str:
+    used = meta.get("attention")
+    if used is None:
+        return "as SDPA ran on the profiling device"
+    return ", ".join(f"{k} x{n}" for k, n in used.items()) or "the model's own (no SDPA call)"
+
+
+#: What a forward says when it reads a tensor's values, which the meta device has none of
+_READS_VALUES = ("cannot be called on meta tensors", "Cannot copy out of meta tensor", "data-dependent")
+
+
+def _profile_case(args: argparse.Namespace, device: str, precision: Any, attention: str | None, target: str | None) -> Any:
+    """Build and profile the case; an ``hf:`` model whose forward reads tensor values (which meta
+    cannot run) is profiled on the CPU instead where its size fits there, timed by roofline for the
+    target; any other failure of a ``hf:`` model's step is one line (exit 2)."""
+    import torch
+
+    from swapsched.hf_models import one_line
+    from swapsched.runtime.profiler import profile
+    from swapsched.zoo import build_model
+
+    def run_on(dev: str) -> Any:
+        case = build_model(args.model, args.size, batch_size=args.batch_size, seq_len=args.seq_len, device=dev,
+                           dtype=precision.param_dtype, attention=attention)
+        optimizer = _optimizer(args.optimizer, case.model)
+        return profile(case.model, case.inputs, case.loss_fn, optimizer, device=dev, name=case.name, hardware=target,
+                       precision=precision, attention=attention)
+
+    if not args.model.startswith("hf:"):
+        return run_on(device)
+    try:
+        return run_on(device)
+    except UserError:
+        raise
+    except Exception as exc:
+        if device == "meta" and any(m in str(exc) for m in _READS_VALUES) and args.size in (None, "small") and target:
+            print(f"{args.model}: its forward reads tensor values, which the meta device has none of; profiling "
+                  "it on the CPU instead (timed by roofline for the target)", file=sys.stderr)
+            torch.manual_seed(0)
+            try:
+                return run_on("cpu")
+            except UserError:
+                raise
+            except Exception as exc2:
+                exc = exc2
+        raise UserError(f"{args.model}: its training step fails on {device}: {one_line(exc)}") from None
+
+
+def _optimizer(name: str, model: Any) -> Any:
+    """The optimizer whose state the trace's static bytes count (state in the parameters' dtype)."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if name == "none" or not params:
+        return None
+    return torch.optim.AdamW(params) if name == "adamw" else torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def print_summary(s: dict[str, Any]) -> None:
+    from swapsched.budget import format_bytes
+
+    c = s["compute_s"]
+    print(f"trace        {s['name']}  ({s['timing']} on {s['device']})")
+    print(f"tensors      {s['tensors']}   events {s['events']}")
+    print(f"saved peak   {format_bytes(s['saved_bytes_peak'])}  (nothing evicted)")
+    print(f"static       {format_bytes(s['static_bytes'])}  (params, grads, optimizer state)")
+    print(f"device peak  {format_bytes(s['peak_bytes_no_swap'])}  (no swap; 100%)   smallest feasible {format_bytes(s['min_feasible_bytes'])}")
+    print(f"compute      forward {1e3 * c['forward']:.3f} ms   backward {1e3 * c['backward']:.3f} ms   step {1e3 * c['total']:.3f} ms")
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from swapsched.trace_file import load_trace
+
+    s = load_trace(args.trace).summary()
+    if args.json:
+        print(json.dumps(s, indent=2))
+    else:
+        print_summary(s)
+    return 0
