@@ -20,7 +20,8 @@ accounted device memory would exceed the budget despite the plan.
 Where each job lives (each imports only the modules below it: the contract in ``pyproject.toml``):
 
 - ``swapper.py``: ``PolicyRuntime``, the phases, R9's two stages, the re-timing of the current plan;
-- ``execute_step.py``: the executing step and its guard; ``profile_step.py``: the profiling step;
+- ``execute_step.py``: the executing step's hooks, following the plan's events; ``copies.py``: its
+  copies and its room under the budget, the guard included; ``profile_step.py``: the profiling step;
 - ``plans.py``: the plans per shape (layouts, predictions, first plans, the policy's on a thread);
 - ``accounting.py``: what both steps count; ``frame.py``: what a step reads of the runtime;
 - ``budgets.py``: the budget per shape; ``retime.py``: re-timing from executed steps;
