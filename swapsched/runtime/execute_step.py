@@ -15,7 +15,7 @@ from swapsched.errors import present
 from swapsched.runtime.copies import CopyingStep
 from swapsched.runtime.layout import PlanLayout
 from swapsched.runtime.profile_step import ProfileStep
-from swapsched.runtime.profiler import is_parameter, storage_key
+from swapsched.runtime.recorder import is_parameter, storage_key
 from swapsched.runtime.reports import Divergence, DivergenceError, StepReport
 from swapsched.runtime.stash import UNTRACKED, Packed, Record, rebuild
 

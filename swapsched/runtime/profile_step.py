@@ -13,7 +13,7 @@ import torch
 from swapsched.env.events import HOST
 from swapsched.errors import present
 from swapsched.runtime.accounting import StepExecution
-from swapsched.runtime.profiler import ModulePath, OpNames, StorageIds, TraceRecorder, is_cached_cast, storage_key
+from swapsched.runtime.recorder import ModulePath, OpNames, StorageIds, TraceRecorder, is_cached_cast, storage_key
 from swapsched.runtime.reports import StepReport
 from swapsched.runtime.stash import Packed, Record, flat_bytes, rebuild
 from swapsched.trace import Trace

@@ -38,8 +38,9 @@ from swapsched.runtime.frame import GradientsKept, SavedTensorHooks, StepFrame
 from swapsched.runtime.layout import PlanLayout
 from swapsched.runtime.plans import ShapePlans, without_small
 from swapsched.runtime.profile_step import ProfileStep
-from swapsched.runtime.profiler import static_bytes_of, storage_key
+from swapsched.runtime.profiler import static_bytes_of
 from swapsched.runtime.recompute import BlockCheckpoints
+from swapsched.runtime.recorder import storage_key
 from swapsched.runtime.reports import Divergence, DivergenceError, RunSummary, RunTally, StepReport
 from swapsched.runtime.retime import ExecutedSteps, median_trace
 from swapsched.trace import Trace

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from swapsched.runtime.profiler import ModulePath, OpNames, ProfileError, profile, static_bytes_of, storage_key
+from swapsched.runtime.profiler import profile, static_bytes_of
+from swapsched.runtime.recorder import ModulePath, OpNames, ProfileError, storage_key
 from swapsched.zoo import build_model
 
 
