@@ -143,6 +143,11 @@ class Backend:
         """The device allocator's peak since ``reset_peak``; None on the emulated device."""
         return None
 
+    def memory(self) -> tuple[int, int]:
+        """(the device's capacity, the bytes the process holds on it now), for ``budget="device"``:
+        a real device's alone (the runtime refuses that budget on the emulated one)."""
+        raise NotImplementedError("the emulated device has no capacity of its own")
+
     def mark(self) -> Any:
         """A point in the device's compute order (the host clock on the emulated device)."""
         return time.perf_counter()
@@ -352,6 +357,9 @@ class CudaBackend(Backend):
 
     def peak_bytes(self) -> int | None:
         return int(torch.cuda.max_memory_allocated(self.device))
+
+    def memory(self) -> tuple[int, int]:
+        return int(torch.cuda.get_device_properties(self.device).total_memory), int(torch.cuda.memory_allocated(self.device))
 
     def mark(self) -> Any:
         ev = torch.cuda.Event(enable_timing=True)

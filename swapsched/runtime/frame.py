@@ -9,6 +9,7 @@ goes through :class:`StepHost`'s four calls, and nothing else.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -21,7 +22,20 @@ if TYPE_CHECKING:
     from swapsched.runtime.layout import PlanLayout
     from swapsched.runtime.recompute import BlockCheckpoints
 
-__all__ = ["StepFrame", "StepHost", "SavedTensorHooks", "GradientsKept"]
+__all__ = ["Phase", "StepFrame", "StepHost", "SavedTensorHooks", "GradientsKept"]
+
+
+class Phase(enum.Enum):
+    """What a step under the runtime does; ``PolicyRuntime.phase`` is the next step's."""
+
+    #: record the trace with every saved tensor on the host (``save_on_cpu`` semantics); after
+    #: ``profile_steps`` of them the policy plans
+    PROFILE = "profile"
+    #: execute the plan (R4-R7), and re-time the trace from these steps every ``retime_steps``
+    #: (on the emulated device always; on a real one until the first re-timing)
+    RETIME = "retime"
+    #: execute the plan, as it was last timed
+    EXECUTE = "execute"
 
 
 class GradientsKept:

@@ -16,7 +16,6 @@ another (see :class:`Phase`), and R9's two stages.
 from __future__ import annotations
 
 import contextlib
-import enum
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -34,7 +33,7 @@ from swapsched.runtime.accounting import StepExecution
 from swapsched.runtime.backends import Backend, resolve_backend, runtime_devices
 from swapsched.runtime.budgets import ShapeBudgets
 from swapsched.runtime.execute_step import ExecuteStep
-from swapsched.runtime.frame import GradientsKept, SavedTensorHooks, StepFrame
+from swapsched.runtime.frame import GradientsKept, Phase, SavedTensorHooks, StepFrame
 from swapsched.runtime.layout import PlanLayout
 from swapsched.runtime.plans import ShapePlans, without_small
 from swapsched.runtime.profile_step import ProfileStep
@@ -46,19 +45,6 @@ from swapsched.runtime.retime import ExecutedSteps, median_trace
 from swapsched.trace import Trace
 
 __all__ = ["PolicyRuntime", "Phase", "StepReport", "RunSummary", "Divergence", "DivergenceError"]
-
-
-class Phase(enum.Enum):
-    """What a step under the runtime does; :attr:`PolicyRuntime.phase` is the next step's."""
-
-    #: record the trace with every saved tensor on the host (``save_on_cpu`` semantics); after
-    #: ``profile_steps`` of them the policy plans
-    PROFILE = "profile"
-    #: execute the plan (R4-R7), and re-time the trace from these steps every ``retime_steps``
-    #: (on the emulated device always; on a real one until the first re-timing)
-    RETIME = "retime"
-    #: execute the plan, as it was last timed
-    EXECUTE = "execute"
 
 
 #: Executed steps of a shape that follow a plan moving nothing, before its steps run unhooked
@@ -218,11 +204,9 @@ class PolicyRuntime:
         self.backend.synchronize()
         self.backend.take_device_stall_s()  # waits of an earlier, aborted step do not count
         self.steps += 1
-        if self.plans.budgets.device:
-            # budget="device": the device's capacity less what the process holds beyond the model
-            total = int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-            others = max(0, int(torch.cuda.memory_allocated()) - self.static_bytes)
-            self.plans.budgets.resolve_device(total, others, self.static_bytes)
+        if self.plans.budgets.device:  # the device's capacity less what the process holds beyond the model
+            total, held = self.backend.memory()
+            self.plans.budgets.resolve_device(total, max(0, held - self.static_bytes), self.static_bytes)
         t_install = time.perf_counter()
         if self.plans.planning:
             self._install_plans()  # laying out the plans made in the background counts as planning too
@@ -401,7 +385,8 @@ class PolicyRuntime:
                 # a swap plan for the steps as they run with no block checkpointed (the plan before
                 # recomputed blocks): they run their own forward again, and that trace is back
                 self.blocks.remove()
-                self._drop_layouts()
+                self.plans.clear()  # laid out, and the steps kept re-timed, with blocks checkpointed
+                self._executed.forget()
                 self.trace, self.first_sight = self._unwrapped_trace, self._unwrapped_first_sight
             self._adopt(plan)
         self._policy_planned = False
@@ -433,9 +418,7 @@ class PolicyRuntime:
         self._grads.keep()
 
     def _planned_on(self, trace: Trace) -> Trace:
-        """What the policy may plan on: with the blocks already checkpointed, ``trace`` is the steps
-        as they run so (R9 done), and only swaps are planned; else the blocks the runtime can
-        checkpoint (none without a model: no module was recorded)."""
+        """What the policy may plan on (``BlockCheckpoints.planned_on``; no block without a model)."""
         return trace.with_segments(lambda sg: False) if self.blocks is None else self.blocks.planned_on(trace)
 
     def _take_trace(self, trace: Trace, retimed: bool = False) -> None:
@@ -483,7 +466,7 @@ class PolicyRuntime:
         """Checkpoint the blocks ``names`` (``saved``: those selectively) from the next step on,
         which is profiled again: plans and layouts made before are for steps that ran otherwise."""
         present(self.blocks, "the model's blocks").install(names, saved)
-        self._drop_layouts()
+        self.plans.clear()  # every layout (and plan in the making) is for steps that ran otherwise
         self._profile_again(steps=self.profile_steps)
 
     def _profile_again(self, steps: int) -> None:
@@ -492,12 +475,6 @@ class PolicyRuntime:
         self.trace = self.plan = self.layout = self.predicted_s = None
         self._profiled = self.profile_steps - steps
         self._profiles = []
-        self._executed.forget()
-
-    def _drop_layouts(self) -> None:
-        """The blocks checkpointed changed: every layout (and plan in the making) was laid out for
-        steps that ran otherwise, and the executed steps kept for re-timing ran another trace."""
-        self.plans.clear()
         self._executed.forget()
 
     def _adopt(self, plan: SwapPlan, simulated: SimResult | None = None) -> None:
