@@ -28,7 +28,8 @@ from swapsched.agents.heuristics import Belady, planned_demand, rebuilt_at
 from swapsched.agents.local_search import improve_best_heuristic
 from swapsched.agents.mlp import TanhMLP, exported, torch_mlp
 from swapsched.agents.scoring import training_cases
-from swapsched.env.simulator import SimResult, simulate
+from swapsched.env.result import SimResult
+from swapsched.env.simulator import simulate
 from swapsched.errors import UserError
 from swapsched.hardware import Hardware
 from swapsched.plan import Eviction, SwapPlan

@@ -15,7 +15,8 @@ from typing import Any
 from swapsched.agents.registry import get_policy
 from swapsched.budget import BudgetError, parse_budget
 from swapsched.env.floors import joint_floor
-from swapsched.env.simulator import SimResult, simulate
+from swapsched.env.result import SimResult
+from swapsched.env.simulator import simulate
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.policy import Policy

@@ -13,7 +13,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from swapsched.env.simulator import SimResult, simulate
+from swapsched.env.result import SimResult
+from swapsched.env.simulator import simulate
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.trace import Trace

@@ -9,7 +9,8 @@ from typing import Any
 
 from swapsched.env.corpus import corpus_index, load_corpus
 from swapsched.env.floors import analytic_floor
-from swapsched.env.simulator import SimResult, Simulation, simulate
+from swapsched.env.result import SimResult
+from swapsched.env.simulator import Simulation, simulate
 
 __all__ = ["SimResult", "Simulation", "simulate", "analytic_floor", "SwapEnv", "corpus_index", "load_corpus"]
 

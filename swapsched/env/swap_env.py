@@ -11,7 +11,8 @@ import numpy as np
 from gymnasium import spaces
 
 from swapsched.budget import BudgetError, parse_budget
-from swapsched.env.simulator import SimResult, Simulation
+from swapsched.env.result import SimResult
+from swapsched.env.simulator import Simulation
 from swapsched.hardware import TRAINING_HARDWARE, Hardware, load_hardware
 from swapsched.plan import LEADS, Eviction
 from swapsched.trace import Trace

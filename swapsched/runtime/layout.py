@@ -8,7 +8,8 @@ from functools import cached_property
 from typing import Any
 
 from swapsched.env.events import event_tables
-from swapsched.env.simulator import SimResult, simulate
+from swapsched.env.result import SimResult
+from swapsched.env.simulator import simulate
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.runtime.shapes import first_bytes, structure

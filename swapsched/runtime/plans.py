@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from swapsched.env.floors import analytic_floor
-from swapsched.env.simulator import SimResult, simulate
+from swapsched.env.result import SimResult
+from swapsched.env.simulator import simulate
 from swapsched.errors import present
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan

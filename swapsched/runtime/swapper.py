@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from swapsched.budget import BudgetError
-from swapsched.env.simulator import SimResult
+from swapsched.env.result import SimResult
 from swapsched.errors import UserError, internal_assert, present
 from swapsched.hardware import HOST_COSTS, Hardware
 from swapsched.plan import SwapPlan, carry_evictions

@@ -1,0 +1,78 @@
+"""What a simulated step costs (R8): :class:`SimResult`, and the :class:`Timeline` ``--plot`` draws."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["SimResult", "Timeline"]
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """What ``--plot`` draws: memory over time and the busy intervals of the three streams."""
+
+    memory: tuple[tuple[float, int], ...]  # (time s, device bytes) after each change
+    compute: tuple[tuple[float, float], ...]  # (start, end) of each gap's compute
+    d2h: tuple[tuple[float, float, int], ...]  # (start, end, tensor)
+    h2d: tuple[tuple[float, float, int], ...]
+    stalls: tuple[tuple[float, float, int], ...]  # (start, end, event)
+    recompute: tuple[tuple[float, float, int], ...] = ()  # (start, end, segment index), on the compute stream
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """R8: what a plan costs. On OOM, ``iteration_s`` and ``overhead`` are ``inf``."""
+
+    iteration_s: float
+    ideal_s: float
+    stall_s: float
+    stall_fwd_s: float
+    stall_bwd_s: float
+    peak_bytes: int
+    budget_bytes: int
+    oom: bool
+    oom_event: int | None
+    d2h_bytes: int
+    h2d_bytes: int
+    timeline: Timeline | None = field(default=None, compare=False, repr=False)
+    # the host's own cost of the copies (Hardware copy_issue_s, copy_host_s_per_byte, wait_resume_s);
+    # already in iteration_s
+    host_s: float = 0.0
+    # R9: compute spent recomputing blocks in backward; already in iteration_s
+    recompute_s: float = 0.0
+    # R4, guard (simulate(guard=True)): tensors evicted on the spot where the plan left no room
+    guard_evictions: int = 0
+    # R11: the most host bytes swapped tensors held at once, and the planned swap-outs left on the
+    # device because the host budget had no room for them
+    host_peak_bytes: int = 0
+    host_skipped: int = 0
+
+    @property
+    def overhead(self) -> float:
+        return self.iteration_s / self.ideal_s - 1.0 if self.ideal_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        def num(x: float) -> float | None:
+            return None if math.isinf(x) else x
+
+        return {
+            "iteration_s": num(self.iteration_s),
+            "ideal_s": self.ideal_s,
+            "overhead": num(self.overhead),
+            "stall_s": num(self.stall_s),
+            "stall_fwd_s": num(self.stall_fwd_s),
+            "stall_bwd_s": num(self.stall_bwd_s),
+            "peak_bytes": self.peak_bytes,
+            "budget_bytes": self.budget_bytes,
+            "oom": self.oom,
+            "oom_event": self.oom_event,
+            "d2h_bytes": self.d2h_bytes,
+            "h2d_bytes": self.h2d_bytes,
+            "host_s": num(self.host_s),
+            "recompute_s": self.recompute_s,
+            "guard_evictions": self.guard_evictions,
+            "host_peak_bytes": self.host_peak_bytes,
+            "host_skipped": self.host_skipped,
+        }
