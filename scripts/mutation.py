@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: module -> (source file, its own tests)
 TARGETS = {
     "simulator": ("swapsched/env/simulator.py", ["tests/env/test_simulator.py", "tests/env/test_swap_env.py"]),
+    "floors": ("swapsched/env/floors.py", ["tests/env/test_floors.py"]),
     "budget": ("swapsched/budget.py", ["tests/swapsched/test_budget.py"]),
     "plan": ("swapsched/plan.py", ["tests/swapsched/test_plan.py"]),
     "bound": ("swapsched/agents/bound.py", [f"tests/agents/test_bound.py::{t}" for t in (
