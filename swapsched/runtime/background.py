@@ -1,7 +1,7 @@
 """Plans made on a thread while training runs: one job per shape, on one planner thread.
 
 The runtime borrows a plan for a new shape at once and has the policy plan that shape here,
-beside the training step (see ``PolicyRuntime._plan_later``); a job reads only what it was given,
+beside the training step (see ``ShapePlans.plan_later``); a job reads only what it was given,
 so it may run there. The runtime takes each layout when it is ready and puts it in place of the
 one it was made to replace, unless that one has gone since.
 """

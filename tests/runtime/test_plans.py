@@ -1,6 +1,6 @@
-"""runtime/layout.py, runtime/budgets.py and runtime/plans.py on hand-made traces, without torch
-running: a family of one structure at three sizes, plans laid out, budgets resolved per shape,
-first plans borrowed or made quick, predictions and the policy's plans installed when ready.
+"""runtime/plans.py on hand-made traces, without torch running: a family of one structure at three
+sizes, first plans borrowed or made quick, predictions, re-timing, and the policy's plans
+installed when ready.
 
 The family (``fam(s)``): T0 of ``s`` bytes and T1 of ``2s``; e0 pack0, e1 pack1, e2 unpack1,
 e3 unpack0, 1 s before each (ideal 4 s). Its activation peak is ``3s``, its smallest feasible
@@ -14,14 +14,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from swapsched.budget import BudgetError
 from swapsched.env.simulator import simulate
 from swapsched.plan import Eviction, SwapPlan
-from swapsched.runtime.budgets import DEVICE_MARGIN, ShapeBudgets
-from swapsched.runtime.layout import lay_out
+from swapsched.runtime.budgets import ShapeBudgets
 from swapsched.runtime.plans import ShapePlans, rank, without_small
 from swapsched.runtime.reports import StepReport
-from swapsched.runtime.shapes import structure
 from tests.conftest import make_hw, make_trace
 
 SIGHT = {0: 0, 1: 1}  # the order of first sight every size of the family shares
@@ -62,66 +59,6 @@ def plans_of(*sizes: int, budget="70%", policy=None, quick=None, background=Fals
     return out
 
 
-# ------------------------------------------------------------------ layout.py
-def test_a_layout_puts_the_plan_on_its_events_with_the_simulated_time():
-    t = fam(100)
-    lay = lay_out(t, evict_t0(t), make_hw(), 210, first_sight=SIGHT)
-    assert lay.out_at == [(0,), (), (), ()] and lay.prefetch_at == [(), (0,), (), ()]
-    assert lay.expected_codes == [0, 1, ~1, ~0]
-    # work after e0 (a swap-out), e1 (a prefetch), e2 (T1's last use frees it), e3 (T0's)
-    assert lay.work_at == [True, True, True, True]
-    assert lay.predicted_s == pytest.approx(5.0) and lay.budget_bytes == 210
-    assert lay.shape_key == 100 and lay.family == structure(t) and lay.plan_source == "searched"
-
-
-def test_a_layout_of_a_plan_that_cannot_fit_predicts_no_time():
-    t = fam(100)
-    assert lay_out(t, evict_t0(t), make_hw(), 150, first_sight=SIGHT).predicted_s is None  # below T1's 200 B
-    keep = lay_out(t, SwapPlan.of(t, "keep", []), make_hw(), 300, first_sight={})
-    assert keep.work_at == [False, False, True, True]  # only the frees
-
-
-# ------------------------------------------------------------------ budgets.py
-def test_a_relative_budget_is_resolved_per_shape_and_a_byte_budget_is_the_same_for_all():
-    rel = ShapeBudgets("70%")
-    assert rel.of(fam(100)) == 210 and rel.of(fam(300)) == 630
-    assert rel.take(fam(200)) == 420 and rel.bytes == 420
-    abs_ = ShapeBudgets(450)
-    assert abs_.take(fam(100)) == 450 and abs_.of(fam(200)) == 450
-    with pytest.raises(BudgetError, match="stands for 450 B for every shape"):
-        abs_.of(fam(300))  # needs 600 B
-    assert abs_.or_zero(fam(300)) == 0
-
-
-def test_a_relative_budget_below_a_shapes_smallest_feasible_one_runs_there_within_the_runs_bytes():
-    budgets = ShapeBudgets("50%")  # 1.5 s: below every size's smallest feasible 2 s
-    with pytest.raises(BudgetError, match="smallest feasible budget, 200 B"):
-        budgets.take(fam(100))
-    # a later shape whose transients weigh more: 70% of its 400 B peak is 280 B, below its 300 B tensor
-    skew = make_trace([100, 300], [("pack", 0, 1.0), ("pack", 1, 1.0), ("unpack", 1, 1.0), ("unpack", 0, 1.0)])
-    held = ShapeBudgets("70%")
-    held.take(fam(300))  # the run holds 630 B already: the shape runs at its own smallest feasible 300 B
-    assert held.of(skew) == 300
-    with pytest.raises(BudgetError, match="smallest feasible budget, 300 B"):
-        ShapeBudgets("70%").take(skew)  # as the first shape, nothing is held yet: refused
-
-
-def test_another_budget_resolves_every_shape_anew_and_a_device_budget_leaves_a_margin():
-    budgets = ShapeBudgets("70%")
-    budgets.take(fam(100))
-    budgets.respecify("90%", fam(100))
-    assert budgets.bytes == 270 and budgets.spec == "90%"
-    with pytest.raises(BudgetError, match="not understood"):
-        budgets.respecify("lots", fam(100))
-    dev = ShapeBudgets("device")
-    assert dev.device
-    dev.resolve_device(1000, 100, static_bytes=0)
-    assert not dev.device and dev.spec == int(1000 * (1 - DEVICE_MARGIN)) - 100
-    with pytest.raises(BudgetError, match="leave nothing beyond the model"):
-        ShapeBudgets("device").resolve_device(1000, 100, static_bytes=900)
-
-
-# ------------------------------------------------------------------ plans.py
 def test_kin_are_the_layouts_of_one_structure_and_one_order_of_first_sight():
     plans = plans_of(100, 300)
     other = make_trace([50, 50], [("pack", 0, 1.0), ("pack", 1, 1.0), ("unpack", 0, 1.0), ("unpack", 1, 1.0)])
