@@ -8,12 +8,12 @@ from swapsched.errors import UserError
 from swapsched.hardware import Hardware, HardwareError, load_hardware
 from swapsched.plan import Eviction, PlanError, SwapPlan, load_plan
 from swapsched.trace import Event, TensorInfo, Trace, TraceError
-from swapsched.trace_file import load_trace
+from swapsched.trace_file import load_trace, save_trace
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Trace", "TensorInfo", "Event", "TraceError", "load_trace",
+    "Trace", "TensorInfo", "Event", "TraceError", "load_trace", "save_trace",
     "SwapPlan", "Eviction", "PlanError", "load_plan",
     "Hardware", "HardwareError", "load_hardware",
     "parse_budget", "BudgetError", "UserError",

@@ -36,7 +36,7 @@ from swapsched.runtime.retime import timed_by_execution
 from swapsched.runtime.shapes import FamilyFit, first_bytes, structure
 from swapsched.trace import Trace
 
-__all__ = ["ShapePlans", "PLANNING_SHARE", "QUICK_PLAN_GUESS_S", "rank"]
+__all__ = ["ShapePlans", "PLANNING_SHARE", "QUICK_PLAN_GUESS_S", "rank", "without_small"]
 
 #: The share of the run's time that planning on the loop's thread may take (issue 36's 2%): a new
 #: shape gets the quick planner's plan only while the run's planning stays within it

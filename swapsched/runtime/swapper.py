@@ -110,6 +110,11 @@ class PolicyRuntime:
         # starts on its plan where it beats the borrowed one and fits the planning share
         if quick_policy is not None and not isinstance(quick_policy, Policy):
             raise UserError(f"quick_policy must be an object with plan(trace, budget, hardware), got {quick_policy!r}")
+        if profile_steps < 1:
+            raise UserError(f"profile_steps must be at least 1, got {profile_steps}")
+        if retime_steps < 0:
+            raise UserError(f"retime_steps must be 0 (off) or more, got {retime_steps}")
+        # every argument checked before the backend starts its copy engines
         name = backend.name if isinstance(backend, Backend) else resolve_backend(backend)
         if budgets.device and name != "cuda":
             raise UserError("budget='device' is the CUDA device's own capacity; on the CPU backend give bytes "
@@ -120,13 +125,9 @@ class PolicyRuntime:
         # while steps run on a plan borrowed at once from the family (plans.py)
         self.plans = ShapePlans(hw, budgets, policy, quick_policy, min_bytes=min_bytes, background=background_planning)
         self.min_bytes = int(min_bytes)
-        if profile_steps < 1:
-            raise UserError(f"profile_steps must be at least 1, got {profile_steps}")
         self.profile_steps = int(profile_steps)
         self._profiled = 0
         self._profiles: list[tuple[Trace, dict[int, int]]] = []  # (trace, its order of first sight)
-        if retime_steps < 0:
-            raise UserError(f"retime_steps must be 0 (off) or more, got {retime_steps}")
         self.retime_steps = int(retime_steps)
         # executed steps re-time the trace; on uncalibrated hardware (no host costs) they fit those too
         self._executed = ExecutedSteps(self.retime_steps, hw, self.backend.emulated and not any(getattr(hw, k) for k in HOST_COSTS))
