@@ -731,3 +731,24 @@ def test_a_tensor_unpacked_twice_lives_until_its_last_unpack(hw):
     # swapped out and prefetched before e2, T0's buffer also stays through e4
     r = simulate(tr, [Eviction(0, 0, 1)], hw, 10**6)
     assert r.peak_bytes == 350
+
+
+def test_a_host_budget_of_exactly_a_tensors_bytes_holds_it(two_tensors, hw):
+    # R11 at the boundary: a host budget of exactly T0's 100 B takes T0's swap-out, planned
+    # (nothing skipped) or the guard's (budget 150, nothing planned: the guard's case above)
+    exact = replace(hw, host_budget_bytes=100)
+    r = simulate(two_tensors, [Eviction(0, 0, 2)], exact, 200)
+    assert r.host_skipped == 0 and r.d2h_bytes == 100 and r.host_peak_bytes == 100
+    r = simulate(two_tensors, [], exact, 150, guard=True)
+    assert not r.oom and r.guard_evictions == 1 and r.iteration_s == 7.0
+
+
+def test_a_list_of_evictions_with_blocks_is_checked_as_the_plan_it_stands_for(one_block, hw):
+    # simulate(evictions, recompute=, selective=) builds the SwapPlan whose R7/R9 check it runs:
+    # blk.0's member T1 cannot be swapped while the block is recomputed (it is rebuilt), and the
+    # block recomputed whole is that plan exactly (blk.0 has no cheap member: it could not be
+    # checkpointed selectively, so a mix-up of the two lists fails)
+    with pytest.raises(PlanError, match="blk.0"):
+        simulate(one_block, [Eviction(1, 1, 4)], hw, 300, recompute=[0])
+    whole = SwapPlan.of(one_block, "hand", [Eviction(0, 0, 4)], recompute=["blk.0"])
+    assert simulate(one_block, [Eviction(0, 0, 4)], hw, 300, recompute=[0]) == simulate(one_block, whole, hw, 300)
