@@ -5,6 +5,10 @@
 from the runtime, and hand back what they learned (the trace, its order of first sight) in
 themselves, for the runtime to take after the step. What a step must ask the runtime while it runs
 goes through :class:`StepHost`'s four calls, and nothing else.
+
+Beside them, what frames a step from outside: its :class:`Phase`, its hooks on autograd's stack
+(:class:`SavedTensorHooks`), and the gradients kept to undo a step whose shape is refused
+(:class:`GradientsKept`).
 """
 
 from __future__ import annotations
