@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from swapsched.env.events import HOST
-from swapsched.errors import present
 from swapsched.runtime.accounting import StepExecution
 from swapsched.runtime.recorder import ModulePath, OpNames, StorageIds, TraceRecorder, is_cached_cast, storage_key
 from swapsched.runtime.reports import StepReport
@@ -202,8 +201,10 @@ class ProfileStep(StepExecution):
             if block is not None:
                 self.recomputes.append((len(self.recorder.kinds) - 1, block))
         if p.rec is None:  # kept: a parameter, or smaller than min_bytes
-            return present(p.tensor, "a kept tensor")
-        out = rebuild(p, self.backend.copy_in_now(present(p.rec.host, "a profiled tensor's host copy"), self.devices[p.rec.tid]))
+            assert p.tensor is not None, "a kept tensor is never let go"
+            return p.tensor
+        assert p.rec.host is not None, "a profiled tensor is on the host until unpacked"
+        out = rebuild(p, self.backend.copy_in_now(p.rec.host, self.devices[p.rec.tid]))
         self._on_death(out.untyped_storage(), self._freed, tid)
         # a backward that records a graph (double backward) may save what it unpacked: the copy
         # is the same saved tensor (R2), as an executed step, which unpacks the storage itself, sees it

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from swapsched.env.events import RESIDENT
-from swapsched.errors import present
 from swapsched.runtime.backends import Ticket
 
 __all__ = ["Record", "Packed", "UNTRACKED", "rebuild", "flat_bytes"]
@@ -110,7 +109,8 @@ class Packed:
 
 def rebuild(p: Packed, flat: torch.Tensor) -> torch.Tensor:
     """``p``'s view, rebuilt on the storage of ``flat`` (a swap-in buffer or a host copy brought back)."""
-    dtype, size, stride, offset, conj, neg = present(p.geometry, "a let-go tensor's geometry")
+    assert p.geometry is not None, "a let-go tensor keeps its geometry"
+    dtype, size, stride, offset, conj, neg = p.geometry
     out = torch.empty(0, dtype=dtype, device=flat.device).set_(flat.untyped_storage(), offset, size, stride)
     if neg:
         out = torch._neg_view(out)
