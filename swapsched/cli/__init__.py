@@ -319,6 +319,15 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- the parser
 
 
+def _add_execution(sp: argparse.ArgumentParser) -> None:
+    """The options that say how a plan is executed: who runs it (R10) and the host's room (R11)."""
+    sp.add_argument("--executor", choices=EXECUTORS, default="hooks",
+                    help="who executes the plan (R10): hooks (SwapRuntime, its host costs, two copy streams) or "
+                         "compiled (CompileBackend: no hook costs, one transfer stream); default hooks")
+    sp.add_argument("--host-budget", type=host_budget, metavar="BYTES",
+                    help="host memory this rank's swapped tensors may hold at once, like '64GiB' (R11; default unlimited)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from swapsched import __version__
 
@@ -364,11 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--budget", type=budget, required=True, help="'6GiB', '6e9' or '60%%' of the activation peak")
     sp.add_argument("--json", metavar="OUT", type=out_file, help="write the result as JSON")
     sp.add_argument("--plot", metavar="PNG", type=out_file, help="draw memory over time and the three streams")
-    sp.add_argument("--executor", choices=EXECUTORS, default="hooks",
-                    help="who executes the plan (R10): hooks (SwapRuntime, its host costs, two copy streams) or "
-                         "compiled (CompileBackend: no hook costs, one transfer stream); default hooks")
-    sp.add_argument("--host-budget", type=host_budget, metavar="BYTES",
-                    help="host memory this rank's swapped tensors may hold at once, like '64GiB' (R11; default unlimited)")
+    _add_execution(sp)
 
     sp = add("plan", cmd_plan, "Make a plan with a policy and write it as JSON.")
     sp.add_argument("--trace", required=True, help="trace file (.json or .json.gz)")
@@ -378,22 +383,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True, type=out_file, help="plan file to write (JSON)")
     sp.add_argument("--seed", type=int, default=0, help="seed of the randomized policies (default 0)")
     sp.add_argument("--search-seconds", type=positive_float, default=10.0, help="time box of swapadvisor")
-    sp.add_argument("--executor", choices=EXECUTORS, default="hooks",
-                    help="who executes the plan (R10): hooks (SwapRuntime, its host costs, two copy streams) or "
-                         "compiled (CompileBackend: no hook costs, one transfer stream); default hooks")
-    sp.add_argument("--host-budget", type=host_budget, metavar="BYTES",
-                    help="host memory this rank's swapped tensors may hold at once, like '64GiB' (R11; default unlimited)")
+    _add_execution(sp)
 
     sp = add("compare", cmd_compare, "Compare policies on traces x budgets x hardware in one table.")
     sp.add_argument("--traces", nargs="+", metavar="T", help="trace files (default: the shipped corpus of zoo models, train and test splits)")
     sp.add_argument("--budgets", type=budgets, default=["30%", "50%", "70%"], help="comma list (default 30%%,50%%,70%%)")
     sp.add_argument("--hardware", type=csv_list, default=[DEFAULT_GPU_HARDWARE],
                     help=f"comma list of names or YAML paths (default {DEFAULT_GPU_HARDWARE})")
-    sp.add_argument("--executor", choices=EXECUTORS, default="hooks",
-                    help="who executes the plan (R10): hooks (SwapRuntime, its host costs, two copy streams) or "
-                         "compiled (CompileBackend: no hook costs, one transfer stream); default hooks")
-    sp.add_argument("--host-budget", type=host_budget, metavar="BYTES",
-                    help="host memory this rank's swapped tensors may hold at once, like '64GiB' (R11; default unlimited)")
+    _add_execution(sp)
     sp.add_argument("--ranks-per-host", type=ranks, default=[1], metavar="N[,N...]",
                     help="ranks sharing the host's memory bandwidth (R11: FSDP/DDP ranks on one node), a row per value; default 1")
     sp.add_argument("--policies", default=",".join(FAST_POLICIES),
