@@ -6,10 +6,10 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from swapsched.agents.evaluate import CaseResult, PolicySummary
+from swapsched.agents.evaluate import CaseResult, PolicySummary, StepRatio
 from swapsched.budget import format_bytes
 
-__all__ = ["format_table", "format_summary", "format_grid", "format_runs", "format_live"]
+__all__ = ["format_table", "format_summary", "format_ratios", "format_grid", "format_runs", "format_live"]
 
 
 def _pct(x: float) -> str:
@@ -63,6 +63,15 @@ def format_summary(summary: Sequence[PolicySummary]) -> str:
             for s in summary]
     return format_grid(["policy", "mean overhead (solved)", "won", "OOM", "n/a", "plan time", "moved/step",
                         "recomputed"], body)
+
+
+def format_ratios(ratios: Sequence[StepRatio]) -> str:
+    """Per pair: one policy's step over a reference's (geometric mean, worst case), over the cases
+    both fit; a best-of reference of more than two policies is shown as ``best baseline``."""
+    body = [[r.policy, "best baseline" if r.reference.count(",") > 1 else r.reference, "-" if math.isnan(r.geomean) else f"{r.geomean:.3f}x",
+             "-" if math.isnan(r.worst) else f"{r.worst:.3f}x" + (f" ({' '.join(r.worst_case)})" if r.worst_case else ""),
+             str(r.cases), str(r.oom)] for r in ratios]
+    return format_grid(["policy", "over", "step (geomean)", "worst", "cases", "OOM where it fits"], body)
 
 
 def format_grid(head: Sequence[str], body: Sequence[Sequence[str]]) -> str:

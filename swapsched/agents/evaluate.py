@@ -22,7 +22,7 @@ from swapsched.plan import SwapPlan
 from swapsched.policy import Policy
 from swapsched.trace import Trace
 
-__all__ = ["Case", "CaseResult", "PolicySummary", "compare", "run_policy", "summarize"]
+__all__ = ["Case", "CaseResult", "PolicySummary", "StepRatio", "compare", "run_policy", "step_ratio", "summarize"]
 
 
 @dataclass(frozen=True)
@@ -98,11 +98,31 @@ class PolicySummary:
     # fraction of the ideal step
     mean_moved_bytes: float = math.nan
     mean_recompute: float = math.nan
+    max_plan_s: float = math.nan
 
     def to_dict(self) -> dict[str, Any]:
         return {"policy": self.policy, "mean_overhead": self.mean_overhead, "won": self.won, "oom": self.oom,
-                "skipped": self.skipped, "cases": self.cases, "mean_plan_s": self.mean_plan_s,
+                "skipped": self.skipped, "cases": self.cases, "mean_plan_s": self.mean_plan_s, "max_plan_s": self.max_plan_s,
                 "mean_moved_bytes": self.mean_moved_bytes, "mean_recompute": self.mean_recompute}
+
+
+@dataclass(frozen=True)
+class StepRatio:
+    """A policy's simulated step over a reference's, case by case: the geometric mean and the worst
+    over the cases both fit, and the cases where the reference fits and the policy runs out of memory.
+    The reference is one policy or, per case, the best of several (``best of min, capuchin``)."""
+
+    policy: str
+    reference: str
+    geomean: float
+    worst: float
+    worst_case: tuple[str, str, str] | None
+    cases: int
+    oom: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy, "reference": self.reference, "geomean": self.geomean, "worst": self.worst,
+                "worst_case": list(self.worst_case) if self.worst_case else None, "cases": self.cases, "oom": self.oom}
 
 
 def run_policy(policy: Policy, trace: Trace, budget_bytes: int, hw: Hardware, record: bool = False) -> tuple[SwapPlan, SimResult, float]:
@@ -182,5 +202,32 @@ def summarize(results: Iterable[CaseResult], policies: Sequence[str]) -> list[Po
             mean_plan_s=sum(timed) / max(1, len(timed)),
             mean_moved_bytes=sum(x.d2h_bytes for x in solved) / len(solved) if solved else math.nan,
             mean_recompute=sum(x.recompute_s / x.ideal_s for x in solved) / len(solved) if solved else math.nan,
+            max_plan_s=max(timed, default=math.nan),
         ))
     return out
+
+
+def step_ratio(results: Iterable[CaseResult], policy: str, references: Sequence[str]) -> StepRatio:
+    """``policy``'s step over the best of ``references`` on each case (see :class:`StepRatio`)."""
+    if not references:
+        raise ValueError("step_ratio needs at least one reference policy")
+    steps: dict[tuple[str, str, str], dict[str, float | None]] = {}
+    for r in results:
+        if r.result is not None and (r.policy == policy or r.policy in references):
+            steps.setdefault(r.case, {})[r.policy] = None if r.result.oom else r.result.iteration_s
+    logs, worst, worst_case, oom = [], -math.inf, None, 0
+    for case, by in steps.items():
+        fits = [v for p in references if (v := by.get(p)) is not None]
+        if not fits or policy not in by:
+            continue
+        mine = by[policy]
+        if mine is None:
+            oom += 1
+            continue
+        ratio = mine / min(fits)
+        logs.append(math.log(ratio))
+        if ratio > worst:
+            worst, worst_case = ratio, case
+    name = references[0] if len(references) == 1 else "best of " + ", ".join(references)
+    return StepRatio(policy, name, math.exp(sum(logs) / len(logs)) if logs else math.nan,
+                     worst if logs else math.nan, worst_case, len(logs), oom)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from swapsched.agents.evaluate import CaseResult, compare, summarize
+from swapsched.agents.evaluate import CaseResult, compare, step_ratio, summarize
 from tests.conftest import make_hw, make_trace
 
 POLICIES = ["no-swap", "swap-all", "min"]
@@ -48,3 +48,25 @@ def test_summary_counts(results):
     assert s["min"].won == 2  # ties no-swap at 100%, alone at 50%
     empty = summarize([r for r in results if r.budget == "1%"], ["min"])[0]
     assert math.isnan(empty.mean_overhead) and empty.won == 0
+
+
+def test_step_ratio_over_one_reference_and_over_the_best_of_several(results):
+    # swap-all 7 s against no-swap's 5 s at 100%; at 50% no-swap runs out of memory, so that case
+    # is not compared; at 1% every policy was skipped
+    r = step_ratio(results, "swap-all", ["no-swap"])
+    assert (r.geomean, r.worst, r.worst_case, r.cases, r.oom) == (pytest.approx(1.4), pytest.approx(1.4),
+                                                                 ("hand", "100%", "hand"), 1, 0)
+    # the other way round the 50% case is an OOM where the reference fits
+    back = step_ratio(results, "no-swap", ["swap-all"])
+    assert back.geomean == pytest.approx(5 / 7) and back.cases == 1 and back.oom == 1
+    # over the best of no-swap and min on each case: 5 s at 100% (both), min's alone at 50%
+    min_50 = next(x.result.iteration_s for x in results if x.policy == "min" and x.budget == "50%")
+    best = step_ratio(results, "swap-all", ["no-swap", "min"])
+    assert best.reference == "best of no-swap, min" and best.cases == 2
+    assert best.geomean == pytest.approx(math.sqrt(1.4 * 8.0 / min_50))
+    assert best.worst == pytest.approx(max(1.4, 8.0 / min_50))
+    assert best.to_dict()["worst_case"] == list(best.worst_case)
+    # the best, not any: at 100% min's 5 s, not swap-all's 7 s
+    assert step_ratio(results, "no-swap", ["swap-all", "min"]).geomean == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        step_ratio(results, "min", [])
