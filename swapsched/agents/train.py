@@ -20,7 +20,7 @@ import torch
 from swapsched._paths import atomic_path
 from swapsched.agents import blocks, editor, guide
 from swapsched.agents.checkpoint import check_card, load_ppo, resolve_checkpoint
-from swapsched.agents.evaluate import PolicySummary, compare, summarize
+from swapsched.agents.evaluate import PolicySummary, StepRatio, compare, step_ratio, summarize
 from swapsched.agents.heuristics import Belady
 from swapsched.agents.learned import ENV_VERSION, LearnedPolicy, greedy_rollout
 from swapsched.errors import UserError, read_yaml
@@ -62,11 +62,13 @@ class TrainConfig:
     # to 0.9996 of min's step, 600 to 0.9998
     editor_rl_iterations: int = 300
     # the block chooser (agents/blocks.py): random cases per training trace with blocks, each
-    # choice simulated on each. Chosen on the corpus's held-out split (so for this choice it is not
-    # unseen; scripts/_outside_zoo.py is): 60 cases gave 0.987 and 0.992 of the best technique's
-    # step in two collections, 120 gave 0.986 (hidden 32) and 0.982 (hidden 64)
+    # choice simulated on each; an ensemble of ``blocks_members`` networks of ``blocks_hidden``
+    # units. Session 13 chose 60 cases and 64 units on the corpus's held-out split (for 25 choices
+    # scored from the case alone); session 18 chose 5 members outside the zoo (one network's
+    # worst case there ranged 1.11-1.29x ``default``'s step over five seeds, three ensembles' 1.11x)
     blocks_cases_per_trace: int = 60
     blocks_hidden: int = 64
+    blocks_members: int = 5
     # corpus splits the search's learned parts (prior, editor, chooser) also learn from, beside
     # ``corpus_split``: ``generated`` is 32 random architectures (swapsched/generated.py), so that
     # what they learn is not the zoo's five families. With them, 54 training traces instead of 22,
@@ -77,8 +79,8 @@ class TrainConfig:
     def scaled(self, timesteps: int) -> TrainConfig:
         """This config with the search's learned parts sized to a run of ``timesteps`` PPO steps:
         each count and time box in proportion to ``timesteps / total_timesteps`` (never above the
-        config's), down to one case per trace, 0.1 s searches, 10 REINFORCE iterations and 2
-        chooser cases per trace: a short run (``--timesteps 2048``, ``--quick``) is short end to
+        config's), down to one case per trace, 0.1 s searches, 10 REINFORCE iterations, 2
+        chooser cases per trace and one chooser network: a short run (``--timesteps 2048``, ``--quick``) is short end to
         end, where its PPO part alone would be."""
         s = min(1.0, timesteps / self.total_timesteps)
         if s >= 1.0:
@@ -93,34 +95,43 @@ class TrainConfig:
                        editor_cases_per_trace=count(self.editor_cases_per_trace, 1),
                        editor_seconds=max(0.1, self.editor_seconds * s),
                        editor_rl_iterations=count(self.editor_rl_iterations, 10),
-                       blocks_cases_per_trace=count(self.blocks_cases_per_trace, 2))
+                       blocks_cases_per_trace=count(self.blocks_cases_per_trace, 2),
+                       blocks_members=count(self.blocks_members, 1))
 
 
-#: What one training step of each phase costs on this kind of machine (2 cores), for the plan a run
-#: prints first: PPO steps per second over SwapEnv with 4 environments (`swapsched train-policy
-#: --quick`: 8,192 steps in about 15 s), and the simulations per second the searches and the
-#: chooser's cases run (a zoo trace's step simulated, ~5 ms)
-PPO_STEPS_PER_S = 500.0
-SIMULATIONS_PER_S = 200.0
+#: What each phase costs on this kind of machine (2 cores), for the plan a run prints first, as
+#: ``swapsched train-policy`` from scratch on the default config measured them (session 18, 27 min
+#: in all): PPO over SwapEnv with 4 environments, 1,507,328 steps in 938 s, after a start of about
+#: 10 s; the block chooser's data, 3,300 cases x 49 choices simulated in 240 s, then 20 s per
+#: network it fits; the editor's REINFORCE, 300 iterations in 6 s; the held-out evaluation, 96 cases
+#: in 52 s. The prior's and the editor's searches are time-boxed: their time is their box.
+PPO_START_S = 10.0
+PPO_STEPS_PER_S = 1600.0
+CHOOSER_SIMULATIONS_PER_S = 670.0
+CHOOSER_FIT_S = 20.0
+EDITOR_RL_ITERATION_S = 0.02
+EVALUATION_CASE_S = 0.55
 
 
-def phase_plan(config: TrainConfig, n_ppo_traces: int, n_search_traces: int, timesteps: int) -> list[tuple[str, float]]:
+def phase_plan(config: TrainConfig, n_ppo_traces: int, n_search_traces: int, timesteps: int,
+               n_eval_traces: int = 0) -> list[tuple[str, float]]:
     """Each phase of a run and about how long it takes (seconds): PPO, the move prior, the plan
     editor (its searches, then REINFORCE), the block chooser, and the held-out evaluation."""
     from swapsched.agents.blocks import CHOICES
 
-    rl_cases = config.editor_cases_per_trace * n_search_traces  # each iteration: a batch of 16, sampled and greedy
+    n_eval = n_eval_traces * len(config.eval["budgets"]) * len(config.eval["hardware"])
     return [
-        (f"PPO, {timesteps:,} steps on {n_ppo_traces} traces", timesteps / PPO_STEPS_PER_S),
+        (f"PPO, {timesteps:,} steps on {n_ppo_traces} traces", PPO_START_S + timesteps / PPO_STEPS_PER_S),
         (f"move prior, {config.prior_cases_per_trace} search(es) of {config.prior_seconds:.2g} s per trace",
          n_search_traces * config.prior_cases_per_trace * config.prior_seconds),
         (f"plan editor, {config.editor_cases_per_trace} search(es) of {config.editor_seconds:.2g} s per trace, "
          f"then {config.editor_rl_iterations} REINFORCE iterations",
          n_search_traces * config.editor_cases_per_trace * config.editor_seconds
-         + (rl_cases + config.editor_rl_iterations * 32) / SIMULATIONS_PER_S),
-        (f"block chooser, {config.blocks_cases_per_trace} case(s) per trace with blocks",
-         n_search_traces * config.blocks_cases_per_trace * len(CHOICES) / SIMULATIONS_PER_S),
-        ("held-out evaluation", 0.0),
+         + config.editor_rl_iterations * EDITOR_RL_ITERATION_S),
+        (f"block chooser, {config.blocks_cases_per_trace} case(s) per trace with blocks, {config.blocks_members} network(s)",
+         n_search_traces * config.blocks_cases_per_trace * len(CHOICES) / CHOOSER_SIMULATIONS_PER_S
+         + config.blocks_members * CHOOSER_FIT_S),
+        (f"held-out evaluation, {n_eval} cases", n_eval * EVALUATION_CASE_S),
     ]
 
 
@@ -139,7 +150,7 @@ def load_train_config(path: str | Path) -> TrainConfig:
         if k in data:
             data[k] = tuple(data[k])
     for k in ("total_timesteps", "n_envs", "eval_every", "prior_cases_per_trace", "editor_cases_per_trace",
-              "editor_rl_iterations", "blocks_cases_per_trace", "blocks_hidden"):
+              "editor_rl_iterations", "blocks_cases_per_trace", "blocks_hidden", "blocks_members"):
         if k in data and (not isinstance(data[k], int) or data[k] <= 0):
             raise TrainConfigError(f"{p}: field {k}: expected a positive integer, got {data[k]!r}")
     return TrainConfig(**data)
@@ -168,10 +179,14 @@ class HeldOut:
     budgets: tuple[str, ...]
     hardware: tuple[str, ...]
     summary: tuple[PolicySummary, ...]
+    #: the learned parts alone (greedy) over the searched plan and over the best baseline, and the
+    #: searched plan over the best baseline (issue 36's figures)
+    ratios: tuple[StepRatio, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {"traces": list(self.traces), "budgets": list(self.budgets), "hardware": list(self.hardware),
-                "summary": [s.to_dict() for s in self.summary]}  # NaN becomes null as the card is written
+                "summary": [s.to_dict() for s in self.summary],
+                "ratios": [r.to_dict() for r in self.ratios]}  # NaN becomes null as the card is written
 
 
 def _callbacks(total: int, progress: bool, config: TrainConfig, out: Path, validation: list, extra: list) -> Any:
@@ -294,7 +309,7 @@ def train_search(config: TrainConfig, checkpoint: str | Path, *, progress: bool 
     editor_file = ed.save(editor.editor_path(Path(checkpoint)))
     x, costs = blocks.collect(traces, hws, cases_per_trace=config.blocks_cases_per_trace, seed=config.seed + 2,
                               progress=progress)
-    ch = blocks.fit(x, costs, hidden=config.blocks_hidden, seed=config.seed)
+    ch = blocks.fit(x, costs, hidden=config.blocks_hidden, seed=config.seed, members=config.blocks_members)
     parts = SearchParts(prior_file, editor_file, ch.save(blocks.chooser_path(Path(checkpoint))), splits, len(traces),
                         round(time.perf_counter() - t0, 1))
     card_path = Path(checkpoint).with_suffix(".json")
@@ -355,7 +370,8 @@ def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True,
     # the search parts' traces, counted from the index (train_search loads them when it runs)
     search_splits = (config.corpus_split, *config.search_extra_splits)
     search_traces = sum(1 for r in index if r["split"] in search_splits and r["family"] not in config.validation_families)
-    phases = phase_plan(config, len(traces), search_traces, -(-total // rollout) * rollout)
+    n_eval_traces = sum(1 for r in index if r["split"] == "test")
+    phases = phase_plan(config, len(traces), search_traces, -(-total // rollout) * rollout, n_eval_traces)
     print("phases (about, on 2 cores): " + "; ".join(f"{i}/{len(phases)} {what}" + (f" ~{_duration(s)}" if s else "")
                                                      for i, (what, s) in enumerate(phases, 1)), file=sys.stderr)
     t0 = time.perf_counter()
@@ -378,8 +394,9 @@ def train_policy(config: TrainConfig, out: str | Path, *, progress: bool = True,
             stopped_in = "search parts"
             parts = train_search(config, out, progress=progress, card=False)
             stopped_in = "evaluation"
-            results = evaluate(LearnedPolicy(out, mode="greedy"), held_out, ev["budgets"],
-                               [load_hardware(h) for h in ev["hardware"]], ev.get("baselines", []))
+            results = evaluate([LearnedPolicy(out, mode="greedy"), LearnedPolicy(out, mode="search")], held_out,
+                               ev["budgets"], [load_hardware(h) for h in ev["hardware"]], ev.get("baselines", []),
+                               progress=progress)
             stopped_in = None
         except KeyboardInterrupt:
             pass
@@ -414,10 +431,16 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
-def evaluate(policy: Any, traces: list, budgets: list[str], hardware: list, baselines: list[str]) -> HeldOut:
-    """Mean overhead and OOMs of ``policy`` and each baseline over traces x budgets x hardware."""
+def evaluate(policies: list, traces: list, budgets: list[str], hardware: list, baselines: list[str], *,
+             progress: bool = False) -> HeldOut:
+    """Mean overhead and OOMs of the trained ``policies`` (the learned parts alone, then the searched
+    planner) and each baseline over traces x budgets x hardware; and each policy's step over the
+    next one's and over the best baseline's, case by case."""
 
-    names = [policy.name, *baselines]
-    rows = compare(traces, budgets, hardware, [policy, *baselines], progress=False)
+    names = [p.name for p in policies]
+    rows = compare(traces, budgets, hardware, [*policies, *baselines], progress=progress)
+    ratios = [step_ratio(rows, a, [b]) for a, b in zip(names, names[1:])]
+    if baselines:
+        ratios += [step_ratio(rows, p, baselines) for p in names]
     return HeldOut(tuple(t.name for t in traces), tuple(budgets), tuple(h.name for h in hardware),
-                   tuple(summarize(rows, names)))
+                   tuple(summarize(rows, [*names, *baselines])), tuple(ratios))

@@ -271,7 +271,7 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from swapsched.agents.train import load_train_config, train_policy, train_search
-    from swapsched.report import format_summary
+    from swapsched.report import format_ratios, format_summary
 
     config = load_train_config(args.config)
     if args.seed is not None:
@@ -313,6 +313,8 @@ def cmd_train_policy(args: argparse.Namespace) -> int:
     assert res.held_out is not None  # evaluated: training was not interrupted
     print(f"held-out traces: {', '.join(res.held_out.traces)}")
     print(format_summary(res.held_out.summary))
+    if res.held_out.ratios:
+        print(format_ratios(res.held_out.ratios))
     return 0
 
 

@@ -361,13 +361,19 @@ def test_a_short_run_scales_the_search_parts_and_says_each_phase_up_front(tmp_pa
     assert quick.total_timesteps == 2048
     assert (quick.prior_cases_per_trace, quick.editor_cases_per_trace, quick.blocks_cases_per_trace) == (1, 1, 2)
     assert (quick.prior_seconds, quick.editor_seconds, quick.editor_rl_iterations) == (0.1, 0.1, 10)
+    assert (quick.blocks_members, full.blocks_members) == (1, 5)
     half = full.scaled(full.total_timesteps // 2)
-    assert half.blocks_cases_per_trace == 30 and half.prior_seconds == 0.25  # in proportion
-    # 8,192 PPO steps at 500/s; 54 traces x 1 search x 0.1 s for the prior, ...
-    phases = phase_plan(quick, 22, 54, 8192)
-    assert [round(s, 1) for _, s in phases[:2]] == [round(8192 / 500, 1), 5.4]
-    assert sum(s for _, s in phases) < 120  # a couple of minutes, where the full plan is hours
-    assert sum(s for _, s in phase_plan(full, 22, 54, 1_507_328)) > 3600
+    assert half.blocks_cases_per_trace == 30 and half.prior_seconds == 0.25 and half.blocks_members == 2  # in proportion
+    # 8,192 PPO steps at 1,600/s after a 10 s start; 54 traces x 1 search x 0.1 s for the prior;
+    # the editor's 54 searches of 0.1 s and 10 iterations of 0.02 s; 54 x 2 cases x 49 choices at
+    # 670 simulations/s and one network of 20 s; 8 held-out traces x 3 budgets x 1 link (the
+    # config's evaluation) of 0.55 s
+    phases = phase_plan(quick, 22, 54, 8192, 8)
+    assert [round(s, 2) for _, s in phases] == [round(10 + 8192 / 1600, 2), 5.4, 5.6, round(54 * 2 * 49 / 670 + 20, 2),
+                                                round(24 * 0.55, 2)]
+    assert sum(s for _, s in phases) < 180  # a few minutes
+    # the full run, as session 18 measured it from scratch: 27 min; well under the hour
+    assert 1200 < sum(s for _, s in phase_plan(full, 23, 55, 1_507_328, 8)) < 3600
 
 
 def test_an_interrupted_search_phase_leaves_the_ppo_checkpoint_a_card_and_how_to_go_on(tmp_path, monkeypatch, capsys):
