@@ -229,8 +229,9 @@ class BlockChooser(TanhMLP):
     scores every choice from what the choice does, not a class per choice: it reads the trade it
     faces (recompute seconds against link seconds and copy latencies), which carries to models
     whose blocks are nothing like the training families'. Members because one network's choices
-    on unseen models vary with its seed (outside the zoo, five seeds: 1.003-1.020 of ``default``'s
-    step, worst case 1.11-1.29x); their mean did not (three ensembles: 1.006, worst 1.11x)."""
+    on unseen models vary with its seed (outside the zoo, five seeds: 1.008-1.024 of ``default``'s
+    step, worst case 1.11-1.33x); their mean did not (three ensembles: 1.010-1.011, worst 1.11x;
+    ``scripts/exp_chooser_members.py``)."""
 
     KIND: ClassVar[str] = "block chooser"
     VERSION: ClassVar[int] = FEATURE_VERSION

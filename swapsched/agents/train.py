@@ -65,7 +65,8 @@ class TrainConfig:
     # choice simulated on each; an ensemble of ``blocks_members`` networks of ``blocks_hidden``
     # units. Session 13 chose 60 cases and 64 units on the corpus's held-out split (for 25 choices
     # scored from the case alone); session 18 chose 5 members outside the zoo (one network's
-    # worst case there ranged 1.11-1.29x ``default``'s step over five seeds, three ensembles' 1.11x)
+    # worst case there ranged 1.11-1.33x ``default``'s step over five seeds, three ensembles' 1.11x;
+    # scripts/exp_chooser_members.py)
     blocks_cases_per_trace: int = 60
     blocks_hidden: int = 64
     blocks_members: int = 5
@@ -439,7 +440,7 @@ def evaluate(policies: list, traces: list, budgets: list[str], hardware: list, b
 
     names = [p.name for p in policies]
     rows = compare(traces, budgets, hardware, [*policies, *baselines], progress=progress)
-    ratios = [step_ratio(rows, a, [b]) for a, b in zip(names, names[1:])]
+    ratios = [step_ratio(rows, a, [b]) for a, b in zip(names, names[1:], strict=False)]  # each over the next
     if baselines:
         ratios += [step_ratio(rows, p, baselines) for p in names]
     return HeldOut(tuple(t.name for t in traces), tuple(budgets), tuple(h.name for h in hardware),
