@@ -241,13 +241,18 @@ class ShapePlans:
 
     def install_ready(self, wait: bool = False) -> list[tuple[PlanLayout, PlanLayout]]:
         """Put every background layout that is ready (all of them, with ``wait``) in place of the
-        layout it was made for, unless that layout has gone since (a wrong prediction, new
-        blocks); (the layout replaced, the new one) for each put in place."""
+        layout it was made for (or that layout re-timed since), unless that layout has gone (a
+        wrong prediction, new blocks); (the layout replaced, the new one) for each put in place."""
         installed = []
         for key, replaced, layout in self._jobs.ready(wait):  # a policy's error surfaces here
-            if self.layouts.get(key) is replaced:
+            current = self.layouts.get(key)
+            # the layout the job was made for, or that layout re-timed because its shape came
+            # again while the plan was being made (get() keeps the plan object): the shape still
+            # runs the plan the job replaces. Dropping it there lost every plan of a shape that
+            # came again within a search's time
+            if current is replaced or (current is not None and current.plan is replaced.plan):
                 self.layouts[key] = layout
-                installed.append((replaced, layout))
+                installed.append((current, layout))
         return installed
 
     def keep_sizes(self, profiled: list[tuple[Trace, dict[int, int]]], planned: PlanLayout) -> None:

@@ -114,6 +114,42 @@ def test_a_job_for_a_layout_that_has_gone_is_dropped():
         plans.shutdown()
 
 
+def test_a_job_for_a_layout_re_timed_since_is_installed():
+    """The shape ran and came again while its plan was being made: get() re-timed its layout (the
+    same borrowed plan, a new layout). The policy's plan still replaces it; a plan laid out anew
+    (a different plan object) is not replaced by a job made for the one before."""
+    import threading
+
+    class Slow(Planner):
+        def __init__(self) -> None:
+            super().__init__()
+            self.go = threading.Event()
+
+        def plan(self, trace, budget, hardware):
+            self.go.wait(10)
+            return super().plan(trace, budget, hardware)
+
+    policy = Slow()
+    plans = plans_of(100, 300, policy=policy, background=True)
+    try:
+        lay = plans.predict(plans.layouts[100], 200)
+        plans.note_other_shape(lay, report([0.5, 0.5, 0.5, 0.5]))
+        again = plans.get(200)
+        assert again is not lay and again.plan is lay.plan and "timed_by_execution" in again.trace.meta
+        policy.go.set()
+        ((replaced, new),) = plans.install_ready(wait=True)
+        assert replaced is again and plans.layouts[200] is new and new.plan.policy == "evict-t0"
+        # laid out anew with another plan while a job ran: the job's plan is dropped
+        policy.go.clear()
+        plans.plan_later(plans.layouts[100])
+        t = plans.layouts[100].trace
+        plans.keep(plans.lay_out(t, SwapPlan.of(t, "other", []), first_sight=SIGHT))
+        policy.go.set()
+        assert plans.install_ready(wait=True) == [] and plans.layouts[100].plan.policy == "other"
+    finally:
+        plans.shutdown()
+
+
 def test_without_a_background_planner_a_replan_is_made_at_once():
     plans = plans_of(100, policy=Planner())
     plans.replan(plans.layouts[100], fam(100))
