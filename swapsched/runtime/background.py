@@ -36,6 +36,10 @@ class BackgroundPlans:
     def __bool__(self) -> bool:
         return bool(self._pending)
 
+    def __contains__(self, key: int) -> bool:
+        """Whether a job for the shape ``key`` is in flight."""
+        return key in self._pending
+
     def submit(self, key: int, replaces: PlanLayout, job: Callable[[], PlanLayout]) -> None:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swapsched-planner")

@@ -115,8 +115,13 @@ class ShapePlans:
         untimed = self._untimed.pop(key, None)
         if layout is not None and untimed is not None and untimed[0] is layout:
             layout = self.lay_out(timed_by_execution(layout.trace, [untimed[1]]), layout.plan,
-                                  first_sight=layout.first_sight, predicted=layout.predicted)
+                                  first_sight=layout.first_sight, predicted=layout.predicted, family=layout.family)
             self.keep(layout)
+            # a borrowed plan kept because it met R8's floor as predicted may miss it as the step
+            # ran: then the policy plans the shape after all (unless it is planning it already)
+            if (self.background and self.policy is not None and layout.plan_source == "borrowed"
+                    and key not in self._jobs and not self._at_floor(layout)):
+                self.plan_later(layout)
         return layout
 
     def kin(self, trace: Trace, first_sight: dict[int, int], family: Any = None) -> list[PlanLayout]:
@@ -138,17 +143,20 @@ class ShapePlans:
         trace = self._family_fit([lay.trace for lay in kin if not lay.predicted]).at(s, self._executed_times.get(like.family))
         if trace is None:
             return None
-        budget = self.budgets.of(trace)
+        self.budgets.of(trace)  # a size no plan fits is refused here (BudgetError), before it is planned
         layout = self.lay_out(trace, *self.first_plan(trace, kin), first_sight=like.first_sight, predicted=True,
                               family=like.family)
         self.keep(layout)
         # the policy's own plan for this size, a better donor for sizes near it, unless the first
         # one already meets R8's floor here (a size that fits needs no plan): no plan is faster
-        at_floor = (layout.predicted_s is not None
-                    and layout.predicted_s <= analytic_floor(trace, budget, self.hardware) * (1 + 1e-9))
-        if self.background and self.policy is not None and not at_floor:
+        if self.background and self.policy is not None and not self._at_floor(layout):
             self.plan_later(layout)
         return layout
+
+    def _at_floor(self, layout: PlanLayout) -> bool:
+        """Whether ``layout``'s plan meets R8's floor on its trace: no plan is faster there."""
+        return (layout.predicted_s is not None and layout.predicted_s
+                <= analytic_floor(layout.trace, self.budgets.of(layout.trace), self.hardware) * (1 + 1e-9))
 
     def _family_fit(self, profiled: list[Trace]) -> FamilyFit:
         """The fit of these profiled traces, made once while they stay the family's (see FamilyFit)."""

@@ -150,6 +150,38 @@ def test_a_job_for_a_layout_re_timed_since_is_installed():
         plans.shutdown()
 
 
+def test_a_borrowed_plan_at_the_floor_as_predicted_is_replanned_when_the_step_ran_slower():
+    """Three tensors of s B, 4 s gaps, each size evicting T0 during gap 1 and bringing it back
+    once T2 is freed: predicted at s = 200 (budget 420 B, 180 B over while T2 is held), the
+    borrowed plan hides T0's 2 s copies and meets R8's floor, the ideal 24 s, so the policy is
+    not asked. The step then ran with 0.5 s gaps: re-timed there, the copies stall (5.5 s against a
+    3.8 s floor), so the policy plans the shape after all, once."""
+    sight = {0: 0, 1: 1, 2: 2}
+
+    def three(n: int):
+        return make_trace([n] * 3, [*(("pack", k, 4.0) for k in range(3)), *(("unpack", k, 4.0) for k in (2, 1, 0))],
+                          name=f"t{n}")
+
+    policy = Planner("mine")
+    plans = ShapePlans(make_hw(), ShapeBudgets("70%"), policy, None, background=True)
+    try:
+        for n in (100, 300):
+            t = three(n)
+            plans.keep(plans.lay_out(t, SwapPlan.of(t, "evict-t0", [Eviction(0, 0, 3)]), first_sight=sight))
+        lay = plans.predict(plans.layouts[100], 200)
+        assert lay.plan_source == "borrowed" and lay.predicted_s == pytest.approx(24.0) and not plans.planning
+        plans.note_other_shape(lay, report([0.5] * 6))
+        again = plans.get(200)
+        assert again.predicted_s > 3.8 * 1.1 and plans.planning  # above the floor now: the policy plans it
+        ((replaced, new),) = plans.install_ready(wait=True)
+        assert replaced is again and new.plan.policy == "mine" and policy.calls == 1
+        plans.note_other_shape(new, report([0.5] * 6))
+        plans.get(200)
+        assert not plans.planning  # the policy's own plan is not planned again
+    finally:
+        plans.shutdown()
+
+
 def test_without_a_background_planner_a_replan_is_made_at_once():
     plans = plans_of(100, policy=Planner())
     plans.replan(plans.layouts[100], fam(100))
