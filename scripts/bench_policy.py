@@ -35,9 +35,9 @@ import torch  # noqa: E402
 from _bench import geomean, table, write  # noqa: E402
 
 from swapsched.agents.bound import lower_bound  # noqa: E402
+from swapsched.agents.evaluate import feasible_cases  # noqa: E402
 from swapsched.agents.joint import LocalSearch  # noqa: E402
 from swapsched.agents.registry import get_policy  # noqa: E402
-from swapsched.budget import BudgetError, parse_budget  # noqa: E402
 from swapsched.env.corpus import load_corpus  # noqa: E402
 from swapsched.env.floors import joint_floor  # noqa: E402
 from swapsched.env.simulator import simulate  # noqa: E402
@@ -91,35 +91,29 @@ def main() -> int:
     pols = {n: get_policy(n) for n in PLANNERS if n not in ("local-search", "swapadvisor-1s")}
     pols["swapadvisor-1s"] = get_policy("swapadvisor", search_seconds=1.0)
     rows = []
-    for tr in traces:
-        for b in budgets:
-            try:
-                budget = parse_budget(b, tr)
-            except BudgetError:
-                continue
-            for hw in hws:
-                row: dict = {"trace": tr.name, "tensors": tr.n_tensors, "blocks": len(tr.segments), "budget": b,
-                             "hardware": hw.name, "ideal_s": tr.ideal_s, "step_s": {}, "plan_s": {}, "oom": {},
-                             "recompute_s": {}, "moved_bytes": {}}
-                for name in PLANNERS:
-                    # local-search gets the planning time default-swap took on this case
-                    pol = LocalSearch(search_seconds=row["plan_s"]["default-swap"]) if name == "local-search" else pols[name]
-                    t0 = time.perf_counter()
-                    plan = pol.plan(tr, budget, hw)
-                    row["plan_s"][name] = time.perf_counter() - t0
-                    r = simulate(tr, plan, hw, budget)
-                    row["step_s"][name], row["oom"][name] = r.iteration_s, r.oom
-                    row["recompute_s"][name], row["moved_bytes"][name] = r.recompute_s, r.d2h_bytes
-                row["floor_s"] = joint_floor(tr, budget, hw)
-                bd = lower_bound(tr, budget, hw, time_limit_s=args.bound_seconds)
-                row["bound_s"], row["bound_status"], row["bound_solve_s"] = bd.bound_s, bd.status, bd.solve_s
-                feasible = [row["step_s"][p] for p in TECHNIQUES if not row["oom"][p]]
-                row["best_technique_s"] = min(feasible) if feasible else None
-                rows.append(row)
-                best = row["best_technique_s"]
-                print(f"{tr.name:28s} {b:>4} {hw.name:11s} " + (" ".join(
-                    f"{p}={row['step_s'][p] / best:.3f}" if not row["oom"][p] else f"{p}=OOM"
-                    for p in PLANNERS) + f" bound={row['bound_s'] / best:.3f}" if best else "no technique fits"), flush=True)
+    for tr, b, budget, hw in feasible_cases(traces, budgets, hws):
+        row: dict = {"trace": tr.name, "tensors": tr.n_tensors, "blocks": len(tr.segments), "budget": b,
+                     "hardware": hw.name, "ideal_s": tr.ideal_s, "step_s": {}, "plan_s": {}, "oom": {},
+                     "recompute_s": {}, "moved_bytes": {}}
+        for name in PLANNERS:
+            # local-search gets the planning time default-swap took on this case
+            pol = LocalSearch(search_seconds=row["plan_s"]["default-swap"]) if name == "local-search" else pols[name]
+            t0 = time.perf_counter()
+            plan = pol.plan(tr, budget, hw)
+            row["plan_s"][name] = time.perf_counter() - t0
+            r = simulate(tr, plan, hw, budget)
+            row["step_s"][name], row["oom"][name] = r.iteration_s, r.oom
+            row["recompute_s"][name], row["moved_bytes"][name] = r.recompute_s, r.d2h_bytes
+        row["floor_s"] = joint_floor(tr, budget, hw)
+        bd = lower_bound(tr, budget, hw, time_limit_s=args.bound_seconds)
+        row["bound_s"], row["bound_status"], row["bound_solve_s"] = bd.bound_s, bd.status, bd.solve_s
+        feasible = [row["step_s"][p] for p in TECHNIQUES if not row["oom"][p]]
+        row["best_technique_s"] = min(feasible) if feasible else None
+        rows.append(row)
+        best = row["best_technique_s"]
+        print(f"{tr.name:28s} {b:>4} {hw.name:11s} " + (" ".join(
+            f"{p}={row['step_s'][p] / best:.3f}" if not row["oom"][p] else f"{p}=OOM"
+            for p in PLANNERS) + f" bound={row['bound_s'] / best:.3f}" if best else "no technique fits"), flush=True)
     cols = [*PLANNERS, "floor", "bound"]
 
     def ratio(row: dict, p: str) -> float | None:

@@ -22,8 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import geomean, table, write  # noqa: E402
 
+from swapsched.agents.evaluate import feasible_cases  # noqa: E402
 from swapsched.agents.learned import LearnedPolicy  # noqa: E402
-from swapsched.budget import BudgetError, parse_budget  # noqa: E402
 from swapsched.env.corpus import load_corpus  # noqa: E402
 from swapsched.env.simulator import simulate  # noqa: E402
 from swapsched.hardware import load_hardware  # noqa: E402
@@ -48,19 +48,13 @@ def main() -> int:
         pairs.append((LearnedPolicy("default", mode="search", recompute=False),
                       LearnedPolicy("default", mode="search", recompute=False, guided=False)))
     rows = []
-    for tr in traces:
-        for b in args.budgets.split(","):
-            try:
-                budget = parse_budget(b, tr)
-            except BudgetError:
-                continue
-            for hw in hws:
-                for guided, unguided in pairs:
-                    a = simulate(tr, guided.plan(tr, budget, hw), hw, budget)
-                    u = simulate(tr, unguided.plan(tr, budget, hw), hw, budget)
-                    rows.append({"trace": tr.name, "budget": b, "hardware": hw.name, "planner": guided.name,
-                                 "guided_s": a.iteration_s, "unguided_s": u.iteration_s, "oom": a.oom or u.oom})
-                    print(f"{tr.name:28s} {b:>4} {hw.name:11s} {guided.name}: {a.iteration_s / u.iteration_s:.4f}", flush=True)
+    for tr, b, budget, hw in feasible_cases(traces, args.budgets.split(","), hws):
+        for guided, unguided in pairs:
+            a = simulate(tr, guided.plan(tr, budget, hw), hw, budget)
+            u = simulate(tr, unguided.plan(tr, budget, hw), hw, budget)
+            rows.append({"trace": tr.name, "budget": b, "hardware": hw.name, "planner": guided.name,
+                         "guided_s": a.iteration_s, "unguided_s": u.iteration_s, "oom": a.oom or u.oom})
+            print(f"{tr.name:28s} {b:>4} {hw.name:11s} {guided.name}: {a.iteration_s / u.iteration_s:.4f}", flush=True)
     summary = []
     for guided, _ in pairs:
         rs = [r for r in rows if r["planner"] == guided.name and not r["oom"]]

@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import geomean, table, write  # noqa: E402
 
 from swapsched.agents import blocks  # noqa: E402
+from swapsched.agents.evaluate import feasible_cases  # noqa: E402
 from swapsched.agents.registry import get_policy  # noqa: E402
 from swapsched.agents.train import load_train_config  # noqa: E402
-from swapsched.budget import BudgetError, parse_budget  # noqa: E402
 from swapsched.env.corpus import corpus_index, load_corpus  # noqa: E402
 from swapsched.env.simulator import simulate  # noqa: E402
 from swapsched.hardware import load_hardware  # noqa: E402
@@ -80,32 +80,26 @@ def main() -> int:
     searched, greedy = get_policy("default"), get_policy("default-greedy")
     rows = []
     for set_name, trs in (("held-out", load_corpus(split="test")), ("outside-zoo", outside_zoo_traces())):
-        for tr in trs:
-            for b in BUDGETS:
-                try:
-                    budget = parse_budget(b, tr)
-                except BudgetError:
-                    continue
-                for hw in (load_hardware(h) for h in HARDWARE):
-                    fits = [r.iteration_s for r in (simulate(tr, get_policy(p).plan(tr, budget, hw), hw, budget) for p in TECHNIQUES)
-                            if not r.oom]
-                    ref = simulate(tr, searched.plan(tr, budget, hw), hw, budget)
-                    if not fits or ref.oom:
-                        continue
-                    row = {"set": set_name, "trace": tr.name, "budget": b, "hardware": hw.name,
-                           "best_technique_s": min(fits), "default_s": ref.iteration_s, "greedy_s": {}}
-                    if tr.segments:
-                        steps = [simulate(tr, blocks.joint_plan(tr, budget, hw, blocks.states_of(tr, c), "c"), hw, budget,
-                                          validate=False) for c in range(len(blocks.CHOICES))]
-                        ok = [r.iteration_s if not r.oom else math.inf for r in steps]
-                        row["reach_25_s"], row["reach_49_s"] = min(ok[:PREFIX_CHOICES]), min(ok)
-                    for label, ch in choosers.items():
-                        greedy._chooser = ch
-                        r = simulate(tr, greedy.plan(tr, budget, hw), hw, budget)
-                        row["greedy_s"][label] = math.inf if r.oom else r.iteration_s
-                    rows.append(row)
-                    print(f"{set_name:11s} {tr.name:28s} {b:>4} {hw.name:11s} "
-                          + " ".join(f"{k}={v / row['default_s']:.3f}" for k, v in row["greedy_s"].items()), flush=True)
+        for tr, b, budget, hw in feasible_cases(trs, BUDGETS, [load_hardware(h) for h in HARDWARE]):
+            fits = [r.iteration_s for r in (simulate(tr, get_policy(p).plan(tr, budget, hw), hw, budget) for p in TECHNIQUES)
+                    if not r.oom]
+            ref = simulate(tr, searched.plan(tr, budget, hw), hw, budget)
+            if not fits or ref.oom:
+                continue
+            row = {"set": set_name, "trace": tr.name, "budget": b, "hardware": hw.name,
+                   "best_technique_s": min(fits), "default_s": ref.iteration_s, "greedy_s": {}}
+            if tr.segments:
+                steps = [simulate(tr, blocks.joint_plan(tr, budget, hw, blocks.states_of(tr, c), "c"), hw, budget,
+                                  validate=False) for c in range(len(blocks.CHOICES))]
+                ok = [r.iteration_s if not r.oom else math.inf for r in steps]
+                row["reach_25_s"], row["reach_49_s"] = min(ok[:PREFIX_CHOICES]), min(ok)
+            for label, ch in choosers.items():
+                greedy._chooser = ch
+                r = simulate(tr, greedy.plan(tr, budget, hw), hw, budget)
+                row["greedy_s"][label] = math.inf if r.oom else r.iteration_s
+            rows.append(row)
+            print(f"{set_name:11s} {tr.name:28s} {b:>4} {hw.name:11s} "
+                  + " ".join(f"{k}={v / row['default_s']:.3f}" for k, v in row["greedy_s"].items()), flush=True)
 
     summary = []
     for label in choosers:

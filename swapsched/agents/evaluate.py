@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,8 @@ from swapsched.plan import SwapPlan
 from swapsched.policy import Policy
 from swapsched.trace import Trace
 
-__all__ = ["Case", "CaseResult", "PolicySummary", "StepRatio", "compare", "run_policy", "step_ratio", "summarize"]
+__all__ = ["Case", "CaseResult", "PolicySummary", "StepRatio", "compare", "feasible_cases", "run_policy", "step_ratio",
+           "summarize"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,21 @@ class Case:
     trace: Trace
     budget: str
     hardware: Hardware
+
+
+def feasible_cases(traces: Iterable[Trace], budgets: Sequence[str],
+                   hardware: Sequence[Hardware]) -> Iterator[tuple[Trace, str, int, Hardware]]:
+    """(trace, budget as given, its bytes, hardware) for every trace x budget x hardware, in that
+    order, leaving out the budgets below what any plan can meet on the trace (the loop every
+    benchmark and the training's validation run; ``compare`` records those as skipped instead)."""
+    for trace in traces:
+        for b in budgets:
+            try:
+                budget = parse_budget(b, trace)
+            except BudgetError:
+                continue
+            for hw in hardware:
+                yield trace, b, budget, hw
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch
 from swapsched._paths import atomic_path
 from swapsched.agents import blocks, editor, guide
 from swapsched.agents.checkpoint import check_card, load_ppo, resolve_checkpoint
-from swapsched.agents.evaluate import PolicySummary, StepRatio, compare, step_ratio, summarize
+from swapsched.agents.evaluate import PolicySummary, StepRatio, compare, feasible_cases, step_ratio, summarize
 from swapsched.agents.heuristics import Belady
 from swapsched.agents.learned import ENV_VERSION, LearnedPolicy, greedy_rollout
 from swapsched.errors import UserError, read_yaml
@@ -237,21 +237,14 @@ def _callbacks(total: int, progress: bool, config: TrainConfig, out: Path, valid
 def validation_ratio(model: Any, traces: list, budgets: list[str], hws: list) -> float:
     """Geometric mean over traces x budgets x hardware of the greedy plan's simulated step over min's
     (an OOM counts as 10x); the number the best checkpoint is chosen by."""
-    from swapsched.budget import BudgetError, parse_budget
     from swapsched.env.simulator import simulate
 
     logs = []
-    for tr in traces:
-        for b in budgets:
-            try:
-                budget = parse_budget(b, tr)
-            except BudgetError:
-                continue
-            for hw in hws:
-                ref = simulate(tr, Belady().plan(tr, budget, hw), hw, budget, validate=False)
-                mine = simulate(tr, greedy_rollout(model, tr, budget, hw, "validation"), hw, budget, validate=False)
-                ratio = 10.0 if mine.oom else mine.iteration_s / ref.iteration_s if not ref.oom else 1.0
-                logs.append(math.log(ratio))
+    for tr, _, budget, hw in feasible_cases(traces, budgets, hws):
+        ref = simulate(tr, Belady().plan(tr, budget, hw), hw, budget, validate=False)
+        mine = simulate(tr, greedy_rollout(model, tr, budget, hw, "validation"), hw, budget, validate=False)
+        ratio = 10.0 if mine.oom else mine.iteration_s / ref.iteration_s if not ref.oom else 1.0
+        logs.append(math.log(ratio))
     return math.exp(sum(logs) / len(logs)) if logs else math.nan
 
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from swapsched.agents.evaluate import CaseResult, compare, step_ratio, summarize
+from swapsched.agents.evaluate import CaseResult, compare, feasible_cases, step_ratio, summarize
 from tests.conftest import make_hw, make_trace
 
 POLICIES = ["no-swap", "swap-all", "min"]
@@ -70,3 +70,11 @@ def test_step_ratio_over_one_reference_and_over_the_best_of_several(results):
     assert step_ratio(results, "no-swap", ["swap-all", "min"]).geomean == pytest.approx(1.0)
     with pytest.raises(ValueError):
         step_ratio(results, "min", [])
+
+
+def test_feasible_cases_leave_out_the_budgets_no_plan_meets_in_trace_budget_hardware_order():
+    tr = make_trace([100, 100], [("pack", 0, 1.0), ("pack", 1, 1.0), ("unpack", 1, 2.0), ("unpack", 0, 1.0)])
+    a, b = make_hw(), make_hw(d2h=50.0)
+    got = [(t.name, spec, budget, hw.d2h_bytes_per_s) for t, spec, budget, hw in feasible_cases([tr], ["100%", "1%", "50%"], [a, b])]
+    # 1% is 2 B, below the 100 B any plan needs; 100% is the 200 B peak, 50% 100 B
+    assert got == [("hand", "100%", 200, 100.0), ("hand", "100%", 200, 50.0), ("hand", "50%", 100, 100.0), ("hand", "50%", 100, 50.0)]
