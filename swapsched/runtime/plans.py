@@ -36,7 +36,7 @@ from swapsched.runtime.retime import timed_by_execution
 from swapsched.runtime.shapes import FamilyFit, first_bytes, structure
 from swapsched.trace import Trace
 
-__all__ = ["ShapePlans", "PLANNING_SHARE", "QUICK_PLAN_GUESS_S", "rank", "without_small"]
+__all__ = ["ShapePlans", "PLANNING_SHARE", "QUICK_PLAN_GUESS_S", "later_shape_plan", "rank", "without_small"]
 
 #: The share of the run's time that planning on the loop's thread may take (issue 36's 2%): a new
 #: shape gets the quick planner's plan only while the run's planning stays within it
@@ -55,6 +55,12 @@ Family = tuple[tuple[bool, int], ...]  # shapes.structure of a trace
 def rank(res: SimResult) -> tuple[bool, bool, float]:
     """How plans for one shape compare: fits first, then needs no guard evictions, then faster."""
     return res.oom, res.guard_evictions > 0, res.iteration_s
+
+
+def later_shape_plan(policy: Policy, trace: Trace, budget: int, hardware: Hardware, min_bytes: int) -> SwapPlan:
+    """``policy``'s plan for a later shape: swaps only (blocks are chosen on the first shape, R9's
+    two stages, and later shapes run with those blocks as they are), less evictions under ``min_bytes``."""
+    return without_small(policy.plan(trace.with_segments(lambda sg: False), budget, hardware), trace, min_bytes)
 
 
 def without_small(plan: SwapPlan, trace: Trace, min_bytes: int) -> SwapPlan:
@@ -180,7 +186,7 @@ class ShapePlans:
             return borrowed
         t0 = time.perf_counter()
         budget = self.budgets.of(trace)
-        plan = without_small(quick.plan(trace.with_segments(lambda sg: False), budget, self.hardware), trace, self.min_bytes)
+        plan = later_shape_plan(quick, trace, budget, self.hardware, self.min_bytes)
         res = simulate(trace, plan, self.hardware, budget, validate=False, guard=True)
         self._quick_s = time.perf_counter() - t0
         if rank(res) < rank(borrowed[1]):
@@ -229,14 +235,13 @@ class ShapePlans:
     def _policy_job(self, layout: PlanLayout, trace: Trace) -> Callable[[], PlanLayout]:
         """The policy's plan for ``layout``'s shape on ``trace``, laid out: a job that reads only
         what it is given here (the run's budget and hardware as they are now), so it may run on
-        the planner thread. It swaps only: blocks are chosen on the first shape (R9's two stages),
-        and later shapes run with those blocks as they are."""
+        the planner thread. It swaps only (:func:`later_shape_plan`)."""
         policy = present(self.policy, "the policy that plans a later shape")
         budget, hardware, min_bytes = self.budgets.of(trace), self.hardware, self.min_bytes
         first_sight, predicted, family = layout.first_sight, layout.predicted, layout.family
 
         def plan_and_lay_out() -> PlanLayout:
-            plan = without_small(policy.plan(trace.with_segments(lambda sg: False), budget, hardware), trace, min_bytes)
+            plan = later_shape_plan(policy, trace, budget, hardware, min_bytes)
             return lay_out(trace, plan, hardware, budget, simulate(trace, plan, hardware, budget, validate=False, guard=True),
                            first_sight=first_sight, predicted=predicted, family=family)
 

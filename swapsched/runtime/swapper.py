@@ -124,7 +124,6 @@ class PolicyRuntime:
         # the layouts per shape, each shape's first plan, and the policy's plans made on a thread
         # while steps run on a plan borrowed at once from the family (plans.py)
         self.plans = ShapePlans(hw, budgets, policy, quick_policy, min_bytes=min_bytes, background=background_planning)
-        self.min_bytes = int(min_bytes)
         self.profile_steps = int(profile_steps)
         self._profiled = 0
         self._profiles: list[tuple[Trace, dict[int, int]]] = []  # (trace, its order of first sight)
@@ -180,6 +179,11 @@ class PolicyRuntime:
     def layouts(self) -> dict[int, PlanLayout]:
         """The layout of each shape seen, by the bytes of its first saved tensor."""
         return self.plans.layouts
+
+    @property
+    def min_bytes(self) -> int:
+        """Saved tensors smaller than this always stay on the device."""
+        return self.plans.min_bytes
 
     @property
     def budget_spec(self) -> str | int | float:
