@@ -8,20 +8,22 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from swapsched.errors import UserError  # noqa: E402
 from swapsched.integrations.hf import swap_trainer  # noqa: E402
 
 
-def _trainer(tmp_path, name, accumulate=1):
+def _trainer(tmp_path, name, accumulate=1, **args):
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config)
     gen = torch.Generator().manual_seed(1)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (32, 32), generator=gen)]
+    extra = args
     args = transformers.TrainingArguments(output_dir=str(tmp_path / name), per_device_train_batch_size=4, max_steps=7,
                                           learning_rate=1e-3, report_to=[], save_strategy="no", logging_strategy="no",
                                           use_cpu=True, seed=0, disable_tqdm=True,
-                                          gradient_accumulation_steps=accumulate)
+                                          gradient_accumulation_steps=accumulate, **extra)
     return transformers.Trainer(model=model, args=args, train_dataset=data)
 
 
@@ -83,3 +85,27 @@ def test_batches_padded_to_their_own_length_run_plans_bit_identically_within_bud
     # runs a plan: its length's own, or one predicted from the lengths profiled
     assert len(executed) == len(later), [r.mode for r in reports]
     assert all(r.measured_peak_bytes <= r.budget_bytes for r in executed)  # the budget holds, by the meter
+
+
+def test_a_compiling_trainer_runs_the_compiled_executor(tmp_path):
+    # TrainingArguments(torch_compile=True): swap_trainer compiles the model in place with a
+    # CompileBackend (aot_eager, as the trainer asks), installs no hooks, and trains exactly as
+    # the same trainer compiling without swapsched
+    from swapsched.deploy import CompileBackend
+
+    compiling = {"torch_compile": True, "torch_compile_backend": "aot_eager"}
+    plain, swapped = _trainer(tmp_path, "plain", **compiling), _trainer(tmp_path, "swapped", **compiling)
+    torch._dynamo.reset()
+    backend = swap_trainer(swapped, budget="70%", policy="min", hardware="h100-pcie5")
+    assert isinstance(backend, CompileBackend)
+    swapped.train()
+    torch._dynamo.reset()
+    plain.train()
+    report = backend.report()
+    assert report.graphs and report.step is not None and report.step.within
+    assert sum(g.offloaded for g in report.graphs) > 0
+    for p, q in zip(plain.model.parameters(), swapped.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    with pytest.raises(UserError, match="torch_compile=True"):
+        other = _trainer(tmp_path, "other", torch_compile=True)
+        swap_trainer(other, budget="70%", backend="cpu")
