@@ -14,7 +14,7 @@ from typing import Any
 from swapsched._paths import atomic_path, config_dir
 from swapsched.errors import UserError, read_yaml
 
-__all__ = ["Hardware", "HOST_COSTS", "hardware_for_device", "HardwareError", "load_hardware", "hardware_names", "default_hardware", "DEFAULT_GPU_HARDWARE",
+__all__ = ["Hardware", "HOST_COSTS", "DEFAULT_HOST_OPTIMIZER_PARAMS_PER_S", "hardware_for_device", "HardwareError", "load_hardware", "hardware_names", "default_hardware", "DEFAULT_GPU_HARDWARE",
            "DEFAULT_CPU_HARDWARE", "TRAINING_HARDWARE"]
 
 
@@ -66,6 +66,20 @@ class Hardware:
     # R11: the host bytes this rank's swapped tensors may hold at once (pinned memory is finite;
     # None = unlimited). Set per run (--host-budget, SwapRuntime(host_budget=)), not in YAML.
     host_budget_bytes: int | None = None
+    # R15: the host's optimizer step, in parameters per second (the fused CPU AdamW of the
+    # node, all its cores; YAML, optional): None = DEFAULT_HOST_OPTIMIZER_PARAMS_PER_S.
+    # ``swapsched calibrate`` measures it on the CPU profile.
+    host_optimizer_params_per_s: float | None = None
+
+    def host_optimizer_rate(self) -> float:
+        """R15: parameters the host's optimizer steps per second."""
+        return self.host_optimizer_params_per_s or DEFAULT_HOST_OPTIMIZER_PARAMS_PER_S
+
+    def device_optimizer_rate(self, touched_bytes_per_param: float) -> float:
+        """R15: parameters the device's optimizer steps per second: the step is memory-bound
+        (a fused AdamW reads and writes every state element once), so its roofline is the
+        memory bandwidth over the bytes it touches per parameter."""
+        return math.inf if touched_bytes_per_param <= 0 else self.memory_bytes_per_s / touched_bytes_per_param
 
     def link_bytes_per_s(self, direction: str) -> float:
         """R11: the bandwidth one rank's copies get in ``direction`` (``"d2h"`` or ``"h2d"``): its
@@ -141,7 +155,11 @@ class Hardware:
 
 
 _REQUIRED = ("d2h_bytes_per_s", "h2d_bytes_per_s", "copy_latency_s", "device_memory_bytes", "peak_flops", "memory_bytes_per_s")
-_OPTIONAL = ("host_memory_bytes_per_s", "bf16_peak_flops", "fp16_peak_flops")
+_OPTIONAL = ("host_memory_bytes_per_s", "bf16_peak_flops", "fp16_peak_flops", "host_optimizer_params_per_s")
+#: R15: a node's CPU AdamW where a profile gives none. DeepSpeed's ZenFlow write-up: ZeRO-Offload
+#: stretches a Llama-2-7B step from 0.5 s to over 7 s, the CPU step being the difference: 6.7e9
+#: parameters in about 6.5 s, 1.0e9 parameters a second (fused, every core of a server node).
+DEFAULT_HOST_OPTIMIZER_PARAMS_PER_S = 1.0e9
 KINDS = ("gpu", "cpu")
 _POSITIVE = ("d2h_bytes_per_s", "h2d_bytes_per_s", "device_memory_bytes", "peak_flops", "memory_bytes_per_s")
 #: Fields a run sets (the executor, the ranks on the node, the host budget), never a hardware file
@@ -185,6 +203,8 @@ def hardware_from_dict(data: Any, source: str) -> Hardware:
     for k in _POSITIVE:
         if vals[k] <= 0:
             raise HardwareError(f"{source}: field {k}: must be > 0, got {data[k]!r}")
+    if "host_optimizer_params_per_s" in vals and vals["host_optimizer_params_per_s"] <= 0:
+        raise HardwareError(f"{source}: field host_optimizer_params_per_s: must be > 0, got {data['host_optimizer_params_per_s']!r}")
     for k in ("bf16_peak_flops", "fp16_peak_flops"):
         if k in vals and vals[k] <= 0:
             raise HardwareError(f"{source}: field {k}: must be > 0 (leave it out where the device has no such unit), got {data[k]!r}")

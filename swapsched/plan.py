@@ -1,5 +1,5 @@
-"""SwapPlan: which saved tensors to evict, when to swap each out and when to prefetch it (R7), and
-which blocks to recompute instead (R9)."""
+"""SwapPlan: which saved tensors to evict, when to swap each out and when to prefetch it (R7),
+which blocks to recompute instead (R9), and where each state group lives and steps (R13-R16)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,14 @@ import numpy as np
 
 from swapsched.errors import UserError
 from swapsched.jsonfile import Fields, open_json, write_json
+from swapsched.state import PLACEMENTS
 
 if TYPE_CHECKING:
     from swapsched.hardware import Hardware
     from swapsched.trace import Trace
 
 __all__ = [
-    "Eviction", "SwapPlan", "PlanError", "BlockState", "load_plan", "save_plan",
+    "Eviction", "SwapPlan", "PlanError", "BlockState", "load_plan", "save_plan", "HOST_STEPS", "PARAM_RETURNS",
     "LEADS", "swap_out_event", "on_demand_plan", "prefetch_event", "lead_prefetch", "lead_eviction", "carry_evictions",
 ]
 
@@ -34,9 +35,17 @@ class BlockState(str, Enum):
 
 
 FORMAT = "swapsched.plan"
-#: 2 adds ``recompute`` (R9), 3 ``selective`` (R9, selective); version-1 and -2 files still load.
-VERSION = 3
-READS = (1, 2, 3)
+#: 2 adds ``recompute`` (R9), 3 ``selective`` (R9, selective), 4 ``state`` and ``host_step``
+#: (R13-R16); files of every earlier version still load (no state placed: all on the device).
+VERSION = 4
+READS = (1, 2, 3, 4)
+#: R15: when the host steps its groups. ``overlap``: each as soon as its gradient is on the host
+#: (during backward); ``after-backward``: once backward is done (``optimizer.step()``'s place in
+#: the user's loop, as ZeRO-Offload, FSDP2 and torchao run it).
+HOST_STEPS = ("overlap", "after-backward")
+#: R15: when a host-stepped parameter goes back. ``each``: as its group's step finishes;
+#: ``all``: once every group has stepped (ZeRO-Offload copies the fp16 parameters back together)
+PARAM_RETURNS = ("each", "all")
 
 
 class PlanError(UserError):
@@ -64,12 +73,23 @@ class SwapPlan:
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
     recompute: tuple[str, ...] = ()
     selective: tuple[str, ...] = ()
+    #: R13: ``(group, placement)`` for each state group not on the device (swapsched/state.py)
+    state: tuple[tuple[str, str], ...] = ()
+    host_step: str = "overlap"
+    param_return: str = "each"
 
     @classmethod
     def of(cls, trace: Trace, policy: str, evictions: Iterable[Eviction], *, recompute: Iterable[str] = (),
-           selective: Iterable[str] = (), **meta: Any) -> SwapPlan:
+           selective: Iterable[str] = (), state: dict[str, str] | None = None, host_step: str = "overlap",
+           param_return: str = "each", **meta: Any) -> SwapPlan:
+        placed = tuple(sorted((g, p) for g, p in (state or {}).items() if p != "device"))
         return cls(trace=trace.name, policy=policy, evictions=tuple(sorted(evictions)), meta=dict(meta),
-                   recompute=tuple(sorted(set(recompute))), selective=tuple(sorted(set(selective))))
+                   recompute=tuple(sorted(set(recompute))), selective=tuple(sorted(set(selective))), state=placed,
+                   host_step=host_step, param_return=param_return)
+
+    def placement(self) -> dict[str, str]:
+        """Each placed group's placement (groups not named are on the device)."""
+        return dict(self.state)
 
     def recomputed(self, trace: Trace) -> list[int]:
         """Indices into ``trace.segments`` of the blocks this plan recomputes whole."""
@@ -119,6 +139,17 @@ class SwapPlan:
                     f"{where}.prefetch_at: {ev.prefetch_at} must be in [{ev.swap_out_at}, {fu[t]}] "
                     f"(R7: at or after the swap-out, at most tensor {t}'s first unpack)"
                 )
+        groups = {g.name for g in trace.state}
+        for k, (group, where) in enumerate(self.state):
+            if group not in groups:
+                raise PlanError(f"{source}: state[{k}]: trace {trace.name!r} has no state group {group!r}"
+                                + ("" if groups else " (it records no state: profile with --optimizer)"))
+            if where not in PLACEMENTS:
+                raise PlanError(f"{source}: state[{k}]: placement {where!r} unknown; use one of {list(PLACEMENTS)}")
+        if self.host_step not in HOST_STEPS:
+            raise PlanError(f"{source}: host_step: {self.host_step!r} unknown; use one of {list(HOST_STEPS)}")
+        if self.param_return not in PARAM_RETURNS:
+            raise PlanError(f"{source}: param_return: {self.param_return!r} unknown; use one of {list(PARAM_RETURNS)}")
         segments = {sg.name: sg for sg in trace.segments}
         for k, name in enumerate(self.recompute):
             sg = segments.get(name)
@@ -158,6 +189,9 @@ class SwapPlan:
             ],
             "recompute": list(self.recompute),
             "selective": list(self.selective),
+            "state": [{"group": g, "placement": p} for g, p in self.state],
+            "host_step": self.host_step,
+            "param_return": self.param_return,
         }
 
     def save(self, path: str | Path) -> Path:
@@ -197,7 +231,21 @@ def plan_from_dict(data: Any, source: str = "<dict>") -> SwapPlan:
         meta=f.get(data, "meta", "meta", dict, optional=True) or {},
         recompute=tuple(sorted(set(block_names("recompute", 2)))),
         selective=tuple(sorted(set(block_names("selective", 3)))),
+        state=_state(f, data, source) if version >= 4 else (),
+        host_step=str(data.get("host_step", "overlap")) if version >= 4 else "overlap",
+        param_return=str(data.get("param_return", "each")) if version >= 4 else "each",
     )
+
+
+def _state(f: Fields, data: dict[str, Any], source: str) -> tuple[tuple[str, str], ...]:
+    out = []
+    for k, item in enumerate(f.get(data, "state", "state", list, optional=True) or []):
+        group = f.get(item, "group", f"state[{k}].group", str)
+        where = f.get(item, "placement", f"state[{k}].placement", str)
+        if where not in PLACEMENTS:
+            raise PlanError(f"{source}: field state[{k}].placement: {where!r} unknown; use one of {list(PLACEMENTS)}")
+        out.append((group, where))
+    return tuple(sorted(out))
 
 
 def load_plan(path: str | Path, trace: Trace | None = None) -> SwapPlan:

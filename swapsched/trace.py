@@ -21,6 +21,7 @@ import numpy as np
 
 from swapsched.errors import UserError
 from swapsched.segments import Segment, rebuilt_selectively, segment_of
+from swapsched.state import StateGroup, check_groups
 
 if TYPE_CHECKING:
     from swapsched.hardware import Hardware
@@ -83,6 +84,11 @@ class Trace:
     tensors: tuple[TensorInfo, ...]
     events: tuple[Event, ...]
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
+    #: The training state per group (R13, swapsched/state.py): parameters, gradients and
+    #: optimizer state with their times of use. Their bytes are inside ``static_bytes`` (what no
+    #: activation plan moves); a state plan may move them. Empty: a trace of format version 1, or
+    #: profiled without an optimizer: everything static.
+    state: tuple[StateGroup, ...] = ()
     #: Tables derived from this (immutable) trace by the layers above, computed once: the
     #: simulator's event tables under "sim", the env's decision tables under ("env", hardware).
     #: Never serialized, never compared.
@@ -92,6 +98,11 @@ class Trace:
         validate_trace(self, source="<trace object>")
 
     # ---------------------------------------------------------------- derived tables (cached)
+    @property
+    def fixed_bytes(self) -> int:
+        """What no plan moves: ``static_bytes`` less the state's bytes (buffers, frozen parameters)."""
+        return int(self.static_bytes) - sum(g.bytes for g in self.state)
+
     @property
     def n_tensors(self) -> int:
         return len(self.tensors)
@@ -274,7 +285,7 @@ class Trace:
                        for e, g, o in zip(self.events, gaps, other_bytes, strict=True))
         out = _record(Trace, {"name": name, "timing": self.timing, "device": self.device,
                               "static_bytes": int(static_bytes), "tail_compute_s": float(tail_compute_s),
-                              "tensors": tensors, "events": events, "meta": meta, "derived": {}})
+                              "tensors": tensors, "events": events, "meta": meta, "state": self.state, "derived": {}})
         for key in _STRUCTURAL:
             if key in self.__dict__:
                 out.__dict__[key] = self.__dict__[key]
@@ -343,6 +354,18 @@ class Trace:
     def backward_compute_s(self) -> float:
         return float(self.gaps[self.backward_start :].sum() + self.tail_compute_s)
 
+    def group_events(self, group: str) -> tuple[int, int, int, int]:
+        """``(forward_at, forward_end, backward_at, grad_at)`` of state group ``group``
+        (swapsched/state.py) from the saved tensors its modules packed; a group with none of its
+        own is read in the first gap and its gradient completes at the tail."""
+        ids = [t.id for t in self.tensors if t.module == group or t.module.startswith(group + ".")]
+        fp, fu, lu = self.first_pack, self.first_unpack, self.last_unpack
+        n = self.n_events
+        if not ids or n == 0:
+            return 0, 0, min(self.backward_start, max(n - 1, 0)), n
+        return (min(int(fp[k]) for k in ids), max(int(self.last_forward_pack[k]) for k in ids),
+                min(int(fu[k]) for k in ids), min(max(int(lu[k]) for k in ids) + 1, n))
+
     # ---------------------------------------------------------------- views
     def summary(self) -> dict[str, Any]:
         """The numbers ``swapsched inspect`` prints."""
@@ -352,6 +375,7 @@ class Trace:
             "events": self.n_events,
             "saved_bytes_peak": self.saved_bytes_peak,
             "static_bytes": int(self.static_bytes),
+            "state_bytes": int(self.static_bytes - self.fixed_bytes),
             "peak_bytes_no_swap": self.peak_bytes_no_swap,
             "min_feasible_bytes": self.min_feasible_bytes,
             "compute_s": {
@@ -430,6 +454,10 @@ def validate_trace(trace: Trace, source: str) -> None:
         fail("static_bytes", f"must be >= 0, got {trace.static_bytes!r}")
     if not (trace.tail_compute_s >= 0 and math.isfinite(trace.tail_compute_s)):
         fail("tail_compute_s", f"must be a finite number >= 0, got {trace.tail_compute_s!r}")
+    if trace.state:
+        wrong = check_groups(trace.state, len(trace.events), int(trace.static_bytes))
+        if wrong:
+            fail("state", wrong)
     n = len(trace.tensors)
     for k, t in enumerate(trace.tensors):
         if t.id != k:

@@ -10,12 +10,17 @@ from pathlib import Path
 from typing import Any
 
 from swapsched.jsonfile import Fields, open_json, write_json
+from swapsched.state import StateGroup
 from swapsched.trace import TIMINGS, Event, TensorInfo, Trace, TraceError, validate_trace
 
-__all__ = ["FORMAT", "VERSION", "load_trace", "save_trace", "trace_from_dict", "trace_to_dict"]
+__all__ = ["FORMAT", "VERSION", "READS", "load_trace", "save_trace", "trace_from_dict", "trace_to_dict"]
 
 FORMAT = "swapsched.trace"
-VERSION = 1
+#: 2 adds ``state`` (R13: parameters, gradients and optimizer state per group); a version-1 file
+#: still loads, with no state: everything in ``static_bytes``, as it meant then
+VERSION = 2
+READS = (1, 2)
+_GROUP_FIELDS = ("params", "param_bytes", "grad_bytes", "optim_bytes", "forward_at", "forward_end", "backward_at", "grad_at")
 
 
 def trace_to_dict(trace: Trace) -> dict[str, Any]:
@@ -39,6 +44,7 @@ def trace_to_dict(trace: Trace) -> dict[str, Any]:
         "meta": trace.meta,
         "tensors": [_tensor_dict(t) for t in trace.tensors],
         "events": [ev(e) for e in trace.events],
+        "state": [{"name": g.name, **{k: int(getattr(g, k)) for k in _GROUP_FIELDS}} for g in trace.state],
     }
 
 
@@ -67,8 +73,8 @@ def trace_from_dict(data: Any, source: str = "<dict>") -> Trace:
     if fmt != FORMAT:
         raise TraceError(f"{source}: field format: expected {FORMAT!r}, got {fmt!r} (is this a swapsched trace?)")
     ver = data.get("version")
-    if ver != VERSION:
-        raise TraceError(f"{source}: field version: this swapsched reads version {VERSION}, got {ver!r}")
+    if ver not in READS:
+        raise TraceError(f"{source}: field version: this swapsched reads versions {', '.join(map(str, READS))}, got {ver!r}")
     name = f.get(data, "name", "name", str)
     timing = f.get(data, "timing", "timing", str)
     if timing not in TIMINGS:
@@ -115,10 +121,15 @@ def trace_from_dict(data: Any, source: str = "<dict>") -> Trace:
                 other_bytes=f.number(e, "other_bytes", f"{w}.other_bytes", optional=True, integer=True),
             )
         )
+    state = []
+    for k, g in enumerate(f.get(data, "state", "state", list, optional=True) or [] if ver >= 2 else []):
+        w = f"state[{k}]"
+        state.append(StateGroup(name=f.get(g, "name", f"{w}.name", str),
+                                **{x: f.number(g, x, f"{w}.{x}", integer=True) for x in _GROUP_FIELDS}))
     trace = object.__new__(Trace)
     fields: dict[str, Any] = dict(
         name=name, timing=timing, device=device, static_bytes=static, tail_compute_s=float(tail),
-        tensors=tuple(tensors), events=tuple(events), meta=meta,
+        tensors=tuple(tensors), events=tuple(events), meta=meta, state=tuple(state),
     )
     for attr, value in fields.items():
         object.__setattr__(trace, attr, value)

@@ -57,11 +57,11 @@ def test_prefetch_event_by_lead(two_tensors):
     assert lead_eviction(two_tensors, 0, 2, make_hw()) == Eviction(0, 0, 1)
 
 
-def test_a_recompute_plan_round_trips_as_version_3_and_version_1_and_2_files_still_load(tmp_path, one_block):
+def test_a_recompute_plan_round_trips_as_version_4_and_version_1_to_3_files_still_load(tmp_path, one_block):
     plan = SwapPlan.of(one_block, "hand", [Eviction(0, 0, 4)], recompute=["blk.0"])
     p = plan.save(tmp_path / "p.json")
     data = json.loads(p.read_text())
-    assert data["version"] == 3 and data["recompute"] == ["blk.0"] and data["selective"] == []
+    assert data["version"] == 4 and data["recompute"] == ["blk.0"] and data["selective"] == [] and data["state"] == []
     back = load_plan(p, one_block)
     assert back == plan and back.recomputed(one_block) == [0]
     v1 = tmp_path / "v1.json"  # as swapsched wrote plans before recompute
@@ -72,10 +72,13 @@ def test_a_recompute_plan_round_trips_as_version_3_and_version_1_and_2_files_sti
     v2 = tmp_path / "v2.json"  # before selective checkpointing: a "selective" key there is not read
     v2.write_text(json.dumps({**data, "version": 2, "selective": ["blk.0"]}))
     assert load_plan(v2, one_block).recompute == ("blk.0",) and load_plan(v2).selective == ()
-    v4 = tmp_path / "v4.json"
-    v4.write_text(json.dumps({**data, "version": 4}))
-    with pytest.raises(PlanError, match="reads versions 1, 2, 3, got 4"):
-        load_plan(v4)
+    v3 = tmp_path / "v3.json"  # before the state: a "state" key there is not read
+    v3.write_text(json.dumps({**data, "version": 3, "state": [{"group": "blk.0", "placement": "full"}]}))
+    assert load_plan(v3).state == () and load_plan(v3).host_step == "overlap"
+    v5 = tmp_path / "v5.json"
+    v5.write_text(json.dumps({**data, "version": 5}))
+    with pytest.raises(PlanError, match="reads versions 1, 2, 3, 4, got 5"):
+        load_plan(v5)
 
 
 def _selective_block():

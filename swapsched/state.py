@@ -1,0 +1,124 @@
+"""The training state as the trace records it: parameters, gradients and optimizer state, per
+group, with their times of use (DESIGN.md R13-R16).
+
+A *group* is the unit a state plan places: a block (the container element activation
+checkpointing wraps, ``layers.3``, R9's naming) or, outside any container, a module that owns
+parameters (``embed_tokens``, ``lm_head``). Each group records its bytes and four events of the
+trace (R1's numbering; ``Trace.group_events`` reads them off its saved tensors):
+
+- ``forward_at``: the first event whose gap computes with it in forward (its parameters must be
+  on the device before that gap starts);
+- ``forward_end``: the last event whose gap computes with it in forward (after that gap the
+  forward is done with it);
+- ``backward_at``: the first event at which backward computes with it (its first saved tensor
+  unpacked: the node that reads it runs in the next gap);
+- ``grad_at``: the event at whose start its gradient is complete (the gap after its last unpack
+  ran; ``n_events`` is the tail's end: complete when backward is).
+
+Groups with no saved tensor of their own to tell (an embedding whose only saved tensor is the
+caller's batch) are read in the first gap of forward and complete at the tail.
+
+A trace's ``static_bytes`` counts every group's bytes as before (a state plan that keeps them all
+is the step every activation plan was made for); :attr:`Trace.fixed_bytes` is what no plan moves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from swapsched.errors import UserError
+from swapsched.segments import segment_of
+
+__all__ = ["StateGroup", "OptimizerKind", "OPTIMIZERS", "optimizer_kind", "group_name", "PLACEMENTS", "check_groups", "total",
+           "Placement"]
+
+
+@dataclass(frozen=True)
+class OptimizerKind:
+    """What one optimizer keeps and touches per parameter element."""
+
+    name: str
+    # fp32 state bytes per parameter element (AdamW: two moments; SGD: a momentum buffer);
+    # Adafactor's factored second moment is counted per tensor by the profiler instead
+    state_bytes_per_param: float
+    # bytes one step reads and writes per parameter element on the device (the step's roofline:
+    # it is memory-bound), AdamW: reads p, g, m, v and writes p, m, v, fp32
+    touched_bytes_per_param: float
+
+
+OPTIMIZERS: dict[str, OptimizerKind] = {
+    "adamw": OptimizerKind("adamw", 8.0, 28.0),
+    "sgd": OptimizerKind("sgd", 4.0, 20.0),  # with momentum (torch.optim.SGD(momentum>0))
+    "adafactor": OptimizerKind("adafactor", 0.0, 16.0),  # factored: rows + columns per matrix (profiler)
+    "none": OptimizerKind("none", 0.0, 0.0),  # gradients only: no step (a frozen-optimizer probe)
+}
+
+
+def optimizer_kind(name: str) -> OptimizerKind:
+    if name not in OPTIMIZERS:
+        raise UserError(f"optimizer {name!r} unknown; use one of {', '.join(OPTIMIZERS)}")
+    return OPTIMIZERS[name]
+
+
+@dataclass(frozen=True)
+class StateGroup:
+    """One group's training state (module docstring)."""
+
+    name: str
+    params: int  # parameter elements
+    param_bytes: int  # as stored (fp32 under autocast: the master copy; bf16 in pure bf16)
+    grad_bytes: int
+    optim_bytes: int
+    forward_at: int
+    forward_end: int
+    backward_at: int
+    grad_at: int
+
+    @property
+    def bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optim_bytes
+
+
+#: Where a plan puts a group's state (R13). ``device``: all of it on the device, the step there
+#: (the default). ``param``: the parameter off the device between its forward and backward uses
+#: (copied out after forward, fetched ahead of backward); gradients, optimizer state and the step
+#: on the device. ``host-step``: the gradient copied to the host as it completes and the step run
+#: there (the optimizer state lives on the host), the updated parameter copied back before its
+#: next forward use (ZeRO-Offload's placement). ``stream``: the optimizer state on the host,
+#: streamed in for the device step and out after it. ``full``: ``host-step`` with the parameter on
+#: the device only while forward or backward computes with it (FSDP2's CPUOffloadPolicy).
+PLACEMENTS = ("device", "param", "host-step", "stream", "full")
+Placement = str
+
+
+def group_name(module: str) -> str:
+    """The group a module's parameters belong to: its block (R9's naming), else the module."""
+    where = segment_of(module)
+    if where is None:
+        return module
+    container, index = where
+    return f"{container}.{index}" if container else str(index)
+
+
+def check_groups(groups: Sequence[StateGroup], n_events: int, static_bytes: int) -> str | None:
+    """What is wrong with ``groups`` for a trace of ``n_events`` events, or None."""
+    names: set[str] = set()
+    total = 0
+    for g in groups:
+        if g.name in names:
+            return f"group {g.name!r} listed twice"
+        names.add(g.name)
+        if min(g.params, g.param_bytes, g.grad_bytes, g.optim_bytes) < 0:
+            return f"group {g.name!r} has negative bytes"
+        if not (0 <= g.forward_at <= g.forward_end < max(n_events, 1) and 0 <= g.backward_at <= g.grad_at <= n_events):
+            return (f"group {g.name!r}: its events must satisfy 0 <= forward_at <= forward_end < n_events and "
+                    f"backward_at <= grad_at <= n_events, got {g.forward_at}, {g.forward_end}, {g.backward_at}, {g.grad_at}")
+        total += g.bytes
+    if total > static_bytes:
+        return f"the groups hold {total} bytes, more than the static bytes ({static_bytes}) that count them"
+    return None
+
+
+def total(groups: Iterable[StateGroup], field: str) -> int:
+    return sum(int(getattr(g, field)) for g in groups)
