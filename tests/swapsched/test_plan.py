@@ -146,7 +146,7 @@ def test_a_prefetch_at_its_own_swap_out_is_valid(two_tensors):
 @pytest.mark.parametrize("data, message", [
     ([], "expected a JSON object at the top level"),
     ({"format": "swapsched.trace", "version": 1}, "is this a swapsched plan"),
-    ({"format": "swapsched.plan", "version": 0}, "reads versions 1, 2, 3, got 0"),
+    ({"format": "swapsched.plan", "version": 0}, "reads versions 1, 2, 3, 4, got 0"),
 ])
 def test_a_file_that_is_not_a_plan_says_what_it_is(tmp_path, data, message):
     p = tmp_path / "p.json"
