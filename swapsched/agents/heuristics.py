@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -213,11 +213,10 @@ def repair(trace: Trace, plan: SwapPlan, budget: int, hardware: Hardware, rounds
     it); if none does, it evicts one more tensor there by the MIN rule (farthest next use).
     """
     evs = {e.tensor: e for e in plan.evictions}
-    blocks = {"recompute": plan.recompute, "selective": plan.selective}
     chosen = [*plan.recomputed(trace), *plan.recomputed_selectively(trace)]
     held, fu = _held_by_blocks(trace, chosen), needed_at(trace, chosen)
     for _ in range(rounds):
-        res = simulate(trace, SwapPlan.of(trace, plan.policy, evs.values(), **blocks), hardware, budget, validate=False)
+        res = simulate(trace, replace(plan, evictions=tuple(sorted(evs.values()))), hardware, budget, validate=False)
         if not res.oom:
             break
         assert res.oom_event is not None  # an OOM says where
@@ -235,7 +234,7 @@ def repair(trace: Trace, plan: SwapPlan, budget: int, hardware: Hardware, rounds
             break  # nothing left to move: the OOM is reported, never hidden
         k = int(cands[np.argmax(fu[cands])])
         evs[k] = Eviction(k, swap_out_event(trace, k), int(fu[k]))
-    return SwapPlan.of(trace, plan.policy, evs.values(), **blocks, **plan.meta)
+    return replace(plan, evictions=tuple(sorted(evs.values())))
 
 
 @dataclass(frozen=True)

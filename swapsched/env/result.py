@@ -3,10 +3,34 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["SimResult", "Timeline"]
+__all__ = ["SimResult", "StateCost", "Timeline"]
+
+
+@dataclass(frozen=True)
+class StateCost:
+    """What the state plan did in a simulated step (R13-R16)."""
+
+    param_off_bytes: int  # parameters' bytes placed off the device (they come back for their uses)
+    grad_off_bytes: int  # gradients' bytes copied to the host as they complete
+    optim_off_bytes: int  # optimizer state's bytes living on the host
+    host_bytes: int  # what the host holds of the state (R11, beside the swapped activations)
+    host_step_s: float  # the host's optimizer steps, busy time
+    device_step_s: float  # the device's optimizer steps, on the compute stream (in iteration_s)
+    stall_s: float  # compute waiting for state (in iteration_s)
+    skipped: int  # groups the host budget could not hold, kept on the device (R11)
+
+    @property
+    def off_bytes(self) -> int:
+        return self.param_off_bytes + self.grad_off_bytes + self.optim_off_bytes
+
+    @property
+    def where_stepped(self) -> str:
+        if self.grad_off_bytes == 0:
+            return "device"
+        return "host" if self.host_step_s > 0 and self.device_step_s == 0 else "both"
 
 
 @dataclass(frozen=True)
@@ -48,6 +72,8 @@ class SimResult:
     # device because the host budget had no room for them
     host_peak_bytes: int = 0
     host_skipped: int = 0
+    # R13-R16: the state plan's cost, for a trace that records its state (None: none recorded)
+    state: StateCost | None = None
 
     @property
     def overhead(self) -> float:
@@ -75,4 +101,6 @@ class SimResult:
             "guard_evictions": self.guard_evictions,
             "host_peak_bytes": self.host_peak_bytes,
             "host_skipped": self.host_skipped,
+            "state": None if self.state is None else {**asdict(self.state), "off_bytes": self.state.off_bytes,
+                                                      "where_stepped": self.state.where_stepped},
         }

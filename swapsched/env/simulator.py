@@ -26,12 +26,17 @@ from collections import deque
 from collections.abc import Sequence
 
 from swapsched.env.events import DROPPED, FREED, HOST, IN, NOT_YET, OUT, RESIDENT, WAITING, event_tables
-from swapsched.env.result import SimResult, Timeline
+from swapsched.env.result import SimResult, StateCost, Timeline
+from swapsched.env.state_exec import StateExecution
 from swapsched.hardware import Hardware
 from swapsched.plan import Eviction, SwapPlan
 from swapsched.trace import Trace
 
-__all__ = ["Simulation", "simulate"]
+__all__ = ["Simulation", "simulate", "STEADY_STATE_ROUNDS"]
+
+#: R16: the most steps simulated one after another to reach the steady state of a plan that
+#: leaves work under way into the next step (the host's optimizer steps and parameters' copies)
+STEADY_STATE_ROUNDS = 6
 
 
 
@@ -94,6 +99,7 @@ class Simulation:
         self.host_budget = hardware.host_budget_bytes
         self.host_skipped = 0
         self.one_stream = hardware.copy_streams == 1  # R10: both directions queue on one transfer stream
+        self.st: StateExecution | None = None  # R13-R16: the plan's state placements (schedule_state)
         self.record = record
         if record:
             self._mem: list[tuple[float, int]] = [(0.0, self.static)]
@@ -117,6 +123,13 @@ class Simulation:
         self.recomputed[segment] = True
         self.selective[segment] = selective
         self.any_recompute = True
+
+    def schedule_state(self, plan: SwapPlan, carry: dict[int, float] | None = None) -> None:
+        """Execute ``plan``'s state placements (R13-R16) in this step; ``carry``: when each
+        group's parameter is ready, in this step's clock (what the step before left under way).
+        Before the first event."""
+        assert self.next_event == 0, "state scheduled after the step started"
+        self.st = StateExecution(self, plan, carry)
 
     @property
     def done(self) -> bool:
@@ -156,6 +169,9 @@ class Simulation:
                 self._admit(c)
         if self.waiting:
             self._admit(now)
+        if self.st is not None:
+            self.st.retire(now)
+            self.st.admit()
 
     def _start_swapin(self, k: int, at: float) -> None:
         """Allocate ``k``'s bytes at ``at`` and queue its copy on the host->device engine (R6)."""
@@ -195,6 +211,8 @@ class Simulation:
         while self.used + need > limit:
             if self.d2h_q:
                 self._wait_until(self._complete_one_swapout(), event)
+            elif self.st is not None and self.st.wait_one_free(event):
+                continue  # R13: a state copy out landed
             elif not (self.guard and self._guard_evict(event, keep)):
                 self.oom_event = event
                 return False
@@ -342,6 +360,8 @@ class Simulation:
             # -- the gap before event i: room to produce its new tensors (R4)
             self._drain(self.t)
             self.cur_other = tb.other[i]
+            if self.st is not None and not self.st.before_gap(i):
+                return
             if (tb.alloc[i] or self.cur_other) and not self._allocate(i):
                 return
             if self.host_debt:
@@ -351,6 +371,8 @@ class Simulation:
                 self._compute.append((self.t, self.t + gap))
             self.t += gap
             self._drain(self.t)
+            if self.st is not None:
+                self.st.after_gap(i)
             # -- the program lets go of tensors after this gap, and nodes that ran free theirs (R2)
             for k in tb.freed_late[i]:
                 self._let_go(self.held_late, k)
@@ -370,6 +392,8 @@ class Simulation:
                 for s in tb.recompute_at[i]:
                     if self.recomputed[s] and not self._recompute(s, i):
                         return
+            if self.st is not None and not self.st.at_unpack(i):
+                return
             # -- (a) an unpack of a tensor that is not resident waits for its swap-in (R5a)
             if tb.is_unpack[i] and loc[tb.tensor[i]] != RESIDENT and not self._bring_back(tb.tensor[i], i):
                 return
@@ -411,12 +435,17 @@ class Simulation:
         oom = self.oom_event is not None
         hooks = self.hook * self.tb.n
         ideal = self.trace.ideal_s + hooks
+        st = self.st
+        if st is not None:  # R15: the ideal step steps every group on the device
+            ideal += sum(g.params for g in self.trace.state) / st.device_rate
         if not oom:
             if self.host_debt:
                 self._pay_host()
             self.t += self.trace.tail_compute_s
             if self.record:
                 self._compute.append((self.t - self.trace.tail_compute_s, self.t))
+            if self.st is not None and not self.st.finish():
+                oom = True
         timeline = None
         if self.record:
             timeline = Timeline(tuple(self._mem), tuple(self._compute), tuple(self._d2h), tuple(self._h2d), tuple(self._stalls),
@@ -437,8 +466,11 @@ class Simulation:
             host_s=math.inf if oom else self.host_s,
             recompute_s=self.recompute_s,
             guard_evictions=self.guard_evictions,
-            host_peak_bytes=int(self.host_peak),
+            host_peak_bytes=int(self.host_peak) + (st.result.host_bytes if st is not None else 0),
             host_skipped=self.host_skipped,
+            state=None if st is None else StateCost(st.result.param_off, st.result.grad_off, st.result.optim_off,
+                                                    st.result.host_bytes, st.result.host_step_s, st.result.device_step_s,
+                                                    st.result.stall_s, st.result.skipped),
         )
 
 
@@ -458,10 +490,24 @@ def simulate(trace: Trace, plan: SwapPlan | list[Eviction] | tuple[Eviction, ...
         blocks = list(recompute)
     if validate:
         whole.validate(trace)
-    sim = Simulation(trace, hardware, budget, record=record, guard=guard)
-    sim.out_at, sim.prefetch_at = whole.by_event(trace.n_events)  # what schedule() builds one eviction at a time
-    for s in blocks:
-        sim.schedule_recompute(s)
-    for s in selective:
-        sim.schedule_recompute(s, selective=True)
-    return sim.finish()
+    carry: dict[int, float] | None = None
+    for _ in range(STEADY_STATE_ROUNDS):
+        sim = Simulation(trace, hardware, budget, record=record, guard=guard)
+        sim.out_at, sim.prefetch_at = whole.by_event(trace.n_events)  # what schedule() builds one eviction at a time
+        for s in blocks:
+            sim.schedule_recompute(s)
+        for s in selective:
+            sim.schedule_recompute(s, selective=True)
+        if trace.state:
+            sim.schedule_state(whole, carry)
+        result = sim.finish()
+        if sim.st is None or result.oom:
+            return result
+        # R16: what this step left under way delays the next; run it again from there until the
+        # step repeats (the steady state of a training loop)
+        nxt = sim.st.carry_for_next(result.iteration_s)
+        if carry is not None and nxt.keys() == carry.keys() and all(abs(nxt[j] - carry[j]) <= 1e-9 * (1 + result.iteration_s)
+                                                                    for j in nxt):
+            return result
+        carry = nxt
+    return result

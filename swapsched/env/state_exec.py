@@ -1,0 +1,385 @@
+"""The state plan inside the simulated step (R13-R16): parameters fetched and let go, gradients
+copied out, the optimizer's state streamed, the host's optimizer step, and what one step leaves
+the next.
+
+:class:`StateExecution` is driven by :class:`~swapsched.env.simulator.Simulation` at four points
+of its loop (before a gap, at an event's unpack, after a gap, after the tail) and shares its
+clock, its device memory (``used``, R3) and its copy engines (R6): a state copy queues behind
+the activations' copies in its direction, and a state fetch that has no room waits like a
+prefetch. Per placement (``swapsched/state.py``), what is on the device:
+
+- ``device``: everything, all step (counted in the step's static bytes, as before the state).
+- ``param``: the gradient and optimizer state always; the parameter from the step's start
+  through its forward use, copied out after it (freed when the copy lands, R2-like), fetched
+  ahead of its backward use (R14) and kept to the next step's forward.
+- ``stream``: parameter and gradient always; the optimizer state from its fetch (issued when the
+  group's gradient completes, waiting for room, R6) until its copy out after the device step.
+- ``host-step``: the parameter always; the gradient from its backward use until its copy to the
+  host lands. The host steps the group (R15) and the updated parameter is copied back; its next
+  forward use waits for that copy (R16).
+- ``full``: ``host-step`` with the parameter on the device only while forward or backward uses
+  it: fetched ahead of each use, let go after (the host's copy is the master).
+
+Fetches go one group ahead (R14): a group's forward fetch is issued as the previous fetched
+group's forward starts (the first at the step's start), its backward fetch as the previous one's
+backward starts (the first as backward starts). A fetch the compute reaches first is waited for,
+as an unpack waits for its swap-in (R5a); on demand where it was never issued.
+
+The step ends when the compute stream is done: forward, backward, the tail and the device's
+optimizer steps (R15: each group's parameters over ``Hardware.device_optimizer_rate``, a
+streamed group once its state has arrived). What the host still does then (its steps, the
+parameters' copies back) runs into the next step: :attr:`carry` is when each group's parameter
+is ready, in the next step's clock (R16); :func:`~swapsched.env.simulator.simulate` runs the
+step again from that carry until it repeats (the steady state).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import TYPE_CHECKING
+
+from swapsched.state import OPTIMIZERS
+
+if TYPE_CHECKING:
+    from swapsched.env.simulator import Simulation
+    from swapsched.plan import SwapPlan
+
+__all__ = ["StateExecution", "StateResult", "state_split"]
+
+#: The parts of a group the step's static bytes hold under each placement (module docstring)
+_STATIC = {"device": ("param_bytes", "grad_bytes", "optim_bytes"), "param": ("grad_bytes", "optim_bytes"),
+           "stream": ("param_bytes", "grad_bytes"), "host-step": ("param_bytes",), "full": ()}
+#: ... and what the host holds for it all step (R11: pinned state, beside swapped activations)
+_HOST = {"device": (), "param": ("param_bytes",), "stream": ("optim_bytes",),
+         "host-step": ("param_bytes", "grad_bytes", "optim_bytes"), "full": ("param_bytes", "grad_bytes", "optim_bytes")}
+
+
+def state_split(trace_state: tuple, placement: dict[str, str]) -> tuple[int, int]:
+    """(device-static bytes, host bytes) of the state under ``placement`` (module docstring)."""
+    static = host = 0
+    for g in trace_state:
+        where = placement.get(g.name, "device")
+        static += sum(getattr(g, f) for f in _STATIC[where])
+        host += sum(getattr(g, f) for f in _HOST[where])
+    return static, host
+
+
+class StateResult:
+    """What the state cost a simulated step (folded into ``SimResult``)."""
+
+    def __init__(self) -> None:
+        self.param_off = self.grad_off = self.optim_off = 0  # bytes placed off the device
+        self.host_bytes = 0
+        self.host_step_s = 0.0
+        self.device_step_s = 0.0
+        self.skipped = 0  # groups the host budget could not hold: kept on the device (R11)
+        self.stall_s = 0.0
+
+
+class StateExecution:
+    """The state plan of one simulated step (module docstring)."""
+
+    def __init__(self, sim: Simulation, plan: SwapPlan, carry: dict[int, float] | None = None):
+        trace, hw = sim.trace, sim.hw
+        self.sim = sim
+        self.groups = trace.state
+        self.host_after_backward = plan.host_step == "after-backward"
+        self.return_all = plan.param_return == "all"
+        placement = plan.placement()
+        kind = OPTIMIZERS.get(str(trace.meta.get("optimizer", "adamw")), OPTIMIZERS["adamw"])
+        self.device_rate = hw.device_optimizer_rate(kind.touched_bytes_per_param) if kind.touched_bytes_per_param else math.inf
+        self.host_rate = hw.host_optimizer_rate() if kind.touched_bytes_per_param else math.inf
+        self.result = StateResult()
+        # R11: a group whose state the host budget cannot hold stays on the device
+        host_room = math.inf if hw.host_budget_bytes is None else hw.host_budget_bytes
+        self.where: list[str] = []
+        for g in self.groups:
+            w = placement.get(g.name, "device")
+            need = sum(getattr(g, f) for f in _HOST[w])
+            if need > host_room:
+                w = "device"
+                self.result.skipped += 1
+            else:
+                host_room -= need
+                self.result.host_bytes += need
+            self.where.append(w)
+            r = self.result
+            if w in ("param", "full"):
+                r.param_off += g.param_bytes
+            if w in ("host-step", "full"):
+                r.grad_off += g.grad_bytes
+            if w in ("host-step", "full", "stream"):
+                r.optim_off += g.optim_bytes
+        n = sim.tb.n
+        self.carry = dict(carry or {})  # group -> time its parameter is ready on the host/device (this step's clock)
+        self.next_carry: dict[int, float] = {}
+        self.resident = [w in ("device", "param", "host-step", "stream") for w in self.where]  # its parameter
+        self.fetch_done: list[float | None] = [None] * len(self.groups)  # an issued fetch's end
+        self.waiting: list[int] = []  # fetches issued with no room yet (R6), in issue order
+        self.frees: list[tuple[float, int]] = []  # (done, bytes): copies out whose bytes go when they land
+        self.optim_done: dict[int, float] = {}  # streamed groups: their state's fetch end
+        self.optim_waiting: list[int] = []
+        self.grad_on_host: dict[int, float] = {}  # host-stepped groups: when the gradient landed
+        self.returns: list[tuple[float, int]] = []  # (issue time, group): parameters going back (R16)
+        self.host_free = 0.0
+        # per event: whose forward starts, ends, backward starts, gradient completes; fetches issued
+        self.fwd_at = _by_event(n + 1, [(g.forward_at, j) for j, g in enumerate(self.groups)])
+        self.fwd_end = _by_event(n + 1, [(g.forward_end, j) for j, g in enumerate(self.groups)])
+        self.bwd_at = _by_event(n + 1, [(g.backward_at, j) for j, g in enumerate(self.groups)])
+        self.grad_at = _by_event(n + 1, [(g.grad_at, j) for j, g in enumerate(self.groups)])
+        fetched_fwd = sorted((g.forward_at, j) for j, g in enumerate(self.groups) if self.where[j] == "full")
+        fetched_bwd = sorted((g.backward_at, j) for j, g in enumerate(self.groups) if self.where[j] in ("param", "full"))
+        bs = min(sim.tb.backward_start, n)
+        self.fetch_fwd_at = _by_event(n + 1, [(0 if k == 0 else fetched_fwd[k - 1][0], j)
+                                              for k, (_, j) in enumerate(fetched_fwd)])
+        self.fetch_bwd_at = _by_event(n + 1, [(min(bs, a) if k == 0 else fetched_bwd[k - 1][0], j)
+                                              for k, (a, j) in enumerate(fetched_bwd)])
+        # the static part of the state (module docstring) is in sim.static; the parameters of
+        # ``param`` groups are on the device as the step starts
+        static, _ = state_split(self.groups, {g.name: w for g, w in zip(self.groups, self.where, strict=True)})
+        sim.static = int(trace.fixed_bytes + static)
+        sim.peak = sim.static
+        for j, w in enumerate(self.where):
+            if w == "param":
+                sim.used += self.groups[j].param_bytes
+        self.grad_dynamic = [w in ("host-step", "full") for w in self.where]
+
+    # ------------------------------------------------------------------ copies and memory
+    def _copy(self, direction: str, nbytes: int, at: float) -> float:
+        """A state copy on the engine of ``direction`` (R6, FIFO behind what is queued); its end."""
+        sim = self.sim
+        if direction == "d2h":
+            start = max(at, sim.d2h_free, sim.h2d_free if sim.one_stream else 0.0)
+            end = start + sim.lat + nbytes * sim.inv_d2h
+            sim.d2h_free = end
+            sim.d2h_bytes += nbytes
+        else:
+            start = max(at, sim.h2d_free, sim.d2h_free if sim.one_stream else 0.0)
+            end = start + sim.lat + nbytes * sim.inv_h2d
+            sim.h2d_free = end
+            sim.h2d_bytes += nbytes
+        if sim.one_stream:
+            sim.d2h_free = sim.h2d_free = end
+        return end
+
+    def _out(self, nbytes: int) -> None:
+        """Copy ``nbytes`` of the device's state to the host; they go when the copy lands."""
+        end = self._copy("d2h", nbytes, self.sim.t)
+        heapq.heappush(self.frees, (end, nbytes))
+
+    def retire(self, now: float) -> None:
+        """Copies out that landed by ``now`` give their bytes back (called from the sim's drain)."""
+        while self.frees and self.frees[0][0] <= now:
+            self.sim.used -= heapq.heappop(self.frees)[1]
+
+    def wait_one_free(self, event: int) -> bool:
+        """R4 with state copies in flight: wait for the earliest to land. False where none is."""
+        if not self.frees:
+            return False
+        done, nbytes = heapq.heappop(self.frees)
+        self.sim._wait_until(done, event)
+        self.sim.used -= nbytes
+        return True
+
+    def _fetch(self, j: int, on_demand: bool = False, event: int = 0) -> bool:
+        """Issue group ``j``'s parameter fetch (R14): its bytes are allocated now, or it waits
+        for room in issue order (R6); on demand, room is made as for compute (R4). False on OOM."""
+        sim, b = self.sim, self.groups[j].param_bytes
+        room = sim.budget - sim.static - sim.cur_other - sim.used
+        if on_demand:
+            if not sim._make_room(b, event):
+                return False
+        elif b > room or self.waiting:
+            self.waiting.append(j)
+            return True
+        sim.used += b
+        sim._note_mem()
+        self.fetch_done[j] = self._copy("h2d", b, max(sim.t, self.carry.get(j, 0.0)))
+        return True
+
+    def admit(self) -> None:
+        """Waiting fetches get room in issue order (R6), then waiting state streams."""
+        sim = self.sim
+        while self.waiting:
+            j = self.waiting[0]
+            if self.groups[j].param_bytes > sim.budget - sim.static - sim.cur_other - sim.used:
+                return
+            self.waiting.pop(0)
+            self._fetch(j)
+        while self.optim_waiting:
+            j = self.optim_waiting[0]
+            b = self.groups[j].optim_bytes
+            if b > sim.budget - sim.static - sim.cur_other - sim.used:
+                return
+            self.optim_waiting.pop(0)
+            sim.used += b
+            sim._note_mem()
+            self.optim_done[j] = self._copy("h2d", b, sim.t)
+
+    def _need(self, j: int, event: int) -> bool:
+        """Compute uses group ``j``'s parameter now: wait for its fetch, issuing it on demand if
+        it was never issued or still waits for room (R5a). False on OOM."""
+        if self.resident[j]:
+            return True
+        if j in self.waiting:
+            self.waiting.remove(j)
+        if self.fetch_done[j] is None and not self._fetch(j, on_demand=True, event=event):
+            return False
+        done = self.fetch_done[j]
+        assert done is not None
+        before = self.sim.t
+        self.sim._wait_until(done, event)
+        self.result.stall_s += self.sim.t - before
+        self.resident[j] = True
+        self.fetch_done[j] = None
+        return True
+
+    # ------------------------------------------------------------------ the loop's four points
+    def before_gap(self, i: int) -> bool:
+        """Gradients complete at ``i`` go out (or their state comes in); forward's uses of the
+        gap are made ready; the forward fetches planned here are issued. False on OOM."""
+        self._returns_due()
+        for j in self.grad_at[i]:
+            self._grad_complete(j)
+        for j in self.fwd_at[i]:
+            w = self.where[j]
+            if w == "host-step" and self.carry.get(j, 0.0) > self.sim.t:  # R16: the update is not back yet
+                before = self.sim.t
+                self.sim._wait_until(self.carry[j], i)
+                self.result.stall_s += self.sim.t - before
+            if w == "full" and not self._need(j, i):
+                return False
+        for j in self.fetch_fwd_at[i]:
+            if not self.resident[j] and self.fetch_done[j] is None and j not in self.waiting and not self._fetch(j):
+                return False
+        return True
+
+    def at_unpack(self, i: int) -> bool:
+        """Backward reaches the groups whose backward starts at ``i``: their parameters must be
+        here, and their gradients are allocated; the backward fetches planned here are issued."""
+        sim = self.sim
+        for j in self.bwd_at[i]:
+            if not self._need(j, i):
+                return False
+            if self.grad_dynamic[j]:
+                b = self.groups[j].grad_bytes
+                if not sim._make_room(b, i):
+                    return False
+                sim.used += b
+                sim._note_mem()
+        for j in self.fetch_bwd_at[i]:
+            if not self.resident[j] and self.fetch_done[j] is None and j not in self.waiting and not self._fetch(j):
+                return False
+        return True
+
+    def after_gap(self, i: int) -> None:
+        """Forward is done with the groups whose forward ends at ``i``."""
+        for j in self.fwd_end[i]:
+            w = self.where[j]
+            if w == "param":  # the updated parameter goes to the host, where backward fetches it from
+                self.resident[j] = False
+                self._out(self.groups[j].param_bytes)
+            elif w == "full":  # the host's copy is the master: nothing to copy
+                self.resident[j] = False
+                self.sim.used -= self.groups[j].param_bytes
+        if self.frees or self.waiting or self.optim_waiting:
+            self.retire(self.sim.t)
+            self.admit()
+
+    def _grad_complete(self, j: int) -> None:
+        w = self.where[j]
+        g = self.groups[j]
+        if w in ("host-step", "full"):
+            end = self._copy("d2h", g.grad_bytes, self.sim.t)
+            heapq.heappush(self.frees, (end, g.grad_bytes))
+            self.grad_on_host[j] = end
+            if w == "full":  # backward is done with it
+                self.resident[j] = False
+                self.sim.used -= g.param_bytes
+            if not self.host_after_backward:
+                self._host_step(j, end)
+        elif w == "stream":
+            self.optim_waiting.append(j)
+            self.admit()
+
+    def _host_step(self, j: int, ready: float) -> None:
+        """R15: the host steps group ``j`` once its gradient is there and the host is free."""
+        start = max(self.host_free, ready)
+        end = start + self.groups[j].params / self.host_rate
+        self.result.host_step_s += end - start
+        self.host_free = end
+        if self.where[j] == "host-step" and not self.return_all:
+            self.returns.append((end, j))
+        elif self.where[j] == "full":
+            self.next_carry[j] = end  # the next forward's fetch reads the updated master copy
+
+    def _returns_due(self) -> None:
+        """Parameters whose host step finished by now go back (R16), in order."""
+        if not self.returns:
+            return
+        self.returns.sort()
+        while self.returns and self.returns[0][0] <= self.sim.t:
+            at, j = self.returns.pop(0)
+            self.next_carry[j] = self._copy("h2d", self.groups[j].param_bytes, at)
+
+    def finish(self) -> bool:
+        """After the tail: the gradients complete there, the device's optimizer steps (R15), the
+        host's steps after backward, the parameters' copies back; what the next step inherits
+        (:attr:`next_carry`, in its clock). False on OOM."""
+        sim = self.sim
+        n = sim.tb.n
+        for j in self.grad_at[n]:
+            self._grad_complete(j)
+        end_backward = sim.t
+        order = sorted(range(len(self.groups)), key=lambda j: (self.groups[j].grad_at, -self.groups[j].forward_at))
+        for j in order:  # the device's steps, on the compute stream
+            w = self.where[j]
+            if w not in ("device", "param", "stream"):
+                continue
+            if w == "stream":
+                if j in self.optim_waiting:
+                    self.optim_waiting.remove(j)
+                    b = self.groups[j].optim_bytes
+                    if not sim._make_room(b, max(n - 1, 0)):
+                        return False
+                    sim.used += b
+                    sim._note_mem()
+                    self.optim_done[j] = self._copy("h2d", b, sim.t)
+                before = sim.t
+                sim._wait_until(self.optim_done[j], n)
+                self.result.stall_s += sim.t - before
+            dt = self.groups[j].params / self.device_rate
+            sim.t += dt
+            self.result.device_step_s += dt
+            if w == "stream":
+                self._out(self.groups[j].optim_bytes)
+            self.retire(sim.t)
+            self.admit()
+        if self.host_after_backward:
+            for j in sorted(self.grad_on_host, key=lambda j: self.grad_on_host[j]):
+                self._host_step(j, max(self.grad_on_host[j], end_backward))
+        if self.return_all:
+            done = self.host_free
+            for j, w in enumerate(self.where):
+                if w == "host-step":
+                    self.returns.append((done, j))
+        # the parameters' copies back are issued as their steps end, whenever that is (R16)
+        for at, j in sorted(self.returns):
+            self.next_carry[j] = self._copy("h2d", self.groups[j].param_bytes, at)
+        self.returns.clear()
+        return True
+
+    def carry_for_next(self, step_s: float) -> dict[int, float]:
+        """When each group's parameter is ready in the next step's clock (R16): only what is
+        still under way when this step ends."""
+        return {j: t - step_s for j, t in self.next_carry.items() if t > step_s}
+
+
+def _by_event(n: int, pairs: list[tuple[int, int]]) -> list[tuple[int, ...]]:
+    """Per event ``i`` < ``n``, the groups ``j`` of the ``(i, j)`` pairs, in order."""
+    out: list[tuple[int, ...]] = [()] * n
+    for i, j in pairs:
+        if 0 <= i < n:
+            out[i] += (j,)
+    return out

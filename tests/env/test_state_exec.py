@@ -1,0 +1,116 @@
+"""env/state_exec.py: the state plan in the simulated step (R13-R16), timed by hand."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from swapsched.env.simulator import simulate
+from swapsched.plan import SwapPlan
+from swapsched.state import StateGroup
+from swapsched.trace import Trace
+from tests.conftest import make_hw, make_trace
+
+
+def two_groups(p0: int = 100, p1: int = 100) -> Trace:
+    """blk.0 packs T0 at e0 and unpacks it at e3; blk.1 packs T1 at e1, unpacks it at e2; 100 B
+    tensors, 1 s gaps, no tail (ideal 4 s). Each group: a parameter of p bytes (p / 4 fp32
+    elements), its gradient as large, 200 B of optimizer state."""
+    t = make_trace([100, 100], [("pack", 0, 1.0), ("pack", 1, 1.0), ("unpack", 1, 1.0), ("unpack", 0, 1.0)],
+                   modules=["blk.0.fc", "blk.1.fc"])
+    groups = []
+    for name, p in (("blk.0", p0), ("blk.1", p1)):
+        fa, fe, ba, ga = t.group_events(name)
+        groups.append(StateGroup(name, p // 4, p, p, 200, fa, fe, ba, ga))
+    static = sum(g.bytes for g in groups)
+    return replace(t, static_bytes=static, state=tuple(groups), meta={"optimizer": "adamw"})
+
+
+# 25 parameters a second on the host: one group's step takes 1 s; the device's step is ~1e-9 s
+HW = replace(make_hw(), host_optimizer_params_per_s=25.0)
+
+
+def plan(trace: Trace, **state: str) -> SwapPlan:
+    return SwapPlan.of(trace, "hand", [], state={k.replace("_", "."): v for k, v in state.items()})
+
+
+def test_the_events_of_a_group_come_from_its_saved_tensors():
+    t = two_groups()
+    assert t.group_events("blk.0") == (0, 0, 3, 4)  # its gradient completes in the tail
+    assert t.group_events("blk.1") == (1, 1, 2, 3)  # after the gap that follows its unpack
+    assert t.group_events("embed") == (0, 0, 2, 4)  # none of its own: first gap, complete at the tail
+    assert t.fixed_bytes == 0 and t.static_bytes == 800
+
+
+def test_state_on_the_device_is_the_step_every_activation_plan_had():
+    t = two_groups()
+    r = simulate(t, plan(t), HW, 1000)
+    assert r.iteration_s == pytest.approx(4.0) and r.peak_bytes == 1000 and r.state is not None
+    assert r.state.off_bytes == 0 and r.state.host_step_s == 0 and r.state.where_stepped == "device"
+
+
+def test_a_parameter_copied_out_after_forward_comes_back_for_backward():
+    # blk.0's 100 B parameter goes out after gap 0 (t 1-2), comes back from the event before
+    # its backward (fetched after gap 2, t 3-4): ready as event 3 needs it, no stall
+    t = two_groups()
+    r = simulate(t, plan(t, blk_0="param"), HW, 1000)
+    assert r.iteration_s == pytest.approx(4.0, abs=1e-6) and not r.oom
+    assert (r.d2h_bytes, r.h2d_bytes) == (100, 100) and r.state is not None and r.state.param_off_bytes == 100
+    # gap 1 holds it still (its copy lands at t 2): 700 static + 100 parameter + T0 + T1
+    assert r.peak_bytes == 1000
+
+
+def test_a_parameter_fetched_late_stalls_its_use():
+    # 200 B: out t 1-3, fetched from t 3 (after gap 2), lands at 5: event 3 (t 4) waits 1 s
+    t = two_groups(p0=200)
+    r = simulate(t, plan(t, blk_0="param"), HW, 2000)
+    assert r.iteration_s == pytest.approx(5.0, abs=1e-6) and r.state is not None and r.state.stall_s == pytest.approx(1.0)
+
+
+def test_a_host_step_that_ends_after_the_next_forward_use_stalls_it():
+    # blk.1's gradient completes at event 3 (t 3), lands on the host at 4, the host steps it 4-5,
+    # the parameter goes back 5-6. The step ends at 4, so the next step's forward of blk.1 (at
+    # t 1) waits for 2: a 1 s stall; in the steady state the step is 5 s
+    t = two_groups()
+    r = simulate(t, plan(t, blk_1="host-step"), HW, 1000)
+    assert r.iteration_s == pytest.approx(5.0, abs=1e-6)
+    assert r.state is not None and r.state.host_step_s == pytest.approx(1.0) and r.state.stall_s == pytest.approx(1.0)
+    assert r.state.grad_off_bytes == 100 and r.state.optim_off_bytes == 200 and r.state.where_stepped == "both"
+    # the host holds its parameter, gradient and state
+    assert r.host_peak_bytes == 400
+
+
+def test_the_host_step_after_backward_waits_for_backward():
+    # after-backward: blk.1's step starts when backward ends (t 4) instead of when its gradient
+    # lands (t 4 too here): the same; blk.0 too: its gradient lands at 5 (tail), stepped 5-6
+    t = two_groups()
+    both = plan(t, blk_0="host-step", blk_1="host-step")
+    r = simulate(t, replace(both, host_step="after-backward"), HW, 1000)
+    assert r.state is not None and r.state.host_step_s == pytest.approx(2.0)
+    assert not r.oom and r.iteration_s >= 5.0
+
+
+def test_a_host_budget_that_cannot_hold_a_groups_state_keeps_it_on_the_device():
+    t = two_groups()
+    r = simulate(t, plan(t, blk_1="host-step"), replace(HW, host_budget_bytes=300), 1000)
+    kept = simulate(t, plan(t), HW, 1000)
+    assert r.state is not None and r.state.skipped == 1 and r.state.off_bytes == 0
+    assert r.iteration_s == kept.iteration_s and r.peak_bytes == kept.peak_bytes
+
+
+def test_below_the_static_bytes_only_a_state_plan_fits():
+    # 700 B: less than the 800 B of state; full offload of both groups fits, keeping it does not
+    t = two_groups()
+    assert simulate(t, plan(t), HW, 700).oom
+    r = simulate(t, plan(t, blk_0="full", blk_1="full"), HW, 700)
+    assert not r.oom and r.peak_bytes <= 700
+
+
+def test_a_streamed_optimizer_state_comes_in_for_the_device_step():
+    # blk.1's 200 B of state come in as its gradient completes (t 3, lands 5), the device steps
+    # it after the tail (t 4: waits to 5), then it goes out
+    t = two_groups()
+    r = simulate(t, plan(t, blk_1="stream"), HW, 1000)
+    assert r.iteration_s == pytest.approx(5.0, abs=1e-6)
+    assert r.state is not None and r.state.optim_off_bytes == 200 and r.h2d_bytes == 200 and r.d2h_bytes == 200
