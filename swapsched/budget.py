@@ -30,7 +30,9 @@ def parse_budget(spec: str | int | float, trace: Trace | None = None, *, check_f
 
     ``"60%"`` is ``static_bytes`` + 60% of the no-swap peak above ``static_bytes`` (needs ``trace``);
     ``"100%"`` is exactly the no-swap peak. With ``trace`` and ``check_feasible``, a budget below
-    the smallest any plan can meet raises :class:`BudgetError` stating that smallest budget.
+    the smallest any plan can meet raises :class:`BudgetError` stating that smallest budget; for a
+    trace that records its state (R13), the smallest with the state movable, and the host memory
+    that needs.
     """
     number, unit = _split(spec)
     if unit == "%":
@@ -40,8 +42,16 @@ def parse_budget(spec: str | int | float, trace: Trace | None = None, *, check_f
         out = int(trace.static_bytes + math.floor(above * number / 100.0))
     else:
         out = int(number * _UNITS[unit])
-    if trace is not None and check_feasible and out < trace.min_feasible_bytes:
+    if trace is not None and check_feasible and out < trace.min_feasible_bytes_movable:
         need, pct = smallest_feasible(trace)
+        if trace.state:
+            host = sum(g.bytes for g in trace.state)
+            raise BudgetError(
+                f"budget {spec!r} = {format_bytes(out)} is below what any plan can meet for {trace.name!r}, even moving "
+                f"its parameters, gradients and optimizer state: the smallest feasible budget is "
+                f"{format_bytes(trace.min_feasible_bytes_movable)} ({trace.min_feasible_bytes_movable} bytes) with "
+                f"{format_bytes(host)} of host memory for the state; {format_bytes(need)} with the state kept"
+            )
         raise BudgetError(
             f"budget {spec!r} = {format_bytes(out)} is below what any plan can meet for {trace.name!r}: "
             f"the smallest feasible budget is {format_bytes(need)} ({need} bytes, {pct:.1f}%)"

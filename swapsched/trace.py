@@ -346,6 +346,33 @@ class Trace:
             return int(self.static_bytes)
         return int(self.static_bytes + (self.other_bytes + self.must_resident_bytes).max())
 
+    @cached_property
+    def state_in_use_bytes(self) -> np.ndarray:
+        """R13: state bytes every plan holds during the gap before each event, the state movable:
+        a group's parameter while forward computes with it (gaps ``forward_at..forward_end``) and
+        while backward does (from ``backward_at`` to its gradient's completion), and its
+        gradient from ``backward_at`` until it completes (it is made on the device)."""
+        n = self.n_events
+        delta = np.zeros(n + 2, dtype=np.int64)
+        for g in self.state:
+            delta[g.forward_at] += g.param_bytes
+            delta[g.forward_end + 1] -= g.param_bytes
+            start = min(g.backward_at + 1, n)
+            delta[start] += g.param_bytes + g.grad_bytes
+            delta[max(g.grad_at, start)] -= g.param_bytes + g.grad_bytes
+        return np.cumsum(delta)[:n]
+
+    @cached_property
+    def min_feasible_bytes_movable(self) -> int:
+        """The smallest budget any plan can meet with the state movable (R13): what must be
+        resident at the worst gap, the state's part counted by :attr:`state_in_use_bytes`.
+        Equal to :attr:`min_feasible_bytes` for a trace that records no state."""
+        if not self.state:
+            return self.min_feasible_bytes
+        if self.n_events == 0:
+            return self.fixed_bytes
+        return int(self.fixed_bytes + (self.other_bytes + self.must_resident_bytes + self.state_in_use_bytes).max())
+
     @property
     def forward_compute_s(self) -> float:
         return float(self.gaps[: self.backward_start].sum())
@@ -376,6 +403,11 @@ class Trace:
             "saved_bytes_peak": self.saved_bytes_peak,
             "static_bytes": int(self.static_bytes),
             "state_bytes": int(self.static_bytes - self.fixed_bytes),
+            "state_groups": len(self.state),
+            "param_bytes": sum(g.param_bytes for g in self.state),
+            "grad_bytes": sum(g.grad_bytes for g in self.state),
+            "optim_bytes": sum(g.optim_bytes for g in self.state),
+            "min_feasible_bytes_movable": self.min_feasible_bytes_movable,
             "peak_bytes_no_swap": self.peak_bytes_no_swap,
             "min_feasible_bytes": self.min_feasible_bytes,
             "compute_s": {

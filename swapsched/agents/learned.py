@@ -9,7 +9,7 @@ See :class:`LearnedPolicy` for the modes.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,7 @@ class LearnedPolicy:
     _prior: Any = field(default=None, init=False, repr=False)
     _editor: Any = field(default=None, init=False, repr=False)
     _chooser: Any = field(default=None, init=False, repr=False)
+    _greedy: Any = field(default=None, init=False, repr=False)  # this checkpoint in greedy mode: screens state placements
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -156,6 +157,17 @@ class LearnedPolicy:
                            guard=best.policy if best is not first else "none")
 
     def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
+        if trace.state and self.mode in ("search", "greedy", "guarded"):
+            # R13-R16: the state is placed too; this policy plans the activations of each placement
+            from swapsched.agents.state_search import plan_state
+
+            if self.mode == "greedy":
+                screen = self
+            else:  # the learned parts' own plan screens the placements (milliseconds each)
+                if self._greedy is None:
+                    self._greedy = replace(self, mode="greedy", name=self.name)
+                screen = self._greedy
+            return plan_state(trace, budget, hardware, inner=self, screen=screen, name=self.name)
         if self.mode == "ppo":
             self._load()  # once per process, not part of a plan's time
             return self.rollout(trace, budget, hardware)

@@ -12,6 +12,7 @@ from swapsched.agents.learned import LearnedPolicy
 from swapsched.agents.optimal import Optimal
 from swapsched.agents.recompute import CheckpointAll, CheckpointOffload, CheckpointSelective
 from swapsched.agents.search import SwapAdvisor
+from swapsched.agents.state_search import PEERS
 from swapsched.errors import UserError
 from swapsched.policy import Policy
 
@@ -42,6 +43,9 @@ def _factories() -> dict[str, Callable[..., Policy]]:
         "default-greedy": lambda **kw: LearnedPolicy("default", mode="greedy"),
         "default-greedy-guarded": lambda **kw: LearnedPolicy("default", mode="guarded"),
         "default-ppo": lambda **kw: LearnedPolicy("default", mode="ppo"),
+        # R13-R16: the state offloaders users run (agents/state_search.py); on a trace without
+        # its state they place nothing and checkpoint every block
+        **{name: (lambda peer=peer, **kw: peer) for name, peer in PEERS.items()},
     }
 
 

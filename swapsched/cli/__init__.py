@@ -360,8 +360,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the attention kernel (default, profiling for a GPU: auto, what SDPA picks on --hardware for "
                          "these shapes, flash where it can; for the CPU's own step: SDPA as it runs there); eager: a hf: "
                          "model's own attention code")
-    sp.add_argument("--optimizer", choices=["adamw", "sgd", "none"], default="adamw",
-                    help="whose state the static bytes count (default adamw: 2 states per parameter)")
+    sp.add_argument("--optimizer", choices=["adamw", "sgd", "adafactor", "none"], default="adamw",
+                    help="whose state the trace counts (default adamw: 2 fp32 states per parameter)")
+    sp.add_argument("--state", action=argparse.BooleanOptionalAction, default=True,
+                    help="record parameters, gradients and optimizer state per group, movable by a plan (default); "
+                         "--no-state: all of it static, as traces of format 1")
     sp.add_argument("--out", type=out_file, help="output trace (.json or .json.gz; default MODEL-SIZE.json.gz)")
 
     sp = add("inspect", cmd_inspect, "Summarize a trace.")

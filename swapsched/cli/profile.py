@@ -71,9 +71,9 @@ def _profile_case(args: argparse.Namespace, device: str, precision: Any, attenti
     def run_on(dev: str) -> Any:
         case = build_model(args.model, args.size, batch_size=args.batch_size, seq_len=args.seq_len, device=dev,
                            dtype=precision.param_dtype, attention=attention)
-        optimizer = _optimizer(args.optimizer, case.model)
+        optimizer = None if args.state else _optimizer(args.optimizer, case.model)
         return profile(case.model, case.inputs, case.loss_fn, optimizer, device=dev, name=case.name, hardware=target,
-                       precision=precision, attention=attention)
+                       precision=precision, attention=attention, state=args.optimizer if args.state else None)
 
     if not args.model.startswith("hf:"):
         return run_on(device)
@@ -113,7 +113,15 @@ def print_summary(s: dict[str, Any]) -> None:
     print(f"tensors      {s['tensors']}   events {s['events']}")
     print(f"saved peak   {format_bytes(s['saved_bytes_peak'])}  (nothing evicted)")
     print(f"static       {format_bytes(s['static_bytes'])}  (params, grads, optimizer state)")
-    print(f"device peak  {format_bytes(s['peak_bytes_no_swap'])}  (no swap; 100%)   smallest feasible {format_bytes(s['min_feasible_bytes'])}")
+    if s.get("state_bytes"):
+        print(f"state        {format_bytes(s['state_bytes'])} of it movable in {s['state_groups']} groups "
+              f"(parameters {format_bytes(s['param_bytes'])}, gradients {format_bytes(s['grad_bytes'])}, "
+              f"optimizer {format_bytes(s['optim_bytes'])})")
+    print(f"device peak  {format_bytes(s['peak_bytes_no_swap'])}  (no swap; 100%)   smallest feasible {format_bytes(s['min_feasible_bytes'])}"
+          + ("  (the state kept)" if s.get("state_bytes") else ""))
+    if s.get("state_bytes"):
+        print(f"             smallest feasible with the state movable {format_bytes(s['min_feasible_bytes_movable'])}, "
+              f"with {format_bytes(s['state_bytes'])} of host memory")
     print(f"compute      forward {1e3 * c['forward']:.3f} ms   backward {1e3 * c['backward']:.3f} ms   step {1e3 * c['total']:.3f} ms")
 
 

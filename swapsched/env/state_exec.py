@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from swapsched.env.simulator import Simulation
     from swapsched.plan import SwapPlan
 
-__all__ = ["StateExecution", "StateResult", "state_split"]
+__all__ = ["StateExecution", "StateResult", "state_split", "fetch_events"]
 
 #: The parts of a group the step's static bytes hold under each placement (module docstring)
 _STATIC = {"device": ("param_bytes", "grad_bytes", "optim_bytes"), "param": ("grad_bytes", "optim_bytes"),
@@ -63,6 +63,15 @@ def state_split(trace_state: tuple, placement: dict[str, str]) -> tuple[int, int
         static += sum(getattr(g, f) for f in _STATIC[where])
         host += sum(getattr(g, f) for f in _HOST[where])
     return static, host
+
+
+def fetch_events(groups: tuple, where: list[str], backward_start: int) -> tuple[dict[int, int], dict[int, int]]:
+    """R14: the event at which each fetched group's forward fetch and backward fetch are issued:
+    one group ahead (module docstring)."""
+    fwd = sorted((g.forward_at, j) for j, g in enumerate(groups) if where[j] == "full")
+    bwd = sorted((g.backward_at, j) for j, g in enumerate(groups) if where[j] in ("param", "full"))
+    return ({j: 0 if k == 0 else fwd[k - 1][0] for k, (_, j) in enumerate(fwd)},
+            {j: min(backward_start, a) if k == 0 else bwd[k - 1][0] for k, (a, j) in enumerate(bwd)})
 
 
 class StateResult:
@@ -128,13 +137,9 @@ class StateExecution:
         self.fwd_end = _by_event(n + 1, [(g.forward_end, j) for j, g in enumerate(self.groups)])
         self.bwd_at = _by_event(n + 1, [(g.backward_at, j) for j, g in enumerate(self.groups)])
         self.grad_at = _by_event(n + 1, [(g.grad_at, j) for j, g in enumerate(self.groups)])
-        fetched_fwd = sorted((g.forward_at, j) for j, g in enumerate(self.groups) if self.where[j] == "full")
-        fetched_bwd = sorted((g.backward_at, j) for j, g in enumerate(self.groups) if self.where[j] in ("param", "full"))
-        bs = min(sim.tb.backward_start, n)
-        self.fetch_fwd_at = _by_event(n + 1, [(0 if k == 0 else fetched_fwd[k - 1][0], j)
-                                              for k, (_, j) in enumerate(fetched_fwd)])
-        self.fetch_bwd_at = _by_event(n + 1, [(min(bs, a) if k == 0 else fetched_bwd[k - 1][0], j)
-                                              for k, (a, j) in enumerate(fetched_bwd)])
+        fwd, bwd = fetch_events(self.groups, self.where, min(sim.tb.backward_start, n))
+        self.fetch_fwd_at = _by_event(n + 1, [(i, j) for j, i in fwd.items()])
+        self.fetch_bwd_at = _by_event(n + 1, [(i, j) for j, i in bwd.items()])
         # the static part of the state (module docstring) is in sim.static; the parameters of
         # ``param`` groups are on the device as the step starts
         static, _ = state_split(self.groups, {g.name: w for g, w in zip(self.groups, self.where, strict=True)})

@@ -30,9 +30,10 @@ from swapsched.errors import present
 from swapsched.hardware import DEFAULT_CPU_HARDWARE, DEFAULT_GPU_HARDWARE, Hardware, load_hardware
 from swapsched.precision import Precision, autocast_for
 from swapsched.runtime.recorder import ModulePath, OpNames, ProfileError, TraceRecorder, storage_key
+from swapsched.state import StateGroup, group_name, optimizer_kind
 from swapsched.trace import Trace
 
-__all__ = ["profile", "static_bytes_of"]
+__all__ = ["profile", "static_bytes_of", "state_groups"]
 
 
 def _optimizer_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
@@ -47,6 +48,34 @@ def _optimizer_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | 
     if isinstance(optimizer, torch.optim.SGD):
         mult = 1 if any(g.get("momentum", 0) for g in optimizer.param_groups) else 0
     return mult * sum(p.numel() * p.element_size() for g in optimizer.param_groups for p in g["params"])
+
+
+def state_groups(model: nn.Module, trace: Trace, optimizer: str) -> tuple[StateGroup, ...]:
+    """R13: the model's trainable parameters per group (``state.group_name`` of their module),
+    each storage once (a tied weight counts in the group that registers it first), with their
+    gradients, the state ``optimizer`` keeps for them (``state.OPTIMIZERS``; Adafactor: a row
+    and a column of fp32 per matrix, a whole fp32 copy per vector) and their events in ``trace``."""
+    kind = optimizer_kind(optimizer)
+    seen: set[int] = set()
+    sizes: dict[str, list[int]] = {}
+    for mod_name, mod in model.named_modules():
+        for p in mod.parameters(recurse=False):
+            if not p.requires_grad or storage_key(p) in seen:
+                continue
+            seen.add(storage_key(p))
+            nb = p.untyped_storage().nbytes()
+            if kind.name == "adafactor":
+                optim = 4 * (p.shape[0] + p[0].numel()) if p.dim() >= 2 else 4 * p.numel()
+            else:
+                optim = int(kind.state_bytes_per_param * p.numel())
+            acc = sizes.setdefault(group_name(mod_name), [0, 0, 0, 0])
+            for i, v in enumerate((p.numel(), nb, nb, optim)):
+                acc[i] += v
+    out = []
+    for name, (params, param_bytes, grad_bytes, optim_bytes) in sizes.items():
+        fa, fe, ba, ga = trace.group_events(name)
+        out.append(StateGroup(name, params, param_bytes, grad_bytes, optim_bytes, fa, fe, ba, ga))
+    return tuple(out)
 
 
 def static_bytes_of(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
@@ -98,6 +127,7 @@ def profile(
     hardware: Hardware | str | None = None,
     precision: Precision | None = None,
     attention: str | None = None,
+    state: str | None = None,
 ) -> Trace:
     """One training step of ``loss_fn(model(*inputs)).backward()`` as a Trace.
 
@@ -110,6 +140,10 @@ def profile(
     every ``scaled_dot_product_attention`` call runs as this kernel would on ``hardware``
     (``"flash"``, ``"mem-efficient"``, ``"math"``; ``"auto"``: SDPA's own choice there, see
     swapsched/attention.py); None: as SDPA runs on ``device``. The trace's ``meta`` records both.
+
+    ``state``: an optimizer's name (``state.OPTIMIZERS``: adamw, sgd, adafactor, none): the trace
+    records the training state per group (R13), with the state that optimizer keeps, and
+    ``optimizer`` is not read; None: everything in ``static_bytes``, with ``optimizer``'s state.
     """
     if not isinstance(inputs, (tuple, list)):
         inputs = (inputs,)
@@ -117,7 +151,7 @@ def profile(
     dev = torch.device(device) if device is not None else (params[0].device if params else torch.device("cpu"))
     if params and params[0].device.type != dev.type:
         raise ProfileError(f"{name}: the model is on {params[0].device} but profiling was asked on {dev}; move it first")
-    static = static_bytes_of(model, optimizer)
+    static = static_bytes_of(model, None if state else optimizer)  # with state: the optimizer's is added per group
     model.train()
     target = load_hardware(hardware or (DEFAULT_GPU_HARDWARE if dev.type in ("meta", "cuda") else DEFAULT_CPU_HARDWARE))
     step_meta: dict[str, Any] = {} if precision is None else precision.describe()
@@ -153,7 +187,7 @@ def profile(
     structural = replace(structural, meta={**structural.meta, **step_meta})
 
     if dev.type == "meta":
-        return replace(structural.retimed(target), device=f"meta->{target.name}")
+        return _with_state(model, replace(structural.retimed(target), device=f"meta->{target.name}"), state)
 
     _restore(present(snap, "the model's state before the structural step"))
     if dev.type == "cuda":
@@ -173,4 +207,13 @@ def profile(
     )
     if hardware is not None:
         trace = trace.retimed(load_hardware(hardware))
-    return trace
+    return _with_state(model, trace, state)
+
+
+def _with_state(model: nn.Module, trace: Trace, state: str | None) -> Trace:
+    """``trace`` with the model's state per group (R13); its static bytes gain the optimizer's."""
+    if not state:
+        return trace
+    groups = state_groups(model, trace, state)
+    return replace(trace, static_bytes=trace.static_bytes + sum(g.optim_bytes for g in groups), state=groups,
+                   meta={**trace.meta, "optimizer": state})

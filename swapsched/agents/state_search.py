@@ -1,0 +1,178 @@
+"""Planning the whole training state under one budget (R13-R16): where each state group lives
+and steps, jointly with the activations' plan; the peers users run for it; and the floor.
+
+- :func:`activation_view`: the trace an activation planner plans on once the state is placed:
+  the state's static part in ``static_bytes``, what it holds gap by gap (parameters fetched for
+  their uses, gradients until they are copied out) in the gaps' non-saved bytes (R3), and no
+  state of its own. Every activation planner plans on it unchanged.
+- :func:`plan_state`: ``default``'s search. Candidates place the largest groups first in one
+  placement or two (every placement at eight shares of the groups, and the two-level mixes
+  ``stream`` + ``param``, ``host-step`` + ``full``); each is screened with a fast activation
+  planner on its view and scored on the simulator with the state (:mod:`env.state_exec`); the
+  best two are planned again by the full activation planner and the best of those is the plan.
+- :class:`StatePeer`: ZeRO-Offload, FSDP2's ``CPUOffloadPolicy`` and torchao's
+  ``CPUOffloadOptimizer``, each a fixed rule over every group, with the activation plan their
+  users run (every block checkpointed).
+- :func:`state_floor`: a lower bound on any plan's step with the state movable.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from swapsched.agents.recompute import CheckpointAll
+from swapsched.budget import BudgetError, format_bytes
+from swapsched.env.floors import joint_floor
+from swapsched.env.simulator import simulate
+from swapsched.env.state_exec import fetch_events, state_split
+from swapsched.hardware import Hardware
+from swapsched.plan import SwapPlan
+from swapsched.policy import Policy
+from swapsched.trace import Event, Trace
+
+__all__ = ["activation_view", "plan_state", "StatePeer", "PEERS", "state_floor", "candidate_placements"]
+
+#: Shares of the groups (largest first) a one-placement candidate moves
+SHARES = (1 / 8, 1 / 4, 3 / 8, 1 / 2, 5 / 8, 3 / 4, 7 / 8, 1.0)
+#: How many screened candidates the full activation planner plans again
+FINALISTS = 2
+
+
+def activation_view(trace: Trace, placement: dict[str, str]) -> Trace:
+    """``trace`` as an activation planner sees it with its state placed (module docstring)."""
+    groups = trace.state
+    where = [placement.get(g.name, "device") for g in groups]
+    static, _ = state_split(groups, placement)
+    n = trace.n_events
+    extra = np.zeros(n + 1, dtype=np.int64)
+    fwd, bwd = fetch_events(groups, where, min(trace.backward_start, n))
+    for j, g in enumerate(groups):
+        w = where[j]
+        if w == "param":  # on the device through its forward use, and again from its backward fetch
+            extra[0] += g.param_bytes
+            extra[g.forward_end + 1] -= g.param_bytes
+            extra[bwd[j]] += g.param_bytes
+        elif w == "full":
+            extra[fwd[j]] += g.param_bytes
+            extra[g.forward_end + 1] -= g.param_bytes
+            extra[bwd[j]] += g.param_bytes
+            extra[max(g.grad_at, bwd[j])] -= g.param_bytes
+        if w in ("host-step", "full"):  # made on the device in backward, copied out as it completes
+            start = min(g.backward_at + 1, n)
+            extra[start] += g.grad_bytes
+            extra[max(g.grad_at, start)] -= g.grad_bytes
+    held = np.cumsum(extra)[:n]
+    events = tuple(Event(e.kind, e.tensor, e.compute_s, e.flops, int((e.other_bytes or 0) + h) if (e.other_bytes or h) else None)
+                   for e, h in zip(trace.events, held.tolist(), strict=True))
+    out = replace(trace, static_bytes=int(trace.fixed_bytes + static), events=events, state=())
+    out.__dict__["segments"] = trace.segments  # the same blocks (a restriction the trace carries is kept)
+    return out
+
+
+def candidate_placements(trace: Trace) -> list[dict[str, str]]:
+    """The placements ``default`` screens (module docstring), all on the device first."""
+    groups = trace.state
+    order = sorted(range(len(groups)), key=lambda j: (-groups[j].bytes, j))
+    counts = sorted({max(1, round(len(groups) * f)) for f in SHARES})
+    out: list[dict[str, str]] = [{}]
+    for kind in ("stream", "param", "host-step", "full"):
+        out += [{groups[j].name: kind for j in order[:k]} for k in counts]
+    for base, top in (("stream", "param"), ("host-step", "full")):
+        for k in counts[:-1]:
+            mix = {g.name: base for g in groups}
+            mix.update({groups[j].name: top for j in order[:k]})
+            out.append(mix)
+    return out
+
+
+def _with_state(trace: Trace, act: SwapPlan, placement: dict[str, str], name: str, **options: str) -> SwapPlan:
+    return SwapPlan.of(trace, name, act.evictions, recompute=act.recompute, selective=act.selective, state=placement,
+                       **options, **act.meta)
+
+
+def plan_state(trace: Trace, budget: int, hardware: Hardware, *, inner: Policy, screen: Policy, name: str) -> SwapPlan:
+    """``default``'s joint plan of the state and the activations (module docstring). Raises
+    :class:`BudgetError` where no candidate fits, naming the smallest feasible budget."""
+    scored: list[tuple[float, int, dict[str, str]]] = []
+    for c, placement in enumerate(candidate_placements(trace)):
+        view = activation_view(trace, placement)
+        if view.min_feasible_bytes > budget:
+            continue
+        plan = _with_state(trace, screen.plan(view, budget, hardware), placement, name)
+        r = simulate(trace, plan, hardware, budget, validate=False)
+        if not r.oom:
+            scored.append((r.iteration_s, c, placement))
+    if not scored:
+        raise BudgetError(f"no placement of {trace.name!r}'s state fits {format_bytes(budget)}: the smallest feasible "
+                          f"budget with the state movable is {format_bytes(trace.min_feasible_bytes_movable)}, and a plan "
+                          "also needs room to fetch a group ahead of its use; try a larger budget")
+    scored.sort()
+    best: tuple[float, SwapPlan] | None = None
+    for _, _, placement in scored[:FINALISTS]:
+        view = activation_view(trace, placement)
+        for pol in (inner, screen):
+            plan = _with_state(trace, pol.plan(view, budget, hardware), placement, name)
+            r = simulate(trace, plan, hardware, budget, validate=False)
+            if not r.oom and (best is None or r.iteration_s < best[0]):
+                best = (r.iteration_s, plan)
+    assert best is not None  # the screened plan of each finalist fits
+    return best[1]
+
+
+@dataclass(frozen=True)
+class StatePeer:
+    """A fixed state rule over every group, with every block checkpointed (module docstring)."""
+
+    name: str
+    placement: str
+    host_step: str = "after-backward"
+    param_return: str = "each"
+
+    def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
+        act = CheckpointAll().plan(trace, budget, hardware)
+        placement = {g.name: self.placement for g in trace.state}
+        return _with_state(trace, act, placement, self.name, host_step=self.host_step, param_return=self.param_return)
+
+
+#: The peers by name: ZeRO-Offload (gradients out as they complete, the fp32 step on the host
+#: after backward, the parameters back together), FSDP2 CPUOffloadPolicy (parameters,
+#: gradients and state on the host, parameters fetched for each use, the step on the host),
+#: torchao CPUOffloadOptimizer (gradients out as produced, the host step after backward, each
+#: parameter back as its step finishes)
+PEERS = {
+    "zero-offload": StatePeer("zero-offload", "host-step", param_return="all"),
+    "fsdp-offload": StatePeer("fsdp-offload", "full"),
+    "ao-offload": StatePeer("ao-offload", "host-step", param_return="each"),
+}
+
+
+def state_floor(trace: Trace, budget: int, hardware: Hardware) -> float:
+    """A lower bound on any plan's step with the state movable (R16's floor).
+
+    The activations' part is :func:`joint_floor` on the trace with its state on the device and
+    the budget raised by all of the state (no plan of the activations does better with more
+    room). The state's part: at gap *j*, ``must_j`` bytes beyond what the activations can free
+    (``static + other + must-resident - budget``) are state off the device, and each placement
+    brings back over the link, per byte it frees, at least ``r`` = the least of (a parameter's
+    bytes over its gradient's and optimizer state's: ``host-step``; 1: ``param``, ``stream``;
+    twice the parameter over the whole group: ``full``). So the step takes at least
+    ``r * max_j must_j / B_h2d``, and at least the ideal step with the device's optimizer steps."""
+    if not trace.state:
+        return joint_floor(trace, budget, hardware)
+    state_bytes = sum(g.bytes for g in trace.state)
+    activations = joint_floor(trace, budget + state_bytes, hardware)
+    ratios = [1.0]
+    for g in trace.state:
+        if g.grad_bytes + g.optim_bytes > 0:
+            ratios.append(g.param_bytes / (g.grad_bytes + g.optim_bytes))
+        if g.bytes > 0:
+            ratios.append(2 * g.param_bytes / g.bytes)
+    must = 0
+    if trace.n_events:
+        demand = trace.fixed_bytes + state_bytes + trace.other_bytes + trace.must_resident_bytes
+        must = int(max(0, (demand - budget).max()))
+    link = min(ratios) * must / hardware.link_bytes_per_s("h2d")
+    return max(activations, link, trace.ideal_s) if math.isfinite(activations) else activations
