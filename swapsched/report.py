@@ -9,7 +9,7 @@ from typing import Any
 from swapsched.agents.evaluate import CaseResult, PolicySummary, StepRatio
 from swapsched.budget import format_bytes
 
-__all__ = ["format_table", "format_summary", "format_ratios", "format_grid", "format_runs", "format_live"]
+__all__ = ["format_table", "format_state", "format_summary", "format_ratios", "format_grid", "format_runs", "format_live"]
 
 
 def _pct(x: float) -> str:
@@ -49,6 +49,23 @@ def format_table(results: Iterable[CaseResult], policies: Sequence[str]) -> str:
                                       " keep, swap and recompute;"
                                       " OOM = the plan does not fit the budget; n/a = the budget is below what any plan"
                                       " can meet on this trace, --json says the smallest feasible one; - = no floor)")
+
+
+def format_state(results: Iterable[CaseResult], policies: Sequence[str]) -> str:
+    """Per case and policy, what its plan did with the training state (R13-R16): parameters,
+    gradients and optimizer state off the device, where the optimizer stepped, the host's step
+    time and the host's peak (the state's and the swapped activations')."""
+    body = []
+    for r in results:
+        res = r.result
+        if res is None or res.state is None or r.policy not in policies:
+            continue
+        st = res.state
+        body.append([r.trace, r.budget, r.hardware, r.policy, "OOM" if res.oom else f"{1e3 * res.iteration_s:.3f}",
+                     format_bytes(st.param_off_bytes), format_bytes(st.grad_off_bytes), format_bytes(st.optim_off_bytes),
+                     st.where_stepped, f"{1e3 * st.host_step_s:.3f}", format_bytes(res.host_peak_bytes)])
+    return format_grid(["trace", "budget", "hardware", "policy", "step ms", "params off", "grads off", "optim off",
+                        "stepped on", "host step ms", "host peak"], body)
 
 
 def format_summary(summary: Sequence[PolicySummary]) -> str:

@@ -88,7 +88,11 @@ class StateGroup:
 #: next forward use (ZeRO-Offload's placement). ``stream``: the optimizer state on the host,
 #: streamed in for the device step and out after it. ``full``: ``host-step`` with the parameter on
 #: the device only while forward or backward computes with it (FSDP2's CPUOffloadPolicy).
-PLACEMENTS = ("device", "param", "host-step", "stream", "full")
+#: ``stream-full``: nothing on the device between uses: the parameter as in ``full``, the gradient
+#: copied out as in ``host-step``, and the device steps the group after backward, its parameter,
+#: gradient and optimizer state streamed in and the parameter and state out (where the host's
+#: optimizer is slower than the link, this beats the host step).
+PLACEMENTS = ("device", "param", "host-step", "stream", "full", "stream-full")
 Placement = str
 
 

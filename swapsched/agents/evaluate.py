@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swapsched.agents.registry import get_policy
+from swapsched.agents.state_search import state_floor
 from swapsched.budget import BudgetError, parse_budget
 from swapsched.env.floors import joint_floor
 from swapsched.env.result import SimResult
@@ -179,7 +180,8 @@ def compare(
                 out.append(CaseResult(*key, name, skipped=str(exc)))
                 bar.update(1)
             continue
-        floor = joint_floor(case.trace, budget_bytes, case.hardware)  # below every plan, recomputing ones too
+        # below every plan, recomputing ones too, and moving the state where the trace records it
+        floor = (state_floor if case.trace.state else joint_floor)(case.trace, budget_bytes, case.hardware)
         for name, pol in pols.items():
             bar.set_postfix_str(f"{case.trace.name} {case.budget} {name}", refresh=False)
             plan, res, plan_s = run_policy(pol, case.trace, budget_bytes, case.hardware)

@@ -7,7 +7,8 @@ and steps, jointly with the activations' plan; the peers users run for it; and t
   state of its own. Every activation planner plans on it unchanged.
 - :func:`plan_state`: ``default``'s search. Candidates place the largest groups first in one
   placement or two (every placement at eight shares of the groups, and the two-level mixes
-  ``stream`` + ``param``, ``host-step`` + ``full``); each is screened with a fast activation
+  ``stream`` + ``param``, ``host-step`` + ``full``, ``stream`` + ``stream-full``,
+  ``stream-full`` + ``full``); each is screened with a fast activation
   planner on its view and scored on the simulator with the state (:mod:`env.state_exec`); the
   best two are planned again by the full activation planner and the best of those is the plan.
 - :class:`StatePeer`: ZeRO-Offload, FSDP2's ``CPUOffloadPolicy`` and torchao's
@@ -55,12 +56,12 @@ def activation_view(trace: Trace, placement: dict[str, str]) -> Trace:
             extra[0] += g.param_bytes
             extra[g.forward_end + 1] -= g.param_bytes
             extra[bwd[j]] += g.param_bytes
-        elif w == "full":
+        elif w in ("full", "stream-full"):
             extra[fwd[j]] += g.param_bytes
             extra[g.forward_end + 1] -= g.param_bytes
             extra[bwd[j]] += g.param_bytes
             extra[max(g.grad_at, bwd[j])] -= g.param_bytes
-        if w in ("host-step", "full"):  # made on the device in backward, copied out as it completes
+        if w in ("host-step", "full", "stream-full"):  # made on the device in backward, copied out as it completes
             start = min(g.backward_at + 1, n)
             extra[start] += g.grad_bytes
             extra[max(g.grad_at, start)] -= g.grad_bytes
@@ -78,9 +79,9 @@ def candidate_placements(trace: Trace) -> list[dict[str, str]]:
     order = sorted(range(len(groups)), key=lambda j: (-groups[j].bytes, j))
     counts = sorted({max(1, round(len(groups) * f)) for f in SHARES})
     out: list[dict[str, str]] = [{}]
-    for kind in ("stream", "param", "host-step", "full"):
+    for kind in ("stream", "param", "host-step", "full", "stream-full"):
         out += [{groups[j].name: kind for j in order[:k]} for k in counts]
-    for base, top in (("stream", "param"), ("host-step", "full")):
+    for base, top in (("stream", "param"), ("host-step", "full"), ("stream", "stream-full"), ("stream-full", "full")):
         for k in counts[:-1]:
             mix = {g.name: base for g in groups}
             mix.update({groups[j].name: top for j in order[:k]})
@@ -169,7 +170,7 @@ def state_floor(trace: Trace, budget: int, hardware: Hardware) -> float:
         if g.grad_bytes + g.optim_bytes > 0:
             ratios.append(g.param_bytes / (g.grad_bytes + g.optim_bytes))
         if g.bytes > 0:
-            ratios.append(2 * g.param_bytes / g.bytes)
+            ratios.append(2 * g.param_bytes / g.bytes)  # full; stream-full brings back more (all of it, once more)
     must = 0
     if trace.n_events:
         demand = trace.fixed_bytes + state_bytes + trace.other_bytes + trace.must_resident_bytes

@@ -75,6 +75,13 @@ def _print_result(r: dict[str, Any]) -> None:
               f"   stall {1e3 * r['stall_s']:.3f} ms" + (f"   recompute {1e3 * r['recompute_s']:.3f} ms" if r.get("recompute_s") else ""))
     print(f"peak {format_bytes(r['peak_bytes'])} of budget {format_bytes(r['budget_bytes'])}   "
           f"moved d2h {format_bytes(r['d2h_bytes'])}  h2d {format_bytes(r['h2d_bytes'])}")
+    st = r.get("state")
+    if st:
+        print(f"state off the device: parameters {format_bytes(st['param_off_bytes'])}, gradients "
+              f"{format_bytes(st['grad_off_bytes'])}, optimizer {format_bytes(st['optim_off_bytes'])}; stepped on "
+              f"{st['where_stepped']} (device {1e3 * st['device_step_s']:.3f} ms, host {1e3 * st['host_step_s']:.3f} ms); "
+              f"host peak {format_bytes(r['host_peak_bytes'])}" + (f"; {st['skipped']} group(s) kept for the host budget"
+                                                                  if st["skipped"] else ""))
     if r.get("bound_s") is not None:
         print(f"proven lower bound {1e3 * r['bound_s']:.3f} ms: this plan is within {max(100 * r['gap'], 0.0):.2f}% of the best possible")
 
@@ -129,7 +136,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from swapsched.agents.registry import expand_policies
     from swapsched.env.corpus import load_corpus
     from swapsched.hardware import load_hardware
-    from swapsched.report import format_summary, format_table
+    from swapsched.report import format_state, format_summary, format_table
     from swapsched.trace_file import load_trace
 
     policies = expand_policies(args.policies)
@@ -139,6 +146,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     rows = compare(traces, args.budgets, hws, policies, seed=args.seed, search_seconds=args.search_seconds,
                    progress=not args.no_progress)
     print(format_table(rows, policies))
+    if any(r.result is not None and r.result.state is not None for r in rows):
+        print()
+        print(format_state(rows, policies))
     left = [p for p in ("local-search", "swapadvisor", "optimal")
             if not any(q == p or q.startswith(f"{p}:") for q in policies)]  # optimal:2s is optimal
     if left:

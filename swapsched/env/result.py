@@ -28,9 +28,10 @@ class StateCost:
 
     @property
     def where_stepped(self) -> str:
-        if self.grad_off_bytes == 0:
+        """Where the optimizer stepped: ``device``, ``host``, or ``both`` (some groups each)."""
+        if self.host_step_s == 0:
             return "device"
-        return "host" if self.host_step_s > 0 and self.device_step_s == 0 else "both"
+        return "host" if self.device_step_s == 0 else "both"
 
 
 @dataclass(frozen=True)

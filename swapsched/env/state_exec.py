@@ -19,6 +19,10 @@ prefetch. Per placement (``swapsched/state.py``), what is on the device:
   forward use waits for that copy (R16).
 - ``full``: ``host-step`` with the parameter on the device only while forward or backward uses
   it: fetched ahead of each use, let go after (the host's copy is the master).
+- ``stream-full``: the parameter as in ``full``, the gradient as in ``host-step``; once the
+  gradient has landed on the host, parameter, gradient and optimizer state are streamed in (as
+  ``stream``'s state) for the device step, the gradient let go after it and the parameter and
+  state copied out.
 
 Fetches go one group ahead (R14): a group's forward fetch is issued as the previous fetched
 group's forward starts (the first at the step's start), its backward fetch as the previous one's
@@ -49,10 +53,14 @@ __all__ = ["StateExecution", "StateResult", "state_split", "fetch_events"]
 
 #: The parts of a group the step's static bytes hold under each placement (module docstring)
 _STATIC = {"device": ("param_bytes", "grad_bytes", "optim_bytes"), "param": ("grad_bytes", "optim_bytes"),
-           "stream": ("param_bytes", "grad_bytes"), "host-step": ("param_bytes",), "full": ()}
+           "stream": ("param_bytes", "grad_bytes"), "host-step": ("param_bytes",), "full": (), "stream-full": ()}
 #: ... and what the host holds for it all step (R11: pinned state, beside swapped activations)
 _HOST = {"device": (), "param": ("param_bytes",), "stream": ("optim_bytes",),
-         "host-step": ("param_bytes", "grad_bytes", "optim_bytes"), "full": ("param_bytes", "grad_bytes", "optim_bytes")}
+         "host-step": ("param_bytes", "grad_bytes", "optim_bytes"), "full": ("param_bytes", "grad_bytes", "optim_bytes"),
+         "stream-full": ("param_bytes", "grad_bytes", "optim_bytes")}
+#: What the device step of a streamed group brings in, lets go right after, and copies out
+_STREAM_IN = {"stream": ("optim_bytes",), "stream-full": ("param_bytes", "grad_bytes", "optim_bytes")}
+_STREAM_OUT = {"stream": ("optim_bytes",), "stream-full": ("param_bytes", "optim_bytes")}
 
 
 def state_split(trace_state: tuple, placement: dict[str, str]) -> tuple[int, int]:
@@ -68,8 +76,8 @@ def state_split(trace_state: tuple, placement: dict[str, str]) -> tuple[int, int
 def fetch_events(groups: tuple, where: list[str], backward_start: int) -> tuple[dict[int, int], dict[int, int]]:
     """R14: the event at which each fetched group's forward fetch and backward fetch are issued:
     one group ahead (module docstring)."""
-    fwd = sorted((g.forward_at, j) for j, g in enumerate(groups) if where[j] == "full")
-    bwd = sorted((g.backward_at, j) for j, g in enumerate(groups) if where[j] in ("param", "full"))
+    fwd = sorted((g.forward_at, j) for j, g in enumerate(groups) if where[j] in ("full", "stream-full"))
+    bwd = sorted((g.backward_at, j) for j, g in enumerate(groups) if where[j] in ("param", "full", "stream-full"))
     return ({j: 0 if k == 0 else fwd[k - 1][0] for k, (_, j) in enumerate(fwd)},
             {j: min(backward_start, a) if k == 0 else bwd[k - 1][0] for k, (a, j) in enumerate(bwd)})
 
@@ -114,11 +122,11 @@ class StateExecution:
                 self.result.host_bytes += need
             self.where.append(w)
             r = self.result
-            if w in ("param", "full"):
+            if w in ("param", "full", "stream-full"):
                 r.param_off += g.param_bytes
-            if w in ("host-step", "full"):
+            if w in ("host-step", "full", "stream-full"):
                 r.grad_off += g.grad_bytes
-            if w in ("host-step", "full", "stream"):
+            if w in ("host-step", "full", "stream", "stream-full"):
                 r.optim_off += g.optim_bytes
         n = sim.tb.n
         self.carry = dict(carry or {})  # group -> time its parameter is ready on the host/device (this step's clock)
@@ -127,8 +135,9 @@ class StateExecution:
         self.fetch_done: list[float | None] = [None] * len(self.groups)  # an issued fetch's end
         self.waiting: list[int] = []  # fetches issued with no room yet (R6), in issue order
         self.frees: list[tuple[float, int]] = []  # (done, bytes): copies out whose bytes go when they land
-        self.optim_done: dict[int, float] = {}  # streamed groups: their state's fetch end
+        self.optim_done: dict[int, float] = {}  # streamed groups: their stream-in's end
         self.optim_waiting: list[int] = []
+        self.not_before: dict[int, float] = {}  # stream-full: its stream-in reads the gradient once it landed
         self.grad_on_host: dict[int, float] = {}  # host-stepped groups: when the gradient landed
         self.returns: list[tuple[float, int]] = []  # (issue time, group): parameters going back (R16)
         self.host_free = 0.0
@@ -148,7 +157,7 @@ class StateExecution:
         for j, w in enumerate(self.where):
             if w == "param":
                 sim.used += self.groups[j].param_bytes
-        self.grad_dynamic = [w in ("host-step", "full") for w in self.where]
+        self.grad_dynamic = [w in ("host-step", "full", "stream-full") for w in self.where]
 
     # ------------------------------------------------------------------ copies and memory
     def _copy(self, direction: str, nbytes: int, at: float) -> float:
@@ -214,13 +223,16 @@ class StateExecution:
             self._fetch(j)
         while self.optim_waiting:
             j = self.optim_waiting[0]
-            b = self.groups[j].optim_bytes
+            b = self._stream_in_bytes(j)
             if b > sim.budget - sim.static - sim.cur_other - sim.used:
                 return
             self.optim_waiting.pop(0)
             sim.used += b
             sim._note_mem()
-            self.optim_done[j] = self._copy("h2d", b, sim.t)
+            self.optim_done[j] = self._copy("h2d", b, max(sim.t, self.not_before.get(j, 0.0)))
+
+    def _stream_in_bytes(self, j: int) -> int:
+        return sum(getattr(self.groups[j], f) for f in _STREAM_IN[self.where[j]])
 
     def _need(self, j: int, event: int) -> bool:
         """Compute uses group ``j``'s parameter now: wait for its fetch, issuing it on demand if
@@ -253,7 +265,7 @@ class StateExecution:
                 before = self.sim.t
                 self.sim._wait_until(self.carry[j], i)
                 self.result.stall_s += self.sim.t - before
-            if w == "full" and not self._need(j, i):
+            if w in ("full", "stream-full") and not self._need(j, i):
                 return False
         for j in self.fetch_fwd_at[i]:
             if not self.resident[j] and self.fetch_done[j] is None and j not in self.waiting and not self._fetch(j):
@@ -285,7 +297,7 @@ class StateExecution:
             if w == "param":  # the updated parameter goes to the host, where backward fetches it from
                 self.resident[j] = False
                 self._out(self.groups[j].param_bytes)
-            elif w == "full":  # the host's copy is the master: nothing to copy
+            elif w in ("full", "stream-full"):  # the host's copy is the master: nothing to copy
                 self.resident[j] = False
                 self.sim.used -= self.groups[j].param_bytes
         if self.frees or self.waiting or self.optim_waiting:
@@ -295,13 +307,18 @@ class StateExecution:
     def _grad_complete(self, j: int) -> None:
         w = self.where[j]
         g = self.groups[j]
-        if w in ("host-step", "full"):
+        if w in ("host-step", "full", "stream-full"):
             end = self._copy("d2h", g.grad_bytes, self.sim.t)
             heapq.heappush(self.frees, (end, g.grad_bytes))
-            self.grad_on_host[j] = end
-            if w == "full":  # backward is done with it
+            if w in ("full", "stream-full"):  # backward is done with it
                 self.resident[j] = False
                 self.sim.used -= g.param_bytes
+            if w == "stream-full":
+                self.not_before[j] = end
+                self.optim_waiting.append(j)
+                self.admit()
+                return
+            self.grad_on_host[j] = end
             if not self.host_after_backward:
                 self._host_step(j, end)
         elif w == "stream":
@@ -340,25 +357,29 @@ class StateExecution:
         order = sorted(range(len(self.groups)), key=lambda j: (self.groups[j].grad_at, -self.groups[j].forward_at))
         for j in order:  # the device's steps, on the compute stream
             w = self.where[j]
-            if w not in ("device", "param", "stream"):
+            if w not in ("device", "param", "stream", "stream-full"):
                 continue
-            if w == "stream":
+            streamed = w in _STREAM_IN
+            if streamed:
                 if j in self.optim_waiting:
                     self.optim_waiting.remove(j)
-                    b = self.groups[j].optim_bytes
+                    b = self._stream_in_bytes(j)
                     if not sim._make_room(b, max(n - 1, 0)):
                         return False
                     sim.used += b
                     sim._note_mem()
-                    self.optim_done[j] = self._copy("h2d", b, sim.t)
+                    self.optim_done[j] = self._copy("h2d", b, max(sim.t, self.not_before.get(j, 0.0)))
                 before = sim.t
                 sim._wait_until(self.optim_done[j], n)
                 self.result.stall_s += sim.t - before
             dt = self.groups[j].params / self.device_rate
             sim.t += dt
             self.result.device_step_s += dt
-            if w == "stream":
-                self._out(self.groups[j].optim_bytes)
+            if streamed:
+                g = self.groups[j]
+                if w == "stream-full":
+                    sim.used -= g.grad_bytes  # the step has read it
+                self._out(sum(getattr(g, f) for f in _STREAM_OUT[w]))
             self.retire(sim.t)
             self.admit()
         if self.host_after_backward:
