@@ -39,8 +39,10 @@ def plot_timelines(results: Sequence[tuple[str, Any]], budget: int, path: str | 
     the compute (recompute in purple), device->host and host->device streams (and stalls) below."""
     plt = _pyplot()
     n = len(results)
-    fig, axes = plt.subplots(2 * n, 1, figsize=(10, 3.2 * n), squeeze=False,
-                             gridspec_kw={"height_ratios": [3, 1.2] * n})
+    # R13-R16: three more rows (the state's copies, the host's steps) where a plan moves state
+    rows_h = 2.0 if any(r.timeline and (r.timeline.state_d2h or r.timeline.host_steps) for _, r in results) else 1.2
+    fig, axes = plt.subplots(2 * n, 1, figsize=(10, (1.9 + rows_h) * n), squeeze=False,
+                             gridspec_kw={"height_ratios": [3, rows_h] * n})
     div, unit = _bytes_unit(max([budget] + [m for _, r in results if r.timeline for _, m in r.timeline.memory]))
     for j, (label, res) in enumerate(results):
         tl = res.timeline
@@ -61,6 +63,10 @@ def plot_timelines(results: Sequence[tuple[str, Any]], budget: int, path: str | 
                 ("d2h", [(a, b) for a, b, _ in tl.d2h], "tab:orange"),
                 ("h2d", [(a, b) for a, b, _ in tl.h2d], "tab:green"),
                 ("stall", [(a, b) for a, b, _ in tl.stalls], "tab:red")]
+        if tl.state_d2h or tl.state_h2d or tl.host_steps:  # R13-R16: the state on rows of its own
+            rows += [("state d2h", [(a, b) for a, b, _ in tl.state_d2h], "tab:brown"),
+                     ("state h2d", [(a, b) for a, b, _ in tl.state_h2d], "tab:olive"),
+                     ("host step", [(a, b) for a, b, _ in tl.host_steps], "tab:gray")]
         for y, (_, spans, color) in enumerate(rows):
             ax_s.broken_barh([(a, b - a) for a, b in spans], (y - 0.4, 0.8), color=color)
         # R9: recompute runs on the compute stream, drawn there in its own colour

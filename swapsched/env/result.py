@@ -44,6 +44,10 @@ class Timeline:
     h2d: tuple[tuple[float, float, int], ...]
     stalls: tuple[tuple[float, float, int], ...]  # (start, end, event)
     recompute: tuple[tuple[float, float, int], ...] = ()  # (start, end, segment index), on the compute stream
+    # R13-R16: the state's copies (start, end, group index) per direction, and the host's optimizer steps
+    state_d2h: tuple[tuple[float, float, int], ...] = ()
+    state_h2d: tuple[tuple[float, float, int], ...] = ()
+    host_steps: tuple[tuple[float, float, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -449,7 +449,8 @@ class Simulation:
         timeline = None
         if self.record:
             timeline = Timeline(tuple(self._mem), tuple(self._compute), tuple(self._d2h), tuple(self._h2d), tuple(self._stalls),
-                                tuple(self._recomputes))
+                                tuple(self._recomputes), *((tuple(st.d2h_spans), tuple(st.h2d_spans), tuple(st.host_spans))
+                                                           if st is not None else ((), (), ())))
         return SimResult(
             iteration_s=math.inf if oom else self.t,
             ideal_s=ideal,

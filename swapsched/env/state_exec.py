@@ -141,6 +141,10 @@ class StateExecution:
         self.grad_on_host: dict[int, float] = {}  # host-stepped groups: when the gradient landed
         self.returns: list[tuple[float, int]] = []  # (issue time, group): parameters going back (R16)
         self.host_free = 0.0
+        # what --plot draws (sim.record): the state's copies and the host's steps
+        self.d2h_spans: list[tuple[float, float, int]] = []
+        self.h2d_spans: list[tuple[float, float, int]] = []
+        self.host_spans: list[tuple[float, float, int]] = []
         # per event: whose forward starts, ends, backward starts, gradient completes; fetches issued
         self.fwd_at = _by_event(n + 1, [(g.forward_at, j) for j, g in enumerate(self.groups)])
         self.fwd_end = _by_event(n + 1, [(g.forward_end, j) for j, g in enumerate(self.groups)])
@@ -153,14 +157,16 @@ class StateExecution:
         # ``param`` groups are on the device as the step starts
         static, _ = state_split(self.groups, {g.name: w for g, w in zip(self.groups, self.where, strict=True)})
         sim.static = int(trace.fixed_bytes + static)
-        sim.peak = sim.static
         for j, w in enumerate(self.where):
             if w == "param":
                 sim.used += self.groups[j].param_bytes
+        sim.peak = sim.static + sim.used
+        if sim.record:
+            sim._mem = [(0.0, sim.static + sim.used)]
         self.grad_dynamic = [w in ("host-step", "full", "stream-full") for w in self.where]
 
     # ------------------------------------------------------------------ copies and memory
-    def _copy(self, direction: str, nbytes: int, at: float) -> float:
+    def _copy(self, direction: str, nbytes: int, at: float, group: int = -1) -> float:
         """A state copy on the engine of ``direction`` (R6, FIFO behind what is queued); its end."""
         sim = self.sim
         if direction == "d2h":
@@ -175,11 +181,14 @@ class StateExecution:
             sim.h2d_bytes += nbytes
         if sim.one_stream:
             sim.d2h_free = sim.h2d_free = end
+        if sim.record:
+            (self.d2h_spans if direction == "d2h" else self.h2d_spans).append((end - sim.lat - nbytes * (
+                sim.inv_d2h if direction == "d2h" else sim.inv_h2d), end, group))
         return end
 
-    def _out(self, nbytes: int) -> None:
+    def _out(self, nbytes: int, group: int = -1) -> None:
         """Copy ``nbytes`` of the device's state to the host; they go when the copy lands."""
-        end = self._copy("d2h", nbytes, self.sim.t)
+        end = self._copy("d2h", nbytes, self.sim.t, group)
         heapq.heappush(self.frees, (end, nbytes))
 
     def retire(self, now: float) -> None:
@@ -209,7 +218,7 @@ class StateExecution:
             return True
         sim.used += b
         sim._note_mem()
-        self.fetch_done[j] = self._copy("h2d", b, max(sim.t, self.carry.get(j, 0.0)))
+        self.fetch_done[j] = self._copy("h2d", b, max(sim.t, self.carry.get(j, 0.0)), j)
         return True
 
     def admit(self) -> None:
@@ -229,7 +238,7 @@ class StateExecution:
             self.optim_waiting.pop(0)
             sim.used += b
             sim._note_mem()
-            self.optim_done[j] = self._copy("h2d", b, max(sim.t, self.not_before.get(j, 0.0)))
+            self.optim_done[j] = self._copy("h2d", b, max(sim.t, self.not_before.get(j, 0.0)), j)
 
     def _stream_in_bytes(self, j: int) -> int:
         return sum(getattr(self.groups[j], f) for f in _STREAM_IN[self.where[j]])
@@ -296,7 +305,7 @@ class StateExecution:
             w = self.where[j]
             if w == "param":  # the updated parameter goes to the host, where backward fetches it from
                 self.resident[j] = False
-                self._out(self.groups[j].param_bytes)
+                self._out(self.groups[j].param_bytes, j)
             elif w in ("full", "stream-full"):  # the host's copy is the master: nothing to copy
                 self.resident[j] = False
                 self.sim.used -= self.groups[j].param_bytes
@@ -308,7 +317,7 @@ class StateExecution:
         w = self.where[j]
         g = self.groups[j]
         if w in ("host-step", "full", "stream-full"):
-            end = self._copy("d2h", g.grad_bytes, self.sim.t)
+            end = self._copy("d2h", g.grad_bytes, self.sim.t, j)
             heapq.heappush(self.frees, (end, g.grad_bytes))
             if w in ("full", "stream-full"):  # backward is done with it
                 self.resident[j] = False
@@ -331,6 +340,8 @@ class StateExecution:
         end = start + self.groups[j].params / self.host_rate
         self.result.host_step_s += end - start
         self.host_free = end
+        if self.sim.record:
+            self.host_spans.append((start, end, j))
         if self.where[j] == "host-step" and not self.return_all:
             self.returns.append((end, j))
         elif self.where[j] == "full":
@@ -343,7 +354,7 @@ class StateExecution:
         self.returns.sort()
         while self.returns and self.returns[0][0] <= self.sim.t:
             at, j = self.returns.pop(0)
-            self.next_carry[j] = self._copy("h2d", self.groups[j].param_bytes, at)
+            self.next_carry[j] = self._copy("h2d", self.groups[j].param_bytes, at, j)
 
     def finish(self) -> bool:
         """After the tail: the gradients complete there, the device's optimizer steps (R15), the
@@ -379,7 +390,7 @@ class StateExecution:
                 g = self.groups[j]
                 if w == "stream-full":
                     sim.used -= g.grad_bytes  # the step has read it
-                self._out(sum(getattr(g, f) for f in _STREAM_OUT[w]))
+                self._out(sum(getattr(g, f) for f in _STREAM_OUT[w]), j)
             self.retire(sim.t)
             self.admit()
         if self.host_after_backward:
@@ -392,7 +403,7 @@ class StateExecution:
                     self.returns.append((done, j))
         # the parameters' copies back are issued as their steps end, whenever that is (R16)
         for at, j in sorted(self.returns):
-            self.next_carry[j] = self._copy("h2d", self.groups[j].param_bytes, at)
+            self.next_carry[j] = self._copy("h2d", self.groups[j].param_bytes, at, j)
         self.returns.clear()
         return True
 

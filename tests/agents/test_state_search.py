@@ -1,0 +1,122 @@
+"""agents/state_search.py: the state placed with the activations (R13-R16), its peers and floor."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swapsched.agents.registry import get_policy
+from swapsched.agents.state_search import PEERS, activation_view, candidate_placements, state_floor
+from swapsched.budget import BudgetError, parse_budget
+from swapsched.env.simulator import simulate
+from swapsched.plan import SwapPlan
+from swapsched.runtime.profiler import profile
+from swapsched.state import PLACEMENTS
+from swapsched.trace_file import load_trace, save_trace, trace_from_dict, trace_to_dict
+from tests.env.test_state_exec import HW, two_groups
+
+
+def test_the_view_holds_what_the_placement_leaves_on_the_device():
+    t = two_groups()
+    kept = activation_view(t, {})
+    assert kept.static_bytes == 800 and kept.state == () and list(kept.other_bytes) == [0, 0, 0, 0]
+    # blk.1 full: its parameter from its fetch (e0, the first fetched) through its forward (e1),
+    # again from its backward fetch (the first: backward starts at e2) until its gradient
+    # completes (e3); its gradient from after its unpack (e2) until then
+    full = activation_view(t, {"blk.1": "full"})
+    assert full.static_bytes == 400 and list(full.other_bytes) == [100, 100, 100, 0]
+    hs = activation_view(t, {"blk.0": "host-step"})  # gradient made after e3's unpack: no gap holds it
+    assert hs.static_bytes == 400 + 100 and list(hs.other_bytes) == [0, 0, 0, 0]
+
+
+def test_default_fits_below_the_static_bytes_where_activation_plans_cannot():
+    t = two_groups()
+    default, plain = get_policy("default"), get_policy("min")
+    assert simulate(t, plain.plan(t, 700, HW), HW, 700).oom  # 800 B of state kept: no activation plan fits
+    p = default.plan(t, 700, HW)
+    r = simulate(t, p, HW, 700)
+    assert not r.oom and r.peak_bytes <= 700 and p.state and r.state is not None and r.state.off_bytes > 0
+    # and it is no slower than any peer that fits, nor faster than the floor
+    for name in PEERS:
+        q = simulate(t, get_policy(name).plan(t, 700, HW), HW, 700)
+        assert q.oom or r.iteration_s <= q.iteration_s + 1e-9
+    assert state_floor(t, 700, HW) <= r.iteration_s + 1e-9
+
+
+def test_with_room_for_everything_default_moves_nothing_it_need_not():
+    t = two_groups()
+    p = get_policy("default").plan(t, 10_000, HW)
+    assert simulate(t, p, HW, 10_000).iteration_s == pytest.approx(t.ideal_s, abs=1e-6)
+
+
+def test_the_peers_place_every_group_by_their_rule():
+    t = two_groups()
+    zero, fsdp, ao = (PEERS[n].plan(t, 1000, HW) for n in ("zero-offload", "fsdp-offload", "ao-offload"))
+    assert set(zero.placement().values()) == {"host-step"} and zero.param_return == "all"
+    assert set(fsdp.placement().values()) == {"full"} and ao.param_return == "each"
+    assert all(p.host_step == "after-backward" for p in (zero, fsdp, ao))
+
+
+def test_a_budget_below_any_placement_is_refused_naming_the_host_memory():
+    t = two_groups()
+    assert t.min_feasible_bytes_movable < t.min_feasible_bytes
+    with pytest.raises(BudgetError, match="moving its parameters.*host memory"):
+        parse_budget(t.min_feasible_bytes_movable - 1, t)
+    assert parse_budget(t.min_feasible_bytes_movable, t) == t.min_feasible_bytes_movable
+
+
+def test_candidates_cover_every_placement():
+    t = two_groups()
+    seen = {w for c in candidate_placements(t) for w in c.values()}
+    assert seen == set(PLACEMENTS) - {"device"}
+
+
+@settings(max_examples=60, deadline=None)
+@given(where=st.lists(st.sampled_from(PLACEMENTS), min_size=2, max_size=2), budget=st.integers(400, 1200),
+       host=st.one_of(st.none(), st.integers(100, 900)), after=st.booleans())
+def test_no_simulated_step_exceeds_the_device_or_the_host_budget(where, budget, host, after):
+    t = two_groups()
+    plan = SwapPlan.of(t, "any", [], state={"blk.0": where[0], "blk.1": where[1]},
+                       host_step="after-backward" if after else "overlap")
+    hw = HW if host is None else replace(HW, host_budget_bytes=host)
+    r = simulate(t, plan, hw, budget)
+    if not r.oom:
+        assert r.peak_bytes <= budget
+        assert host is None or r.host_peak_bytes <= host
+        assert r.iteration_s >= state_floor(t, budget, hw) - 1e-9
+
+
+def test_a_two_layer_mlp_with_adamw_is_counted_by_hand(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2), nn.GELU())
+    model[2].register_buffer("scale", torch.ones(3))  # a buffer: fixed, never moved
+    trace = profile(model, (torch.randn(5, 4),), device="cpu", name="mlp2", state="adamw")
+    groups = {g.name: g for g in trace.state}
+    # Linear(4, 8): 40 fp32 elements, 160 B, its gradient as large, AdamW's two moments 320 B
+    assert (groups["0"].params, groups["0"].param_bytes, groups["0"].grad_bytes, groups["0"].optim_bytes) == (40, 160, 160, 320)
+    assert (groups["2"].params, groups["2"].param_bytes, groups["2"].grad_bytes, groups["2"].optim_bytes) == (18, 72, 72, 144)
+    assert trace.fixed_bytes == 12 and trace.static_bytes == 12 + 640 + 288
+    # uses: Linear 2 packs the GELU's output (its input) in forward and reads it in backward,
+    # so its forward use is that pack and its gradient completes after the gap of that unpack;
+    # Linear 0 packs nothing of its own (its input is the caller's): first gap, and the tail
+    mine = [t.id for t in trace.tensors if t.module == "2"]
+    assert mine and groups["2"].forward_at == int(trace.first_pack[mine].min())
+    assert groups["2"].grad_at == int(trace.last_unpack[mine].max()) + 1
+    assert (groups["0"].forward_at, groups["0"].grad_at) == (0, trace.n_events)
+    # the trace file keeps it
+    back = load_trace(save_trace(trace, tmp_path / "t.json"))
+    assert back.state == trace.state
+
+
+def test_a_version_1_trace_loads_with_everything_static():
+    t = two_groups()
+    d = trace_to_dict(t)
+    d["version"] = 1  # as written before the state: a "state" key there is not read
+    old = trace_from_dict(d)
+    assert old.state == () and old.fixed_bytes == old.static_bytes == 800
+    assert old.min_feasible_bytes_movable == old.min_feasible_bytes
