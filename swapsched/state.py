@@ -39,17 +39,18 @@ class OptimizerKind:
     """What one optimizer keeps and touches per parameter element."""
 
     name: str
-    # fp32 state bytes per parameter element (AdamW: two moments; SGD: a momentum buffer);
-    # Adafactor's factored second moment is counted per tensor by the profiler instead
-    state_bytes_per_param: float
+    # state tensors per parameter, each of the parameter's dtype, as torch.optim keeps them
+    # (AdamW: two moments; SGD: a momentum buffer); Adafactor's factored second moment is
+    # counted per tensor by the profiler instead
+    states_per_param: float
     # bytes one step reads and writes per parameter element on the device (the step's roofline:
     # it is memory-bound), AdamW: reads p, g, m, v and writes p, m, v, fp32
     touched_bytes_per_param: float
 
 
 OPTIMIZERS: dict[str, OptimizerKind] = {
-    "adamw": OptimizerKind("adamw", 8.0, 28.0),
-    "sgd": OptimizerKind("sgd", 4.0, 20.0),  # with momentum (torch.optim.SGD(momentum>0))
+    "adamw": OptimizerKind("adamw", 2.0, 28.0),
+    "sgd": OptimizerKind("sgd", 1.0, 20.0),  # with momentum (torch.optim.SGD(momentum>0))
     "adafactor": OptimizerKind("adafactor", 0.0, 16.0),  # factored: rows + columns per matrix (profiler)
     "none": OptimizerKind("none", 0.0, 0.0),  # gradients only: no step (a frozen-optimizer probe)
 }

@@ -41,13 +41,10 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
+from swapsched.plan import SwapPlan
 from swapsched.state import OPTIMIZERS
-
-if TYPE_CHECKING:
-    from swapsched.env.simulator import Simulation
-    from swapsched.plan import SwapPlan
 
 __all__ = ["StateExecution", "StateResult", "state_split", "fetch_events"]
 
@@ -97,7 +94,9 @@ class StateResult:
 class StateExecution:
     """The state plan of one simulated step (module docstring)."""
 
-    def __init__(self, sim: Simulation, plan: SwapPlan, carry: dict[int, float] | None = None):
+    def __init__(self, sim: Any, plan: SwapPlan, carry: dict[int, float] | None = None):
+        # ``sim``: the Simulation driving this (env/simulator.py, which imports this module):
+        # its clock, memory, engines and R4/R5 waits
         trace, hw = sim.trace, sim.hw
         self.sim = sim
         self.groups = trace.state

@@ -362,11 +362,13 @@ class ExecuteStep(CopyingStep):
             return self.profile.report(step_s)
         cuda_peak = self.backend.peak_bytes()
         if self.unhooked:
-            # unwatched: no peak of ours (on CUDA torch's), no gaps; the plan moves nothing and no
-            # hook runs, so the prediction is the trace's ideal step
+            # unwatched: no count of ours and no gaps; the plan moves nothing and no hook runs, so
+            # the prediction is the trace's ideal step and the peak the plan's, as simulated (on
+            # CUDA torch's allocator measures it too: cuda_peak_bytes)
             return StepReport(
                 step=self.frame.step, mode="execute", step_s=step_s, stall_s=0.0, predicted_step_s=self.trace.ideal_s,
-                evicted_bytes=0, prefetched_bytes=0, on_demand_bytes=0, peak_device_bytes=None, budget_bytes=self.budget,
+                evicted_bytes=0, prefetched_bytes=0, on_demand_bytes=0,
+                peak_device_bytes=self.layout.predicted_peak_bytes, budget_bytes=self.budget,
                 plan_followed=True, guard_evictions=0, kept_small=int(self.layout.plan.meta.get("kept_small", 0)),
                 cuda_peak_bytes=cuda_peak, recomputed_blocks=self.frame.blocks.names if self.frame.blocks is not None else (),
                 selective_blocks=self.frame.blocks.selective if self.frame.blocks is not None else (),

@@ -39,6 +39,9 @@ class PlanLayout:
     # the budget this shape runs under: a relative budget resolved against this shape's own
     # activation peak, a byte budget as given (DESIGN.md, "Budgets"); None only in hand-made layouts
     budget_bytes: int | None = None
+    # the simulator's device peak of this plan on this trace (R3, the guard's evictions included):
+    # what an unhooked step reports, nothing being watched there
+    predicted_peak_bytes: int | None = None
 
     @property
     def shape_key(self) -> int:
@@ -71,7 +74,8 @@ def lay_out(trace: Trace, plan: SwapPlan, hardware: Hardware, budget: int, simul
         trace, plan, None if res.oom else res.iteration_s, out_at, prefetch_at,
         expected_codes=[~t if u else t for t, u in zip(tb.tensor, tb.is_unpack, strict=False)],
         work_at=[bool(f or o or p) for f, o, p in zip(tb.free, out_at, prefetch_at, strict=False)],
-        first_sight=first_sight, predicted=predicted, budget_bytes=budget)
+        first_sight=first_sight, predicted=predicted, budget_bytes=budget,
+        predicted_peak_bytes=None if res.oom else int(res.peak_bytes))
     if family is not None:
         out.__dict__["family"] = family  # PlanLayout.family, shared: kin compares it by identity first
     return out

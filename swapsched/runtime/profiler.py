@@ -53,8 +53,9 @@ def _optimizer_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | 
 def state_groups(model: nn.Module, trace: Trace, optimizer: str) -> tuple[StateGroup, ...]:
     """R13: the model's trainable parameters per group (``state.group_name`` of their module),
     each storage once (a tied weight counts in the group that registers it first), with their
-    gradients, the state ``optimizer`` keeps for them (``state.OPTIMIZERS``; Adafactor: a row
-    and a column of fp32 per matrix, a whole fp32 copy per vector) and their events in ``trace``."""
+    gradients, the state ``optimizer`` keeps for them in their dtype, as torch.optim does
+    (``state.OPTIMIZERS``; Adafactor: a row and a column per matrix, a whole copy per vector)
+    and their events in ``trace``."""
     kind = optimizer_kind(optimizer)
     seen: set[int] = set()
     sizes: dict[str, list[int]] = {}
@@ -64,10 +65,11 @@ def state_groups(model: nn.Module, trace: Trace, optimizer: str) -> tuple[StateG
                 continue
             seen.add(storage_key(p))
             nb = p.untyped_storage().nbytes()
+            size = p.element_size()
             if kind.name == "adafactor":
-                optim = 4 * (p.shape[0] + p[0].numel()) if p.dim() >= 2 else 4 * p.numel()
+                optim = size * (p.shape[0] + p[0].numel()) if p.dim() >= 2 else size * p.numel()
             else:
-                optim = int(kind.state_bytes_per_param * p.numel())
+                optim = int(kind.states_per_param * p.numel()) * size
             acc = sizes.setdefault(group_name(mod_name), [0, 0, 0, 0])
             for i, v in enumerate((p.numel(), nb, nb, optim)):
                 acc[i] += v

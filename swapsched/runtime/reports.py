@@ -159,7 +159,9 @@ class StepReport:
     evicted_bytes: int
     prefetched_bytes: int
     on_demand_bytes: int
-    peak_device_bytes: int | None  # None for the profiling step, which runs unbudgeted on demand
+    # None for the profiling step, which runs unbudgeted on demand; an unhooked step's is its plan's
+    # peak as simulated (nothing is counted there)
+    peak_device_bytes: int | None
     budget_bytes: int | None
     plan_followed: bool
     guard_evictions: int
@@ -210,7 +212,11 @@ class StepReport:
             f"  evicted {format_bytes(self.evicted_bytes)}, prefetched {format_bytes(self.prefetched_bytes)}, "
             f"on demand {format_bytes(self.on_demand_bytes)}",
             (f"  peak device {format_bytes(self.peak_device_bytes)} of budget {format_bytes(self.budget_bytes or 0)}"
-             if self.peak_device_bytes is not None else "  profiling step: every saved tensor on the host, back on demand"
+             + (" (unhooked: the plan moves nothing and the hooks came off, so this is the plan's peak as simulated)"
+                if self.unhooked else "")
+             if self.peak_device_bytes is not None else
+             "  unhooked: the plan moves nothing and the hooks came off; no peak could be simulated" if self.unhooked else
+             "  profiling step: every saved tensor on the host, back on demand"
              + (" (a shape no plan was made for; it is planned now)" if self.new_shape else ""))
             + (f" (torch peak {format_bytes(self.cuda_peak_bytes)})" if self.cuda_peak_bytes is not None else "")
             + (f"; measured {format_bytes(self.measured_peak_bytes)}" if self.measured_peak_bytes is not None else ""),

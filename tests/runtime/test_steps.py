@@ -191,3 +191,6 @@ def test_a_plan_that_moves_nothing_takes_the_hooks_off_once_the_shape_is_confirm
     rep = ex.report(0.01)
     assert torch.equal(grad, plain_grad(w))
     assert rep.unhooked and not host.hooks.on and rep.copies == 0
+    # the peak of the plan it follows (it keeps everything: the no-swap peak), and said so
+    assert rep.peak_device_bytes == ex.layout.predicted_peak_bytes == ex.layout.trace.peak_bytes_no_swap
+    assert "unhooked" in str(rep) and "profiling step" not in str(rep)

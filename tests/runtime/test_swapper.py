@@ -824,7 +824,13 @@ def test_a_plan_that_moves_nothing_runs_without_hooks_and_a_new_shape_is_still_s
     assert any(unhooked[:12]) and all(unhooked[i] for i in range(unhooked.index(True), 12))
     first = unhooked.index(True)
     assert all(r.mode == "execute" and r.plan_followed for r in reports[first - 2:first])  # two followed first
-    assert reports[first].peak_device_bytes is None and reports[first].evicted_bytes == 0
+    # an unhooked step reports the peak of the plan it follows, as simulated, and says it is unhooked
+    rep = reports[first]
+    assert rep.peak_device_bytes is not None and rep.budget_bytes is not None
+    assert rep.peak_device_bytes <= rep.budget_bytes and rep.evicted_bytes == 0
+    text = str(rep)
+    assert "unhooked" in text and "profiling step" not in text
+    assert rep.run is not None and rep.run.peak_device_bytes is not None
     assert reports[12].mode == "profile" and reports[12].new_shape and not reports[12].unhooked
     # watching was asked for: never unhooked
     audited = SwapRuntime(budget="100%", policy="min", backend="cpu", model=build_model("mlp", "tiny", seed=5).model,
