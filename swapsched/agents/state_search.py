@@ -10,7 +10,7 @@ and steps, jointly with the activations' plan; the peers users run for it; and t
   ``stream`` + ``param``, ``host-step`` + ``full``, ``stream`` + ``stream-full``,
   ``stream-full`` + ``full``); each is screened with a fast activation
   planner on its view and scored on the simulator with the state (:mod:`env.state_exec`); the
-  best two are planned again by the full activation planner and the best of those is the plan.
+  best is planned again by the full activation planner, and the better of the two plans is the plan.
 - :class:`StatePeer`: ZeRO-Offload, FSDP2's ``CPUOffloadPolicy`` and torchao's
   ``CPUOffloadOptimizer``, each a fixed rule over every group, with the activation plan their
   users run (every block checkpointed).
@@ -38,8 +38,8 @@ __all__ = ["activation_view", "plan_state", "StatePeer", "PEERS", "state_floor",
 
 #: Shares of the groups (largest first) a one-placement candidate moves
 SHARES = (1 / 8, 1 / 4, 3 / 8, 1 / 2, 5 / 8, 3 / 4, 7 / 8, 1.0)
-#: How many screened candidates the full activation planner plans again
-FINALISTS = 2
+#: How many screened candidates the full activation planner plans again (each a search of its own)
+FINALISTS = 1
 
 
 def activation_view(trace: Trace, placement: dict[str, str]) -> Trace:
