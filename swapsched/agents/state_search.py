@@ -3,13 +3,15 @@ and steps, jointly with the activations' plan; the peers users run for it; and t
 
 - :func:`activation_view`: the trace an activation planner plans on once the state is placed:
   the state's static part in ``static_bytes``, what it holds gap by gap (parameters fetched for
-  their uses, gradients until they are copied out) in the gaps' non-saved bytes (R3), and no
-  state of its own. Every activation planner plans on it unchanged.
+  their uses, gradients until they are copied out, and, asked for, room for the largest
+  streamed group's stream-in once the first streamed gradient is done) in the gaps' non-saved
+  bytes (R3), and no state of its own. Every activation planner plans on it unchanged.
 - :func:`plan_state`: ``default``'s search. Candidates place the largest groups first in one
   placement or two (every placement at eight shares of the groups, and the two-level mixes
   ``stream`` + ``param``, ``host-step`` + ``full``, ``stream`` + ``stream-full``,
   ``stream-full`` + ``full``); each is screened with a fast activation
-  planner on its view and scored on the simulator with the state (:mod:`env.state_exec`); the
+  planner on its view (a placement that streams: also keeping room for a stream-in, and planned
+  for 3/4 of the budget, ``STREAM_VARIANTS``) and scored on the simulator with the state (:mod:`env.state_exec`); the
   best is planned again by the full activation planner, and the better of the two plans is the plan.
 - :class:`StatePeer`: ZeRO-Offload, FSDP2's ``CPUOffloadPolicy`` and torchao's
   ``CPUOffloadOptimizer``, each a fixed rule over every group, with the activation plan their
@@ -28,7 +30,7 @@ from swapsched.agents.recompute import CheckpointAll
 from swapsched.budget import BudgetError, format_bytes
 from swapsched.env.floors import joint_floor
 from swapsched.env.simulator import simulate
-from swapsched.env.state_exec import fetch_events, state_split
+from swapsched.env.state_exec import fetch_events, state_split, stream_in_fields
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.policy import Policy
@@ -40,10 +42,15 @@ __all__ = ["activation_view", "plan_state", "StatePeer", "PEERS", "state_floor",
 SHARES = (1 / 8, 1 / 4, 3 / 8, 1 / 2, 5 / 8, 3 / 4, 7 / 8, 1.0)
 #: How many screened candidates the full activation planner plans again (each a search of its own)
 FINALISTS = 1
+#: A placement that streams is screened with its activations planned three ways (room kept for
+#: that many stream-ins, a share of the budget): the activations a budget leaves room for can
+#: starve the stream-ins (R6), so a plan made for less room, or keeping room, may step faster
+STREAM_VARIANTS = ((0, 1.0), (1, 1.0), (1, 0.75))
 
 
-def activation_view(trace: Trace, placement: dict[str, str]) -> Trace:
-    """``trace`` as an activation planner sees it with its state placed (module docstring)."""
+def activation_view(trace: Trace, placement: dict[str, str], stream_room: int = 0) -> Trace:
+    """``trace`` as an activation planner sees it with its state placed (module docstring);
+    ``stream_room``: how many streamed groups' stream-ins it keeps room for (the largest)."""
     groups = trace.state
     where = [placement.get(g.name, "device") for g in groups]
     static, _ = state_split(groups, placement)
@@ -65,6 +72,13 @@ def activation_view(trace: Trace, placement: dict[str, str]) -> Trace:
             start = min(g.backward_at + 1, n)
             extra[start] += g.grad_bytes
             extra[max(g.grad_at, start)] -= g.grad_bytes
+    # streamed groups come in for their device step once their gradients are done (R15): room
+    # kept for them from the first such gradient on, else the activations kept there may starve
+    # the stream-ins of room (R6: they wait for it); too much room, and the activations swap more
+    streamed = [j for j, w in enumerate(where) if w in ("stream", "stream-full")]
+    if streamed and stream_room:
+        sizes = sorted((sum(getattr(groups[j], f) for f in stream_in_fields(where[j])) for j in streamed), reverse=True)
+        extra[min(min(groups[j].grad_at for j in streamed), n)] += sum(sizes[:stream_room])
     held = np.cumsum(extra)[:n]
     events = tuple(Event(e.kind, e.tensor, e.compute_s, e.flops, int((e.other_bytes or 0) + h) if (e.other_bytes or h) else None)
                    for e, h in zip(trace.events, held.tolist(), strict=True))
@@ -97,25 +111,28 @@ def _with_state(trace: Trace, act: SwapPlan, placement: dict[str, str], name: st
 def plan_state(trace: Trace, budget: int, hardware: Hardware, *, inner: Policy, screen: Policy, name: str) -> SwapPlan:
     """``default``'s joint plan of the state and the activations (module docstring). Raises
     :class:`BudgetError` where no candidate fits, naming the smallest feasible budget."""
-    scored: list[tuple[float, int, dict[str, str]]] = []
+    scored: list[tuple[float, int, dict[str, str], int, int]] = []
     for c, placement in enumerate(candidate_placements(trace)):
-        view = activation_view(trace, placement)
-        if view.min_feasible_bytes > budget:
-            continue
-        plan = _with_state(trace, screen.plan(view, budget, hardware), placement, name)
-        r = simulate(trace, plan, hardware, budget, validate=False)
-        if not r.oom:
-            scored.append((r.iteration_s, c, placement))
+        streams = any(w in ("stream", "stream-full") for w in placement.values())
+        for room, share in STREAM_VARIANTS if streams else ((0, 1.0),):
+            view = activation_view(trace, placement, room)
+            act_budget = max(int(budget * share), view.min_feasible_bytes)
+            if view.min_feasible_bytes > budget or (share < 1.0 and act_budget >= budget):
+                continue
+            plan = _with_state(trace, screen.plan(view, act_budget, hardware), placement, name)
+            r = simulate(trace, plan, hardware, budget, validate=False)
+            if not r.oom:
+                scored.append((r.iteration_s, c, placement, room, act_budget))
     if not scored:
         raise BudgetError(f"no placement of {trace.name!r}'s state fits {format_bytes(budget)}: the smallest feasible "
                           f"budget with the state movable is {format_bytes(trace.min_feasible_bytes_movable)}, and a plan "
                           "also needs room to fetch a group ahead of its use; try a larger budget")
     scored.sort()
     best: tuple[float, SwapPlan] | None = None
-    for _, _, placement in scored[:FINALISTS]:
-        view = activation_view(trace, placement)
+    for _, _, placement, room, act_budget in scored[:FINALISTS]:
+        view = activation_view(trace, placement, room)
         for pol in (inner, screen):
-            plan = _with_state(trace, pol.plan(view, budget, hardware), placement, name)
+            plan = _with_state(trace, pol.plan(view, act_budget, hardware), placement, name)
             r = simulate(trace, plan, hardware, budget, validate=False)
             if not r.oom and (best is None or r.iteration_s < best[0]):
                 best = (r.iteration_s, plan)

@@ -46,7 +46,7 @@ from typing import Any
 from swapsched.plan import SwapPlan
 from swapsched.state import OPTIMIZERS
 
-__all__ = ["StateExecution", "StateResult", "state_split", "fetch_events"]
+__all__ = ["StateExecution", "StateResult", "state_split", "fetch_events", "stream_in_fields"]
 
 #: The parts of a group the step's static bytes hold under each placement (module docstring)
 _STATIC = {"device": ("param_bytes", "grad_bytes", "optim_bytes"), "param": ("grad_bytes", "optim_bytes"),
@@ -68,6 +68,11 @@ def state_split(trace_state: tuple, placement: dict[str, str]) -> tuple[int, int
         static += sum(getattr(g, f) for f in _STATIC[where])
         host += sum(getattr(g, f) for f in _HOST[where])
     return static, host
+
+
+def stream_in_fields(placement: str) -> tuple[str, ...]:
+    """What a streamed group's device step brings in (R15); () for a placement that streams nothing."""
+    return _STREAM_IN.get(placement, ())
 
 
 def fetch_events(groups: tuple, where: list[str], backward_start: int) -> tuple[dict[int, int], dict[int, int]]:
