@@ -371,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "these shapes, flash where it can; for the CPU's own step: SDPA as it runs there); eager: a hf: "
                          "model's own attention code")
     sp.add_argument("--optimizer", choices=["adamw", "sgd", "adafactor", "none"], default="adamw",
-                    help="whose state the trace counts (default adamw: 2 fp32 states per parameter)")
+                    help="whose state the trace counts (default adamw: 2 states per parameter, in its dtype)")
     sp.add_argument("--state", action=argparse.BooleanOptionalAction, default=True,
                     help="record parameters, gradients and optimizer state per group, movable by a plan (default); "
                          "--no-state: all of it static, as traces of format 1")
