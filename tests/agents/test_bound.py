@@ -54,7 +54,8 @@ def test_bound_is_below_every_plan_and_above_the_floor(case, data):
             assert bound.bound_s <= r.iteration_s * ULP
 
 
-@pytest.mark.parametrize("name", ["bert-base-b16-h100-pcie5", "unet-medium-b64-h100-pcie5"])
+# bert-base (30 s of the solver on 2 cores) is slow; unet keeps a corpus trace in the default run
+@pytest.mark.parametrize("name", [pytest.param("bert-base-b16-h100-pcie5", marks=pytest.mark.slow), "unet-medium-b64-h100-pcie5"])
 def test_bound_is_below_the_plans_on_corpus_traces(name):
     tr = load_corpus(names=[name])[0]
     hw = load_hardware("h100-pcie5")
