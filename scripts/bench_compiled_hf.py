@@ -57,13 +57,13 @@ def train(model_type: str, backend: Any, steps: int = 3) -> tuple[list[float], f
         opt.zero_grad()
         if i == 0:
             first = time.perf_counter() - t0
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, first, None
 
 
 def hooks(model_type: str, budget: str) -> dict[str, Any]:
     case = build_hf(model_type, "small", 2, 64, "cpu", 0)
-    trace = profile(case.model, case.inputs, case.loss_fn, device="cpu", name=f"hf-{model_type}", hardware=HW)
+    trace = profile(case.model, case.inputs, lambda loss: loss, device="cpu", name=f"hf-{model_type}", hardware=HW)
     hw = load_hardware(HW)
     need, pct = smallest_feasible(trace)
     try:

@@ -21,6 +21,7 @@ backend's report) can check that it holds exactly the plan.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -102,7 +103,10 @@ def tag_joint(joint: fx.GraphModule, gt: GraphTrace, plan: SwapPlan, forward_nod
         if block is None:
             continue
         op = getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
-        if block in sel_names and op in SELECTIVE_SAVE_OPS:
+        # a getitem names no op, and the trace counts such a tensor saved (R9, selective): saved
+        # here too. Tagged to be rebuilt, the getitems of a saved multi-output op (SDPA's output
+        # and log-sum-exp) left the partitioner a tuple to save, which it cannot (HF Llama at 50%)
+        if block in sel_names and (op in SELECTIVE_SAVE_OPS or node.target is operator.getitem):
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
         else:
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE

@@ -325,3 +325,21 @@ def test_hf_models_with_a_graph_break_train_as_torch_compile(model_type, budget)
     report = be.report()
     assert len(report.graphs) >= 2 and report.step is not None and report.step.within
     assert report.step.predicted_peak_bytes <= report.step.budget_bytes
+
+
+def test_a_selective_block_keeps_what_a_saved_multi_output_op_returns():
+    # SDPA on the CPU returns its output and log-sum-exp as a tuple: the getitems of a saved op
+    # are saved too (as the trace counts them, R9 selective); tagged to be rebuilt, they left the
+    # partitioner a tuple to save and the compile failed (HF Llama at 50%)
+    model, x = make_case("transformer")
+    ref = copy.deepcopy(model)
+
+    def all_selective(trace: Any) -> SwapPlan:
+        return SwapPlan.of(trace, "selective", [], selective=[s.name for s in trace.segments if s.cheap])
+
+    be = PlannedBackend("100%", Fixed(all_selective), H100, inner="aot_eager")
+    compile_step(model, x, be)
+    compile_step(ref, x, "aot_eager")
+    (g,) = be.report().graphs
+    assert g.plan.selective
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters(), strict=True))
