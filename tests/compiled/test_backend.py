@@ -342,4 +342,6 @@ def test_a_selective_block_keeps_what_a_saved_multi_output_op_returns():
     compile_step(ref, x, "aot_eager")
     (g,) = be.report().graphs
     assert g.plan.selective
-    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+    grads = [(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters(), strict=True)]
+    assert any(a is not None for a, _ in grads)
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in grads)
