@@ -24,14 +24,13 @@ is the step every activation plan was made for); :attr:`Trace.fixed_bytes` is wh
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from swapsched.errors import UserError
 from swapsched.segments import segment_of
 
-__all__ = ["StateGroup", "OptimizerKind", "OPTIMIZERS", "optimizer_kind", "group_name", "PLACEMENTS", "check_groups", "total",
-           "Placement"]
+__all__ = ["StateGroup", "OptimizerKind", "OPTIMIZERS", "optimizer_kind", "group_name", "PLACEMENTS", "check_groups"]
 
 
 @dataclass(frozen=True)
@@ -94,7 +93,6 @@ class StateGroup:
 #: gradient and optimizer state streamed in and the parameter and state out (where the host's
 #: optimizer is slower than the link, this beats the host step).
 PLACEMENTS = ("device", "param", "host-step", "stream", "full", "stream-full")
-Placement = str
 
 
 def group_name(module: str) -> str:
@@ -123,7 +121,3 @@ def check_groups(groups: Sequence[StateGroup], n_events: int, static_bytes: int)
     if total > static_bytes:
         return f"the groups hold {total} bytes, more than the static bytes ({static_bytes}) that count them"
     return None
-
-
-def total(groups: Iterable[StateGroup], field: str) -> int:
-    return sum(int(getattr(g, field)) for g in groups)

@@ -108,6 +108,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from collections import Counter
+
     from swapsched.agents.evaluate import run_policy
     from swapsched.agents.registry import get_policy
 
@@ -117,6 +119,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan.save(args.out)
     blocks = [f"{len(names)} block(s) recomputed {how}" for names, how in ((plan.recompute, "whole"),
                                                                          (plan.selective, "selectively")) if names]
+    if plan.state:  # R13: where the state groups went
+        counts = Counter(plan.placement().values())
+        blocks.append("state groups placed " + ", ".join(f"{n} {w}" for w, n in sorted(counts.items()))
+                      + f" (of {len(trace.state)})")
     print(f"{policy.name}: {len(plan.evictions)} of {trace.n_tensors} tensors evicted"
           + "".join(f", {b}" for b in blocks) + f", planned in {plan_s:.3f} s"
           + (f"; status {plan.meta['status']}" if "status" in plan.meta else ""))

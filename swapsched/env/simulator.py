@@ -507,6 +507,8 @@ def simulate(trace: Trace, plan: SwapPlan | list[Eviction] | tuple[Eviction, ...
         # R16: what this step left under way delays the next; run it again from there until the
         # step repeats (the steady state of a training loop)
         nxt = sim.st.carry_for_next(result.iteration_s)
+        if not nxt and not carry:
+            return result  # nothing under way at the step's end, and nothing came in: steady already
         if carry is not None and nxt.keys() == carry.keys() and all(abs(nxt[j] - carry[j]) <= 1e-9 * (1 + result.iteration_s)
                                                                     for j in nxt):
             return result

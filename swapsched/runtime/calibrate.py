@@ -12,6 +12,9 @@
   when profiling and when executing. Then, executing plans that copy on two fixed workloads, the
   time the compute thread loses per copy issued, per byte copied and per wait for a copy, which
   the simulator charges to it.
+- **Host optimizer** (``host_optimizer_rate``, R15): torch's fused CPU AdamW stepping 16 tensors
+  of 1M fp32 parameters, the median of five steps after a warm-up: the rate at which this host
+  steps the state groups a plan places there.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ if TYPE_CHECKING:
     from swapsched.runtime.reports import StepReport
 
 __all__ = ["Calibration", "HostCosts", "calibrate_link", "calibrate_host", "calibrate", "execute_in_rounds",
-           "training_step"]
+           "training_step", "host_optimizer_rate"]
 
 SIZES = [2**16, 2**18, 2**20, 2**22, 2**24, 2**25]
 
@@ -77,7 +80,28 @@ def _provenance(backend_name: str) -> dict[str, str]:
         "copy_issue_s": f"{src}: step time added per copy issued (least squares, {work})",
         "wait_resume_s": f"{src}: step time added per wait for a copy (least squares, {work})",
         "copy_host_s_per_byte": f"{src}: step time added per byte copied (least squares, {work})",
+        "host_optimizer_params_per_s": f"{src}: torch.optim.AdamW(fused=True) on the CPU, 16 x 1M fp32 parameters, "
+                                       "median of 5 steps (R15)",
     }
+
+
+def host_optimizer_rate(tensors: int = 16, size: int = 2**20, steps: int = 5) -> float:
+    """R15: parameters a second the host's fused AdamW steps (module docstring)."""
+    params = [torch.nn.Parameter(torch.randn(size)) for _ in range(tensors)]
+    for q in params:
+        q.grad = torch.randn_like(q)
+    try:
+        opt = torch.optim.AdamW(params, fused=True)
+        opt.step()
+    except RuntimeError:  # a torch without the fused CPU kernel: its default (foreach) step
+        opt = torch.optim.AdamW(params)
+        opt.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return tensors * size / statistics.median(times)
 
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -278,5 +302,6 @@ def calibrate(backend_name: str = "cpu", bandwidth: float | None = None, name: s
         memory_bytes_per_s=ref.memory_bytes_per_s, bf16_peak_flops=ref.bf16_peak_flops, fp16_peak_flops=ref.fp16_peak_flops,
         kind=ref.kind, hook_cost_s=host.hook_cost_s,
         copy_issue_s=host.copy_issue_s, wait_resume_s=host.wait_resume_s, copy_host_s_per_byte=host.copy_host_s_per_byte,
+        host_optimizer_params_per_s=host_optimizer_rate(),
     )
     return Calibration(hw, tuple(d2h), tuple(h2d), host, _provenance(backend_name))

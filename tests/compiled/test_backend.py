@@ -229,6 +229,8 @@ def test_per_block_compile_and_a_new_length():
     assert len(graphs) >= 3 and sum(g.offloaded for g in graphs) > 0
     # the second length compiled with dynamic sizes (Dynamo's automatic dynamic): said so
     assert any(g.graph.trace.meta["symbolic"] for g in graphs) and "planned at the sizes' hints" in str(be.report())
+    # a recompile plans its new graph and re-plans none it does not affect: one plan per graph
+    assert be.report().plans_made == len(graphs) and all(g.compiles == 1 for g in graphs)
     for g in graphs:
         assert_holds_plan(g)
 
