@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from swapsched.deploy import SwapRuntime
+from swapsched.deploy import CompileBackend, SwapRuntime
 from swapsched.errors import UserError, internal_assert, present
 from swapsched.policy import Policy
 
@@ -23,19 +23,45 @@ class SwapCallback(Callback):  # type: ignore[misc]
     """Each training batch (its forward, backward and, when it is the batch that steps, the
     optimizer step) runs inside ``runtime.step()``; validation, which Lightning runs under
     ``no_grad`` between batches, runs outside it. ``self.runtime`` is made when fitting starts
-    (the model is known then) and closed when it ends; ``runtime_options`` go to ``SwapRuntime``."""
+    (the model is known then) and closed when it ends; ``runtime_options`` go to ``SwapRuntime``.
+
+    A ``LightningModule`` given to ``fit`` compiled (``torch.compile(module)``) runs the compiled
+    executor instead (R10): its ``forward`` and ``training_step`` are compiled again with a
+    :class:`CompileBackend` (``runtime_options`` may then name only ``hardware`` and ``inner``,
+    the inner compiler, default Inductor), no hooks are installed, and ``self.runtime`` is that
+    backend (its ``report()`` is the compiled report). Validation keeps the user's compile."""
 
     def __init__(self, budget: str | int = "60%", policy: str | Policy | None = "default", **runtime_options: Any):
         self.budget, self.policy, self.options = budget, policy, runtime_options
-        self.runtime: SwapRuntime | None = None
+        self.runtime: SwapRuntime | CompileBackend | None = None
         self._step: Any = None
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        self.runtime = SwapRuntime(self.budget, self.policy, model=pl_module, **self.options)
+        ctx = getattr(pl_module, "_compiler_ctx", None)
+        if ctx is None:
+            self.runtime = SwapRuntime(self.budget, self.policy, model=pl_module, **self.options)
+            return
+        unknown = sorted(set(self.options) - {"hardware", "inner"})
+        if unknown or self.policy is None:
+            raise UserError(f"this LightningModule is compiled, so swapsched plans its compiled graphs, which take "
+                            f"{'a policy' if self.policy is None else 'no ' + ', '.join(unknown)}: pass a policy and only "
+                            "hardware= and inner=, or fit the module uncompiled for the hook runtime")
+        import torch
+
+        backend = CompileBackend(self.budget, self.policy, self.options.get("hardware"),
+                                 inner=self.options.get("inner", "inductor"))
+        # Lightning keeps the uncompiled methods (pytorch_lightning.utilities.compile.from_compiled)
+        pl_module.forward = torch.compile(ctx["original_forward"], backend=backend)
+        pl_module.training_step = torch.compile(ctx["original_training_step"], backend=backend)
+        self.runtime = backend
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if isinstance(self.runtime, CompileBackend):
+            return  # the compiled graphs carry the plans: no hooks, no step to open
         internal_assert(self._step is None, "a training batch starts while the last one's step is open")
-        self._step = present(self.runtime, "the runtime made when fitting started").step()
+        runtime = present(self.runtime, "the runtime made when fitting started")
+        assert isinstance(runtime, SwapRuntime)
+        self._step = runtime.step()
         self._step.__enter__()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -53,5 +79,5 @@ class SwapCallback(Callback):  # type: ignore[misc]
         self._close()
 
     def _close(self) -> None:
-        if self.runtime is not None:
+        if isinstance(self.runtime, SwapRuntime):
             self.runtime.close()

@@ -111,3 +111,29 @@ def test_variable_lengths_run_plans_bit_identically_within_budget():
     assert [r.mode for r in reports] == ["profile"] * 3 + ["execute"] * (steps - 3)
     assert all(r.peak_device_bytes <= r.budget_bytes and r.measured_peak_bytes <= r.budget_bytes for r in reports[3:])
     assert reports[-1].run.shapes > 3 and reports[-1].run.predicted_steps > 0
+
+
+def test_a_compiled_module_runs_the_compiled_executor():
+    # fit(torch.compile(module)): the callback compiles its forward and training_step again with a
+    # CompileBackend (no hooks), and training equals the same compiled module without swapsched
+    from swapsched.deploy import CompileBackend
+
+    def fit(callbacks):
+        torch._dynamo.reset()
+        gen = torch.Generator().manual_seed(3)
+        x, y = torch.randn(64, 256, generator=gen), torch.randint(0, 10, (64,), generator=gen)
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+        module = Module()
+        trainer = pl.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                             limit_val_batches=0)
+        trainer.fit(torch.compile(module, backend="aot_eager"), loader)
+        return module
+
+    swap = SwapCallback(budget="70%", policy="min", hardware="h100-pcie5", inner="aot_eager")
+    plain, swapped = fit([]), fit([swap])
+    assert isinstance(swap.runtime, CompileBackend)
+    report = swap.runtime.report()
+    assert report.graphs and report.step is not None and report.step.within
+    for p, q in zip(plain.parameters(), swapped.parameters(), strict=True):
+        assert torch.equal(p, q)
