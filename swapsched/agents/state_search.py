@@ -34,6 +34,7 @@ from swapsched.env.state_exec import fetch_events, state_split, stream_in_fields
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.policy import Policy
+from swapsched.state import OPTIMIZERS
 from swapsched.trace import Event, Trace
 
 __all__ = ["activation_view", "plan_state", "StatePeer", "PEERS", "state_floor", "candidate_placements"]
@@ -177,7 +178,8 @@ def state_floor(trace: Trace, budget: int, hardware: Hardware) -> float:
     brings back over the link, per byte it frees, at least ``r`` = the least of (a parameter's
     bytes over its gradient's and optimizer state's: ``host-step``; 1: ``param``, ``stream``;
     twice the parameter over the whole group: ``full``). So the step takes at least
-    ``r * max_j must_j / B_h2d``, and at least the ideal step with the device's optimizer steps."""
+    ``r * max_j must_j / B_h2d``, and at least the compute with the optimizer's steps split at
+    best between the device and the host (:func:`_optimizer_floor`)."""
     if not trace.state:
         return joint_floor(trace, budget, hardware)
     state_bytes = sum(g.bytes for g in trace.state)
@@ -193,4 +195,20 @@ def state_floor(trace: Trace, budget: int, hardware: Hardware) -> float:
         demand = trace.fixed_bytes + state_bytes + trace.other_bytes + trace.must_resident_bytes
         must = int(max(0, (demand - budget).max()))
     link = min(ratios) * must / hardware.link_bytes_per_s("h2d")
-    return max(activations, link, trace.ideal_s) if math.isfinite(activations) else activations
+    return max(activations, link, _optimizer_floor(trace, hardware)) if math.isfinite(activations) else activations
+
+
+def _optimizer_floor(trace: Trace, hardware: Hardware) -> float:
+    """R15: the optimizer's steps run on the compute stream (the device's share, after the step's
+    compute) or on the host (its share, within the step's period): with a share ``x`` of the
+    parameters on the host the step takes at least ``max(I + (1 - x) D, x H)`` (``I`` the ideal
+    compute, ``D`` and ``H`` every parameter's step on the device and on the host), least at
+    ``x = (I + D) / (D + H)``."""
+    kind = OPTIMIZERS.get(str(trace.meta.get("optimizer", "adamw")), OPTIMIZERS["adamw"])
+    params = sum(g.params for g in trace.state)
+    if not kind.touched_bytes_per_param or not params:
+        return trace.ideal_s
+    ideal, dev = trace.ideal_s, params / hardware.device_optimizer_rate(kind.touched_bytes_per_param)
+    host = params / hardware.host_optimizer_rate()
+    x = min(1.0, (ideal + dev) / (dev + host))
+    return max(ideal + (1 - x) * dev, x * host)

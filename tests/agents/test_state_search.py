@@ -120,3 +120,16 @@ def test_a_version_1_trace_loads_with_everything_static():
     old = trace_from_dict(d)
     assert old.state == () and old.fixed_bytes == old.static_bytes == 800
     assert old.min_feasible_bytes_movable == old.min_feasible_bytes
+
+
+def test_the_optimizer_floor_splits_the_step_between_device_and_host():
+    # 50 parameters; ideal compute 4 s; each step takes 8 s on the device (memory-bound: 28 B a
+    # parameter at 175 B/s) and 8 s on the host: the best split steps 3/4 on the host (6 s) and
+    # 1/4 on the device after the 4 s of compute (4 + 2 s)
+    from swapsched.agents.state_search import _optimizer_floor
+
+    t = two_groups()
+    hw = replace(HW, memory_bytes_per_s=175.0, host_optimizer_params_per_s=6.25)
+    assert _optimizer_floor(t, hw) == pytest.approx(6.0)
+    # a slow host: everything on the device, the ideal step and its device step
+    assert _optimizer_floor(t, replace(hw, host_optimizer_params_per_s=1e-3)) == pytest.approx(4.0 + 8.0, rel=1e-3)
