@@ -49,13 +49,16 @@ from swapsched.plan import SwapPlan
 from swapsched.policy import Policy
 from swapsched.trace import Trace
 
-__all__ = ["PlannedBackend", "GraphReport", "StepShare", "CompileReport", "INNER_COMPILERS", "check_torch"]
+__all__ = ["PlannedBackend", "GraphReport", "StepShare", "CompileReport", "INNER_COMPILERS", "QUICK_ABOVE", "check_torch"]
 
 #: inductor: Inductor compiles the lowered graphs; aot_eager: they run as traced (debugging);
 #: aot_eager_decomp: as traced, after Inductor's decompositions (the graphs Inductor would
 #: partition, runnable on meta: what the benches trace big models with, as torch's own
 #: ``aot_eager_decomp_partition`` backend does)
 INNER_COMPILERS = ("inductor", "aot_eager", "aot_eager_decomp")
+#: Above this many saved tensors a graph is planned by the backend's quick policy where it has one
+#: (``default``'s search grows past 0.9 s there, and a compile waits for it)
+QUICK_ABOVE = 500
 
 
 def check_torch() -> None:
@@ -136,13 +139,13 @@ class CompileReport:
         if not self.graphs:
             return "swapsched compiled: no graph compiled yet (run a step first)"
         head = (f"{'graph':>5} {'saved':>6} {'saved bytes':>12} {'held':>5} {'held bytes':>11} {'offload':>7} {'recomp':>6} "
-                f"{'budget':>11} {'pred. peak':>11} {'pred. step':>11} {'over ideal':>10} {'plan s':>7}")
+                f"{'budget':>11} {'pred. peak':>11} {'pred. step':>11} {'over ideal':>10} {'plan s':>7}  planned by")
         rows = [head, "-" * len(head)]
         for g in self.graphs:
             rows.append(f"{g.index:>5} {g.saved:>6} {format_bytes(g.saved_bytes):>12} {g.held:>5} "
                         f"{format_bytes(g.held_bytes):>11} {g.offloaded:>7} "
                         f"{g.recomputed:>6} {format_bytes(g.budget_bytes):>11} {format_bytes(g.predicted_peak_bytes):>11} "
-                        f"{g.predicted_step_s * 1e3:>9.3f}ms {g.predicted_overhead:>+9.1%} {g.plan_s:>7.3f}")
+                        f"{g.predicted_step_s * 1e3:>9.3f}ms {g.predicted_overhead:>+9.1%} {g.plan_s:>7.3f}  {g.policy}")
         saved = sum(g.saved_bytes for g in self.graphs)
         rows.append(f"held by torch (not offloadable): {format_bytes(self.held_bytes)} of {format_bytes(saved)} saved")
         symbolic = [str(g.index) for g in self.graphs if g.graph.trace.meta.get("symbolic")]
@@ -165,7 +168,8 @@ class PlannedBackend:
     """A ``torch.compile`` backend (module docstring). ``policy`` is a policy object; for names,
     use :class:`swapsched.CompileBackend`."""
 
-    def __init__(self, budget: str | int, policy: Policy, hardware: Hardware, *, inner: str = "inductor"):
+    def __init__(self, budget: str | int, policy: Policy, hardware: Hardware, *, inner: str = "inductor",
+                 quick_policy: Policy | None = None):
         check_torch()
         if inner not in INNER_COMPILERS:
             raise UserError(f"inner compiler {inner!r} unknown; use one of {list(INNER_COMPILERS)}")
@@ -173,6 +177,9 @@ class PlannedBackend:
             raise UserError(f"policy must have plan(trace, budget, hardware), got {type(policy).__name__}")
         self.budget_spec = check_budget(budget)
         self.policy = policy
+        # a graph of more than QUICK_ABOVE saved tensors, where the policy's search would take
+        # longer than a compile should wait, is planned by this one (the learned parts' own plan)
+        self.quick_policy = quick_policy
         self.hardware = hardware
         self.executed_hardware = hardware.for_executor("compiled")
         self.inner = inner
@@ -268,7 +275,7 @@ class PlannedBackend:
             tj = with_nested(traces[j], nested)
             budget_j = max(tj.static_bytes + beta - sum(graphs[i].held for i in earlier[:p]), tj.min_feasible_bytes)
             t0 = time.perf_counter()
-            plan = self.policy.plan(tj, budget_j, self.executed_hardware).validate(traces[j])
+            plan = self.planner_for(tj).plan(tj, budget_j, self.executed_hardware).validate(traces[j])
             oom = simulate(tj, plan, self.executed_hardware, budget_j).oom
             own = simulate(traces[j], plan, self.executed_hardware, budget_j)
             self._count_plan(time.perf_counter() - t0)
@@ -291,6 +298,10 @@ class PlannedBackend:
         avail = beta - sum(self._memory[i].held for i in earlier)
         return (trace.static_bytes + max(avail, need),
                 basis + f", less what the step's earlier graphs hold (graph(s) {', '.join(map(str, replans))} replanned)")
+
+    def planner_for(self, trace: Trace) -> Policy:
+        """The policy that plans ``trace``: the quick one above ``QUICK_ABOVE`` saved tensors."""
+        return self.quick_policy if self.quick_policy is not None and trace.n_tensors > QUICK_ABOVE else self.policy
 
     def _count_plan(self, seconds: float) -> None:
         self._plans_made += 1
@@ -364,14 +375,17 @@ class _Partitioner(CustomPartitionerFn):
                          name=f"compiled-graph-{self.index}", taggable=forward)
         gt = replace(gt, rebased=tuple(rebase))
         earlier = be._graphs.get(self.index)
-        if self.budget is not None and self.plan is not None and earlier is not None and _same_structure(earlier.graph.trace, gt.trace):
-            budget, basis, plan = self.budget, "replanned: a later graph of the step needed room", self.plan
+        planned = True
+        if self.budget is not None and self.plan is not None and earlier is not None \
+                and _same_structure(earlier.graph.trace, gt.trace):  # the plan made when a later graph needed room
+            budget, basis, plan, planned = self.budget, "replanned: a later graph of the step needed room", self.plan, False
         else:
             budget, basis = be.budget_for(gt.trace, self.index) if self.budget is None else (self.budget, "replanned")
-            plan = be.policy.plan(gt.trace, budget, be.executed_hardware).validate(gt.trace)
+            plan = be.planner_for(gt.trace).plan(gt.trace, budget, be.executed_hardware).validate(gt.trace)
         sim = simulate(gt.trace, plan, be.executed_hardware, budget)
         plan_s = time.perf_counter() - t0
-        be._count_plan(plan_s)
+        if planned:
+            be._count_plan(plan_s)
         if sim.oom:
             raise BudgetError(f"policy {be.policy.name!r} made a plan for compiled graph {self.index} that does not fit "
                               f"{format_bytes(budget)} (out of memory at event {sim.oom_event}); try a larger budget or "
@@ -388,7 +402,7 @@ class _Partitioner(CustomPartitionerFn):
         saved_bytes = int(gt.trace.tensor_bytes.sum()) + held_bytes
         be.record(GraphReport(self.index, gt.trace.n_tensors + len(gt.held), saved_bytes, len(gt.held),
                               len(lowered.offloaded), len(plan.recompute) + len(plan.selective), budget, basis,
-                              sim.iteration_s, sim.ideal_s, sim.peak_bytes, plan_s, be.policy.name, held_bytes,
+                              sim.iteration_s, sim.ideal_s, sim.peak_bytes, plan_s, plan.policy, held_bytes,
                               1 + (earlier is not None), lowered, plan, gt),
                   graph_memory(gt.trace, plan, sim.peak_bytes))
         return fw, bw

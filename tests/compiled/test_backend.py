@@ -347,3 +347,23 @@ def test_a_selective_block_keeps_what_a_saved_multi_output_op_returns():
     grads = [(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters(), strict=True)]
     assert any(a is not None for a, _ in grads)
     assert all((a is None and b is None) or torch.equal(a, b) for a, b in grads)
+
+
+def test_a_graph_over_quick_above_is_planned_by_the_quick_policy(monkeypatch):
+    # issue 43, item 6: where the search would keep a compile waiting, the quick policy plans,
+    # and the report says which did
+    import swapsched.compiled.backend as backend_module
+
+    def named(name: str) -> Fixed:
+        return Fixed(lambda t: SwapPlan.of(t, name, []), name)
+
+    model, x = make_case("mlp")
+    be = PlannedBackend("100%", named("search"), H100, inner="aot_eager", quick_policy=named("quick"))
+    compile_step(model, x, be)
+    assert [g.policy for g in be.report().graphs] == ["search"]
+    monkeypatch.setattr(backend_module, "QUICK_ABOVE", 0)
+    be = PlannedBackend("100%", named("search"), H100, inner="aot_eager", quick_policy=named("quick"))
+    compile_step(model, x, be)
+    assert [g.policy for g in be.report().graphs] == ["quick"] and "quick" in str(be.report())
+    # CompileBackend gives default its own greedy plan for that
+    assert swapsched.CompileBackend("80%", "default", "h100-pcie5")._backend.quick_policy.mode == "greedy"
