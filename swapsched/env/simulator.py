@@ -26,18 +26,13 @@ from collections import deque
 from collections.abc import Sequence
 
 from swapsched.env.events import DROPPED, FREED, HOST, IN, NOT_YET, OUT, RESIDENT, WAITING, event_tables
-from swapsched.env.result import SimResult, StateCost, Timeline
-from swapsched.env.state_exec import StateExecution
+from swapsched.env.result import SimResult, Timeline
+from swapsched.env.state_exec import StateExecution, run_to_steady_state
 from swapsched.hardware import Hardware
 from swapsched.plan import Eviction, SwapPlan
 from swapsched.trace import Trace
 
-__all__ = ["Simulation", "simulate", "STEADY_STATE_ROUNDS"]
-
-#: R16: the most steps simulated one after another to reach the steady state of a plan that
-#: leaves work under way into the next step (the host's optimizer steps and parameters' copies)
-STEADY_STATE_ROUNDS = 6
-
+__all__ = ["Simulation", "simulate"]
 
 
 class Simulation:
@@ -436,21 +431,20 @@ class Simulation:
         hooks = self.hook * self.tb.n
         ideal = self.trace.ideal_s + hooks
         st = self.st
-        if st is not None:  # R15: the ideal step steps every group on the device
-            ideal += sum(g.params for g in self.trace.state) / st.device_rate
+        if st is not None:
+            ideal += st.ideal_step_s  # R15: the ideal step steps every group on the device
         if not oom:
             if self.host_debt:
                 self._pay_host()
             self.t += self.trace.tail_compute_s
             if self.record:
                 self._compute.append((self.t - self.trace.tail_compute_s, self.t))
-            if self.st is not None and not self.st.finish():
+            if st is not None and not st.finish():
                 oom = True
         timeline = None
         if self.record:
             timeline = Timeline(tuple(self._mem), tuple(self._compute), tuple(self._d2h), tuple(self._h2d), tuple(self._stalls),
-                                tuple(self._recomputes), *((tuple(st.d2h_spans), tuple(st.h2d_spans), tuple(st.host_spans))
-                                                           if st is not None else ((), (), ())))
+                                tuple(self._recomputes), *(st.spans() if st is not None else ((), (), ())))
         return SimResult(
             iteration_s=math.inf if oom else self.t,
             ideal_s=ideal,
@@ -469,9 +463,7 @@ class Simulation:
             guard_evictions=self.guard_evictions,
             host_peak_bytes=int(self.host_peak) + (st.result.host_bytes if st is not None else 0),
             host_skipped=self.host_skipped,
-            state=None if st is None else StateCost(st.result.param_off, st.result.grad_off, st.result.optim_off,
-                                                    st.result.host_bytes, st.result.host_step_s, st.result.device_step_s,
-                                                    st.result.stall_s, st.result.skipped),
+            state=None if st is None else st.cost(),
         )
 
 
@@ -491,8 +483,8 @@ def simulate(trace: Trace, plan: SwapPlan | list[Eviction] | tuple[Eviction, ...
         blocks = list(recompute)
     if validate:
         whole.validate(trace)
-    carry: dict[int, float] | None = None
-    for _ in range(STEADY_STATE_ROUNDS):
+
+    def step(carry: dict[int, float] | None) -> tuple[SimResult, StateExecution | None]:
         sim = Simulation(trace, hardware, budget, record=record, guard=guard)
         sim.out_at, sim.prefetch_at = whole.by_event(trace.n_events)  # what schedule() builds one eviction at a time
         for s in blocks:
@@ -501,16 +493,6 @@ def simulate(trace: Trace, plan: SwapPlan | list[Eviction] | tuple[Eviction, ...
             sim.schedule_recompute(s, selective=True)
         if trace.state:
             sim.schedule_state(whole, carry)
-        result = sim.finish()
-        if sim.st is None or result.oom:
-            return result
-        # R16: what this step left under way delays the next; run it again from there until the
-        # step repeats (the steady state of a training loop)
-        nxt = sim.st.carry_for_next(result.iteration_s)
-        if not nxt and not carry:
-            return result  # nothing under way at the step's end, and nothing came in: steady already
-        if carry is not None and nxt.keys() == carry.keys() and all(abs(nxt[j] - carry[j]) <= 1e-9 * (1 + result.iteration_s)
-                                                                    for j in nxt):
-            return result
-        carry = nxt
-    return result
+        return sim.finish(), sim.st
+
+    return run_to_steady_state(step)

@@ -41,12 +41,19 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable
 from typing import Any
 
+from swapsched.env.result import SimResult, StateCost
 from swapsched.plan import SwapPlan
 from swapsched.state import OPTIMIZERS
 
-__all__ = ["StateExecution", "StateResult", "state_split", "fetch_events", "stream_in_fields"]
+__all__ = ["StateExecution", "StateResult", "state_split", "fetch_events", "stream_in_fields", "run_to_steady_state",
+           "STEADY_STATE_ROUNDS"]
+
+#: R16: the most steps simulated one after another to reach the steady state of a plan that
+#: leaves work under way into the next step (the host's optimizer steps and parameters' copies)
+STEADY_STATE_ROUNDS = 6
 
 #: The parts of a group the step's static bytes hold under each placement (module docstring)
 _STATIC = {"device": ("param_bytes", "grad_bytes", "optim_bytes"), "param": ("grad_bytes", "optim_bytes"),
@@ -411,6 +418,20 @@ class StateExecution:
         self.returns.clear()
         return True
 
+    @property
+    def ideal_step_s(self) -> float:
+        """R15: every group stepped on the device, as the ideal (infinite memory) step does."""
+        return sum(g.params for g in self.groups) / self.device_rate
+
+    def spans(self) -> tuple[tuple[tuple[float, float, int], ...], ...]:
+        """What ``--plot`` draws (``Timeline``'s state rows): copies out, copies in, host steps."""
+        return tuple(self.d2h_spans), tuple(self.h2d_spans), tuple(self.host_spans)
+
+    def cost(self) -> StateCost:
+        r = self.result
+        return StateCost(r.param_off, r.grad_off, r.optim_off, r.host_bytes, r.host_step_s, r.device_step_s, r.stall_s,
+                         r.skipped)
+
     def carry_for_next(self, step_s: float) -> dict[int, float]:
         """When each group's parameter is ready in the next step's clock (R16): only what is
         still under way when this step ends."""
@@ -424,3 +445,23 @@ def _by_event(n: int, pairs: list[tuple[int, int]]) -> list[tuple[int, ...]]:
         if 0 <= i < n:
             out[i] += (j,)
     return out
+
+
+def run_to_steady_state(step: Callable[[dict[int, float] | None], tuple[SimResult, StateExecution | None]]) -> SimResult:
+    """R16: ``step(carry)`` simulates one step from what the last left under way; run it again
+    from there until the step repeats (a training loop's steady state), at most
+    ``STEADY_STATE_ROUNDS`` times. A step with no state, out of memory, or leaving nothing under
+    way with nothing come in, is its own steady state."""
+    carry: dict[int, float] | None = None
+    for _ in range(STEADY_STATE_ROUNDS):
+        result, st = step(carry)
+        if st is None or result.oom:
+            return result
+        nxt = st.carry_for_next(result.iteration_s)
+        if not nxt and not carry:
+            return result
+        if carry is not None and nxt.keys() == carry.keys() and all(abs(nxt[j] - carry[j]) <= 1e-9 * (1 + result.iteration_s)
+                                                                    for j in nxt):
+            return result
+        carry = nxt
+    return result
