@@ -19,21 +19,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from swapsched.errors import UserError
 from swapsched.segments import Segment, rebuilt_selectively, segment_of
-from swapsched.state import StateGroup, check_groups
+from swapsched.state import StateGroup
+from swapsched.trace_check import TIMINGS, TraceError, validate_trace
 
 if TYPE_CHECKING:
     from swapsched.hardware import Hardware
 
 __all__ = ["TensorInfo", "Event", "Trace", "TraceError", "validate_trace", "TIMINGS"]
-
-TIMINGS = ("measured", "roofline")
-
-
-class TraceError(UserError):
-    """A trace file or trace object is malformed. The message names the file, field and value."""
-
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -472,53 +465,3 @@ def _record(cls: type[_R], fields: dict[str, Any]) -> _R:
     out = object.__new__(cls)
     out.__dict__.update(fields)
     return out
-
-
-def validate_trace(trace: Trace, source: str) -> None:
-    """Structural checks shared by files and in-memory construction (R1/R2 preconditions)."""
-
-    def fail(where: str, msg: str) -> None:
-        raise TraceError(f"{source}: field {where}: {msg}")
-
-    if trace.timing not in TIMINGS:
-        fail("timing", f"expected one of {list(TIMINGS)}, got {trace.timing!r}")
-    if trace.static_bytes < 0:
-        fail("static_bytes", f"must be >= 0, got {trace.static_bytes!r}")
-    if not (trace.tail_compute_s >= 0 and math.isfinite(trace.tail_compute_s)):
-        fail("tail_compute_s", f"must be a finite number >= 0, got {trace.tail_compute_s!r}")
-    if trace.state:
-        wrong = check_groups(trace.state, len(trace.events), int(trace.static_bytes))
-        if wrong:
-            fail("state", wrong)
-    n = len(trace.tensors)
-    for k, t in enumerate(trace.tensors):
-        if t.id != k:
-            fail(f"tensors[{k}].id", f"tensor ids must be 0..n-1 in order, got {t.id!r}")
-        if t.bytes < 0:
-            fail(f"tensors[{k}].bytes", f"must be >= 0, got {t.bytes!r}")
-        if t.released_at is not None and not 0 <= t.released_at < len(trace.events):
-            fail(f"tensors[{k}].released_at", f"must be an event index in [0, {len(trace.events)}), got {t.released_at!r}")
-        if t.freed_at is not None and not 0 <= t.freed_at < len(trace.events):
-            fail(f"tensors[{k}].freed_at", f"must be an event index in [0, {len(trace.events)}), got {t.freed_at!r}")
-    packed = [False] * n
-    unpacked = [False] * n
-    for i, e in enumerate(trace.events):
-        if e.kind not in ("pack", "unpack"):
-            fail(f"events[{i}].kind", f"expected 'pack' or 'unpack', got {e.kind!r}")
-        if not 0 <= e.tensor < n:
-            fail(f"events[{i}].tensor", f"tensor id {e.tensor!r} out of range: the trace has {n} tensors")
-        if not (e.compute_s >= 0 and math.isfinite(e.compute_s)):
-            fail(f"events[{i}].compute_s", f"must be a finite number >= 0, got {e.compute_s!r}")
-        if e.other_bytes is not None and e.other_bytes < 0:
-            fail(f"events[{i}].other_bytes", f"must be >= 0, got {e.other_bytes!r}")
-        if e.kind == "pack":
-            packed[e.tensor] = True
-        else:
-            if not packed[e.tensor]:
-                fail(f"events[{i}]", f"unpack of tensor {e.tensor} before its pack")
-            unpacked[e.tensor] = True
-    for k in range(n):
-        if not packed[k]:
-            fail(f"tensors[{k}]", "never packed: every tensor needs a pack event")
-        if not unpacked[k]:
-            fail(f"tensors[{k}]", "never unpacked: every saved tensor needs an unpack event")
