@@ -29,15 +29,23 @@ class Module(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def _fit(callbacks, accumulate=1):
+def _fit(callbacks, accumulate=1, compile_with=None):
+    """``Module`` trained 6 steps (with validation), or, given ``compile_with``, compiled with that
+    backend and trained 4 steps without validation."""
     gen = torch.Generator().manual_seed(3)
     x, y = torch.randn(64, 256, generator=gen), torch.randint(0, 10, (64,), generator=gen)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
     module = Module()
-    trainer = pl.Trainer(max_steps=6, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-                         accumulate_grad_batches=accumulate, limit_val_batches=2, val_check_interval=4)
-    trainer.fit(module, loader, loader)
+    validate = {} if compile_with else {"limit_val_batches": 2, "val_check_interval": 4}
+    trainer = pl.Trainer(max_steps=4 if compile_with else 6, accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=callbacks, accumulate_grad_batches=accumulate,
+                         **(validate or {"limit_val_batches": 0}))
+    if compile_with:
+        torch._dynamo.reset()
+        trainer.fit(torch.compile(module, backend=compile_with), loader)
+    else:
+        trainer.fit(module, loader, loader)
     return module
 
 
@@ -118,20 +126,8 @@ def test_a_compiled_module_runs_the_compiled_executor():
     # CompileBackend (no hooks), and training equals the same compiled module without swapsched
     from swapsched.deploy import CompileBackend
 
-    def fit(callbacks):
-        torch._dynamo.reset()
-        gen = torch.Generator().manual_seed(3)
-        x, y = torch.randn(64, 256, generator=gen), torch.randint(0, 10, (64,), generator=gen)
-        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
-        module = Module()
-        trainer = pl.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-                             limit_val_batches=0)
-        trainer.fit(torch.compile(module, backend="aot_eager"), loader)
-        return module
-
     swap = SwapCallback(budget="70%", policy="min", hardware="h100-pcie5", inner="aot_eager")
-    plain, swapped = fit([]), fit([swap])
+    plain, swapped = _fit([], compile_with="aot_eager"), _fit([swap], compile_with="aot_eager")
     assert isinstance(swap.runtime, CompileBackend)
     report = swap.runtime.report()
     assert report.graphs and report.step is not None and report.step.within
