@@ -30,7 +30,7 @@ from swapsched.agents.recompute import CheckpointAll
 from swapsched.budget import BudgetError, format_bytes
 from swapsched.env.floors import joint_floor
 from swapsched.env.simulator import simulate
-from swapsched.env.state_exec import fetch_events, state_split, stream_in_fields
+from swapsched.env.state_exec import fetch_events, state_split, stream_in_bytes
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.policy import Policy
@@ -78,7 +78,7 @@ def activation_view(trace: Trace, placement: dict[str, str], stream_room: int = 
     # the stream-ins of room (R6: they wait for it); too much room, and the activations swap more
     streamed = [j for j, w in enumerate(where) if w in ("stream", "stream-full")]
     if streamed and stream_room:
-        sizes = sorted((sum(getattr(groups[j], f) for f in stream_in_fields(where[j])) for j in streamed), reverse=True)
+        sizes = sorted((stream_in_bytes(groups[j], where[j]) for j in streamed), reverse=True)
         extra[min(min(groups[j].grad_at for j in streamed), n)] += sum(sizes[:stream_room])
     held = np.cumsum(extra)[:n]
     events = tuple(Event(e.kind, e.tensor, e.compute_s, e.flops, int((e.other_bytes or 0) + h) if (e.other_bytes or h) else None)

@@ -48,7 +48,7 @@ from swapsched.env.result import SimResult, StateCost
 from swapsched.plan import SwapPlan
 from swapsched.state import OPTIMIZERS
 
-__all__ = ["StateExecution", "StateResult", "state_split", "fetch_events", "stream_in_fields", "run_to_steady_state",
+__all__ = ["StateExecution", "StateResult", "state_split", "fetch_events", "stream_in_bytes", "run_to_steady_state",
            "STEADY_STATE_ROUNDS"]
 
 #: R16: the most steps simulated one after another to reach the steady state of a plan that
@@ -72,14 +72,19 @@ def state_split(trace_state: tuple, placement: dict[str, str]) -> tuple[int, int
     static = host = 0
     for g in trace_state:
         where = placement.get(g.name, "device")
-        static += sum(getattr(g, f) for f in _STATIC[where])
-        host += sum(getattr(g, f) for f in _HOST[where])
+        static += part_bytes(g, _STATIC[where])
+        host += part_bytes(g, _HOST[where])
     return static, host
 
 
-def stream_in_fields(placement: str) -> tuple[str, ...]:
-    """What a streamed group's device step brings in (R15); () for a placement that streams nothing."""
-    return _STREAM_IN.get(placement, ())
+def part_bytes(group: Any, fields: tuple[str, ...]) -> int:
+    """The bytes of ``group``'s parts named by ``fields`` (``param_bytes``, ...)."""
+    return sum(getattr(group, f) for f in fields)
+
+
+def stream_in_bytes(group: Any, placement: str) -> int:
+    """What a streamed group's device step brings in (R15); 0 for a placement that streams nothing."""
+    return part_bytes(group, _STREAM_IN.get(placement, ()))
 
 
 def fetch_events(groups: tuple, where: list[str], backward_start: int) -> tuple[dict[int, int], dict[int, int]]:
@@ -124,7 +129,7 @@ class StateExecution:
         self.where: list[str] = []
         for g in self.groups:
             w = placement.get(g.name, "device")
-            need = sum(getattr(g, f) for f in _HOST[w])
+            need = part_bytes(g, _HOST[w])
             if need > host_room:
                 w = "device"
                 self.result.skipped += 1
@@ -252,7 +257,7 @@ class StateExecution:
             self.optim_done[j] = self._copy("h2d", b, max(sim.t, self.not_before.get(j, 0.0)), j)
 
     def _stream_in_bytes(self, j: int) -> int:
-        return sum(getattr(self.groups[j], f) for f in _STREAM_IN[self.where[j]])
+        return stream_in_bytes(self.groups[j], self.where[j])
 
     def _need(self, j: int, event: int) -> bool:
         """Compute uses group ``j``'s parameter now: wait for its fetch, issuing it on demand if
@@ -401,7 +406,7 @@ class StateExecution:
                 g = self.groups[j]
                 if w == "stream-full":
                     sim.used -= g.grad_bytes  # the step has read it
-                self._out(sum(getattr(g, f) for f in _STREAM_OUT[w]), j)
+                self._out(part_bytes(g, _STREAM_OUT[w]), j)
             self.retire(sim.t)
             self.admit()
         if self.host_after_backward:
