@@ -81,6 +81,22 @@ class CompileBackend:
                  if isinstance(resolved, LearnedPolicy) and resolved.mode == "search" else None)
         self._backend = PlannedBackend(budget, resolved, hw, inner=inner, quick_policy=quick)
 
+    @classmethod
+    def for_integration(cls, budget: str | int, policy: str | Policy | None, options: dict[str, Any], *, compiled: str,
+                        otherwise: str, inner: str = "inductor") -> CompileBackend:
+        """The backend an integration uses where the user compiles the model (HF ``Trainer``,
+        Lightning): ``options`` are the runtime options the user gave, of which only ``hardware``
+        and ``inner`` mean something to a compiled graph; ``compiled`` says what is compiled,
+        ``otherwise`` how to get the hook runtime instead (both for the error)."""
+        from swapsched.errors import UserError
+
+        unknown = sorted(set(options) - {"hardware", "inner"})
+        if unknown or policy is None:
+            raise UserError(f"{compiled}, so swapsched plans its compiled graphs, which take "
+                            f"{'a policy' if policy is None else 'no ' + ', '.join(unknown)}: pass a policy and only "
+                            f"hardware= and inner=, or {otherwise} for the hook runtime")
+        return cls(budget, policy, options.get("hardware"), inner=options.get("inner", inner))
+
     def __call__(self, gm: Any, example_inputs: Any) -> Any:
         return self._backend(gm, example_inputs)
 

@@ -55,16 +55,10 @@ def _compiled(trainer: Any, budget: str | int, policy: str | Policy | None, opti
     """``swap_trainer`` for a trainer that compiles its model (docstring above)."""
     from swapsched.compiled.backend import INNER_COMPILERS
 
-    unknown = sorted(set(options) - {"hardware", "inner"})
-    if unknown:
-        raise UserError(f"the trainer compiles its model (torch_compile=True), so swapsched plans the compiled graphs, "
-                        f"which take no {', '.join(unknown)}: pass only hardware= and inner=, or set torch_compile=False "
-                        "for the hook runtime")
-    if policy is None:
-        raise UserError("a compiled trainer needs a policy (a name such as 'default', or a policy object)")
     asked = getattr(trainer.args, "torch_compile_backend", None) or "inductor"
-    inner = options.get("inner", asked if asked in INNER_COMPILERS else "inductor")
-    backend = CompileBackend(budget, policy, options.get("hardware"), inner=inner)
+    backend = CompileBackend.for_integration(budget, policy, options, inner=asked if asked in INNER_COMPILERS else "inductor",
+                                             compiled="the trainer compiles its model (torch_compile=True)",
+                                             otherwise="set torch_compile=False")
     # accelerate compiles the model it prepares unless its dynamo backend is "no": the model is
     # compiled here, in place, so the trainer keeps the same module (saving, unwrapping)
     from accelerate.utils import DynamoBackend

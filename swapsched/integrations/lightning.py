@@ -41,15 +41,11 @@ class SwapCallback(Callback):  # type: ignore[misc]
         if ctx is None:
             self.runtime = SwapRuntime(self.budget, self.policy, model=pl_module, **self.options)
             return
-        unknown = sorted(set(self.options) - {"hardware", "inner"})
-        if unknown or self.policy is None:
-            raise UserError(f"this LightningModule is compiled, so swapsched plans its compiled graphs, which take "
-                            f"{'a policy' if self.policy is None else 'no ' + ', '.join(unknown)}: pass a policy and only "
-                            "hardware= and inner=, or fit the module uncompiled for the hook runtime")
         import torch
 
-        backend = CompileBackend(self.budget, self.policy, self.options.get("hardware"),
-                                 inner=self.options.get("inner", "inductor"))
+        backend = CompileBackend.for_integration(self.budget, self.policy, self.options,
+                                                 compiled="this LightningModule is compiled",
+                                                 otherwise="fit the module uncompiled")
         # Lightning keeps the uncompiled methods (pytorch_lightning.utilities.compile.from_compiled)
         pl_module.forward = torch.compile(ctx["original_forward"], backend=backend)
         pl_module.training_step = torch.compile(ctx["original_training_step"], backend=backend)
