@@ -30,7 +30,7 @@ class StepExecution:
     # slots: the hooks read and write these at every saved-tensor event
     __slots__ = ("frame", "exits", "backend", "records", "static", "used", "peak", "stall_s", "evicted", "prefetched",
                  "on_demand", "copies", "waits", "guard", "diverged", "divergence", "audit", "alive", "alive_peak", "dead_bytes",
-                 "finalizers", "planning_s")
+                 "finalizers", "planning_s", "static_base", "alive_state")
 
     def __init__(self, frame: StepFrame):
         self.frame = frame
@@ -38,7 +38,7 @@ class StepExecution:
         # what the step opened on others (the blocks' recompute meter): closed as it ends or aborts
         self.exits = ExitStack()
         self.records: list[Record] = []
-        self.static = frame.static_bytes
+        self.static = self.static_base = frame.static_bytes
         self.used = 0
         self.peak = 0
         self.stall_s = 0.0
@@ -55,6 +55,7 @@ class StepExecution:
         # themselves, so it sees what really holds memory whoever keeps it (never our accounting)
         self.audit = frame.audit and self.backend.emulated
         self.alive = self.alive_peak = 0
+        self.alive_state = 0  # the training state's device bytes beyond the resident part, read off its storages
         # finalizers may run on a copy thread (the CPU backend drops a source there): they only
         # append here, and the step's thread does the arithmetic
         self.dead_bytes: deque[int] = deque()
@@ -71,14 +72,28 @@ class StepExecution:
         while dead:
             self.alive -= dead.popleft()
         self.alive += nbytes
-        if self.alive > self.alive_peak:
-            self.alive_peak = self.alive
+        if self.alive + self.alive_state > self.alive_peak:
+            self.alive_peak = self.alive + self.alive_state
         self._on_death(storage, dead.append, nbytes)
 
     def measured_peak(self) -> int | None:
         if not self.frame.audit:
             return None
-        return self.frame.static_bytes + self.alive_peak if self.audit else self.backend.peak_bytes()
+        return self.static_base + self.alive_peak if self.audit else self.backend.peak_bytes()
+
+    def state_bytes(self, delta: int) -> None:
+        """The state mover's device bytes changed by ``delta`` (R14): they count with the static
+        bytes (the room for saved tensors shrinks by them); the audit meter reads its storages."""
+        self.static += delta
+        if self.static + self.used > self.peak:
+            self.peak = self.static + self.used
+        state = self.frame.state
+        if self.audit and state is not None:
+            self.alive_state = state.measured_device_bytes()
+            while self.dead_bytes:
+                self.alive -= self.dead_bytes.popleft()
+            if self.alive + self.alive_state > self.alive_peak:
+                self.alive_peak = self.alive + self.alive_state
 
     def pack(self, t: torch.Tensor) -> Any:
         """The saved-tensor pack hook: what autograd keeps for ``t``."""

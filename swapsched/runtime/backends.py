@@ -167,6 +167,16 @@ class Backend:
         """Back to ``device`` (default: the device ``after`` copied from)."""
         raise NotImplementedError
 
+    def copy_out_into(self, src: torch.Tensor, host: torch.Tensor) -> Ticket:
+        """Device ``src`` into the existing host tensor ``host`` (same shape and dtype), on the
+        swap-out engine: the training state's copies to its host master (R14)."""
+        raise NotImplementedError
+
+    def copy_in_into(self, host: torch.Tensor, dst: torch.Tensor) -> Ticket:
+        """Host ``host`` into the existing device tensor ``dst`` (a parameter's own storage, which
+        saved views share), on the swap-in engine (R14)."""
+        raise NotImplementedError
+
     def done(self, t: Ticket) -> bool:
         raise NotImplementedError
 
@@ -303,6 +313,21 @@ class CpuBackend(Backend):
         self.h2d.submit(t, lambda: dev.copy_(host))
         return t
 
+    def copy_out_into(self, src: torch.Tensor, host: torch.Tensor) -> Ticket:
+        t = Ticket(src.numel() * src.element_size(), src=src, dst=host, done_event=threading.Event())
+
+        def copy() -> None:
+            host.copy_(src)
+            t.src = None
+
+        self.d2h.submit(t, copy)
+        return t
+
+    def copy_in_into(self, host: torch.Tensor, dst: torch.Tensor) -> Ticket:
+        t = Ticket(host.numel() * host.element_size(), src=host, dst=dst, done_event=threading.Event())
+        self.h2d.submit(t, lambda: dst.copy_(host))
+        return t
+
     def done(self, t: Ticket) -> bool:
         return t.done_event.is_set()
 
@@ -418,6 +443,31 @@ class CudaBackend(Backend):
         done = torch.cuda.Event()
         done.record(h2d_stream)
         return Ticket(host.numel(), src=host, dst=dev, after=after, done_event=done, device=device)
+
+    def copy_out_into(self, src: torch.Tensor, host: torch.Tensor) -> Ticket:
+        device = src.device
+        d2h_stream = self._streams(device)[0]
+        produced = torch.cuda.Event()
+        produced.record(torch.cuda.current_stream(device))  # src's producers are queued on compute before this
+        d2h_stream.wait_event(produced)
+        with torch.cuda.stream(d2h_stream):
+            host.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(d2h_stream)
+        # the ticket holds src until the copy is complete (the swapper frees it only then)
+        return Ticket(src.numel() * src.element_size(), src=src, dst=host, done_event=done, device=device)
+
+    def copy_in_into(self, host: torch.Tensor, dst: torch.Tensor) -> Ticket:
+        device = dst.device
+        h2d_stream = self._streams(device)[1]
+        allocated = torch.cuda.Event()
+        allocated.record(torch.cuda.current_stream(device))  # dst was (re)allocated on compute before this
+        h2d_stream.wait_event(allocated)
+        with torch.cuda.stream(h2d_stream):
+            dst.copy_(host, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(h2d_stream)
+        return Ticket(host.numel() * host.element_size(), src=host, dst=dst, done_event=done, device=device)
 
     def done(self, t: Ticket) -> bool:
         return t.done_event.query()

@@ -32,6 +32,11 @@ class ShapeBudgets:
         self._by_shape: dict[int, int] = {}  # a relative budget per shape (its first saved tensor's bytes)
         self._high = 0  # the most bytes any shape's budget has stood for in this run
 
+    @property
+    def relative(self) -> bool:
+        """A share of each shape's activation peak (``"60%"``), not bytes."""
+        return isinstance(self.spec, str) and self.spec.strip().endswith("%")
+
     def of(self, trace: Trace) -> int:
         """The budget in bytes of ``trace``'s shape, or the refusal (:class:`BudgetError`) of a
         shape no plan can fit."""
@@ -84,9 +89,11 @@ class ShapeBudgets:
                 out = self._by_shape[key] = parse_budget(spec, trace, check_feasible=False)
         else:
             out = parse_budget(spec, trace, check_feasible=False) if resolved is None else resolved
-        if out >= trace.min_feasible_bytes:
+        if out >= trace.min_feasible_bytes_movable:  # the state movable where the trace records it (R13)
             self._high = max(self._high, out)
             return out
+        if trace.state:
+            parse_budget(spec, trace)  # its refusal names the host memory the state needs (R14)
         need, pct = smallest_feasible(trace)
         if relative and resolved is not None and need <= self._high:
             # a later shape whose share is below what it can meet (a small batch, whose transients

@@ -92,7 +92,10 @@ class ExecuteStep(CopyingStep):
         self.trace = tr = layout.trace
         # this shape's budget: a relative one is its own activation peak's share (DESIGN.md, "Budgets")
         self.budget = present(layout.budget_bytes, "the budget of the shape's layout")
-        self.static = tr.static_bytes  # the model's, plus what the profiling found held by others
+        # the model's, plus what the profiling found held by others; of the training state, what
+        # the plan leaves on the device all step (R14), and what the state mover holds beyond it now
+        self.static_base = layout.step_static_bytes
+        self.static = self.static_base + (self.frame.state.transient if self.frame.state is not None else 0)
         self.room = self.budget - self.static  # for saved tensors
         self.out_at, self.prefetch_at = layout.out_at, layout.prefetch_at
         tb = event_tables(tr)  # the simulator's per-trace lists, shared
@@ -108,6 +111,10 @@ class ExecuteStep(CopyingStep):
         self.expected: list[int] | tuple[()] = layout.expected_codes
         self.work: list[bool] | tuple[()] = layout.work_at
         self.first_sight = layout.first_sight
+
+    def state_bytes(self, delta: int) -> None:
+        super().state_bytes(delta)
+        self.room -= delta
 
     def _first_tensor(self, nbytes: int) -> bool:
         """The step's first saved tensor has ``nbytes`` where this layout expects other bytes: take
@@ -226,6 +233,9 @@ class ExecuteStep(CopyingStep):
             self.marks_in[self.i] = self.backend.mark()
         p.check_version()
         rec = p.rec
+        state = self.frame.state
+        if state is not None:  # backward reaches the state's groups by the trace's events (R14)
+            state.at_unpack(self.i, p.tensor if rec is None else None)
         if rec is None:
             assert p.tensor is not None, "a kept tensor is never let go"  # hot path: a plain assert narrows it
             return p.tensor

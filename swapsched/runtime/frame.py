@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from swapsched.runtime.backends import Backend
     from swapsched.runtime.layout import PlanLayout
     from swapsched.runtime.recompute import BlockCheckpoints
+    from swapsched.runtime.state_mover import StateMover
 
 __all__ = ["Phase", "StepFrame", "StepHost", "SavedTensorHooks", "GradientsKept"]
 
@@ -115,7 +116,8 @@ class StepFrame:
     ``static_keys``: storages already counted in ``static_bytes`` that a step may pack (BatchNorm's
     running stats); ``rebuilt``: block -> the bytes its recompute rebuilds, by the plan (R9);
     ``device_timed``: the step marks its gaps on the device (a real device, until its trace is
-    re-timed); ``layout``: the plan an executing step follows (None while profiling)."""
+    re-timed); ``layout``: the plan an executing step follows (None while profiling); ``state``:
+    what moves the training state, where the plan places it (``state_mover.py``)."""
 
     backend: Backend
     hardware: Hardware
@@ -131,3 +133,5 @@ class StepFrame:
     device_timed: bool
     layout: PlanLayout | None
     host: StepHost
+    # the training state the adopted plan moves (R13-R16): the unpack hook tells it where backward is
+    state: StateMover | None = None

@@ -10,6 +10,7 @@ from typing import Any
 from swapsched.env.events import event_tables
 from swapsched.env.result import SimResult
 from swapsched.env.simulator import simulate
+from swapsched.env.state_exec import state_split
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.runtime.shapes import first_bytes, structure
@@ -42,6 +43,14 @@ class PlanLayout:
     # the simulator's device peak of this plan on this trace (R3, the guard's evictions included):
     # what an unhooked step reports, nothing being watched there
     predicted_peak_bytes: int | None = None
+
+    @cached_property
+    def step_static_bytes(self) -> int:
+        """What the device holds all step beside the saved tensors: the trace's static bytes, less
+        the training state the plan moves off the device between uses (R14)."""
+        if not self.plan.state:
+            return int(self.trace.static_bytes)
+        return int(self.trace.fixed_bytes) + state_split(self.trace.state, self.plan.placement())[0]
 
     @property
     def shape_key(self) -> int:

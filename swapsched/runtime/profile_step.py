@@ -202,6 +202,8 @@ class ProfileStep(StepExecution):
                 self.recomputes.append((len(self.recorder.kinds) - 1, block))
         if p.rec is None:  # kept: a parameter, or smaller than min_bytes
             assert p.tensor is not None, "a kept tensor is never let go"
+            if self.frame.state is not None:  # a placed parameter's storage is fetched first (R14)
+                self.frame.state.at_unpack(-1, p.tensor)
             return p.tensor
         assert p.rec.host is not None, "a profiled tensor is on the host until unpacked"
         out = rebuild(p, self.backend.copy_in_now(p.rec.host, self.devices[p.rec.tid]))

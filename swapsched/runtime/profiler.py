@@ -26,14 +26,34 @@ import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from swapsched.attention import AttentionKernel
-from swapsched.errors import present
+from swapsched.errors import UserError, present
 from swapsched.hardware import DEFAULT_CPU_HARDWARE, DEFAULT_GPU_HARDWARE, Hardware, load_hardware
 from swapsched.precision import Precision, autocast_for
 from swapsched.runtime.recorder import ModulePath, OpNames, ProfileError, TraceRecorder, storage_key
 from swapsched.state import StateGroup, group_name, optimizer_kind
 from swapsched.trace import Trace
 
-__all__ = ["profile", "static_bytes_of", "state_groups"]
+__all__ = ["profile", "static_bytes_of", "state_groups", "optimizer_state_kind"]
+
+#: torch.optim classes -> the optimizer kind the trace records their state as (state.OPTIMIZERS)
+_KINDS = {"Adam": "adamw", "AdamW": "adamw", "NAdam": "adamw", "RAdam": "adamw", "Adamax": "adamw", "SGD": "sgd",
+          "RMSprop": "sgd", "Adagrad": "sgd", "Adafactor": "adafactor"}
+
+
+def optimizer_state_kind(optimizer: torch.optim.Optimizer) -> str:
+    """The ``state.OPTIMIZERS`` kind whose per-parameter state ``optimizer`` keeps."""
+    name = type(optimizer).__name__
+    for klass in type(optimizer).__mro__:
+        if klass.__name__ in _KINDS:
+            name = klass.__name__
+            break
+    else:
+        raise UserError(f"moving the training state needs to know what {type(optimizer).__name__} keeps per "
+                        f"parameter; supported: torch.optim's {', '.join(sorted(_KINDS))} (or subclasses of them)")
+    if name == "SGD" and not any(g.get("momentum", 0) for g in optimizer.param_groups):
+        return "none"
+    return _KINDS[name]
+
 
 
 def _optimizer_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
@@ -42,12 +62,22 @@ def _optimizer_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | 
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     if state:
         return sum(v.numel() * v.element_size() for v in state)
-    # state is created lazily at the first step: count what it will hold
-    per_param = {torch.optim.Adam: 2, torch.optim.AdamW: 2, torch.optim.RMSprop: 1, torch.optim.Adagrad: 1}
-    mult = per_param.get(type(optimizer), 0)
-    if isinstance(optimizer, torch.optim.SGD):
-        mult = 1 if any(g.get("momentum", 0) for g in optimizer.param_groups) else 0
-    return mult * sum(p.numel() * p.element_size() for g in optimizer.param_groups for p in g["params"])
+    # state is created lazily at the first step: count what it will hold (an optimizer whose kind
+    # is not known counts none, as before the state could move)
+    try:
+        kind = optimizer_state_kind(optimizer)
+    except UserError:
+        return 0
+    return sum(_optimizer_bytes(p, kind) for g in optimizer.param_groups for p in g["params"])
+
+
+def _optimizer_bytes(p: torch.Tensor, kind: str) -> int:
+    """The bytes optimizer ``kind`` keeps for ``p``, in its dtype as torch.optim does (Adafactor:
+    a row and a column per matrix, a whole copy per vector)."""
+    size = p.element_size()
+    if kind == "adafactor":
+        return size * (p.shape[0] + p[0].numel()) if p.dim() >= 2 else size * p.numel()
+    return int(optimizer_kind(kind).states_per_param * p.numel()) * size
 
 
 def state_groups(model: nn.Module, trace: Trace, optimizer: str) -> tuple[StateGroup, ...]:
@@ -65,11 +95,7 @@ def state_groups(model: nn.Module, trace: Trace, optimizer: str) -> tuple[StateG
                 continue
             seen.add(storage_key(p))
             nb = p.untyped_storage().nbytes()
-            size = p.element_size()
-            if kind.name == "adafactor":
-                optim = size * (p.shape[0] + p[0].numel()) if p.dim() >= 2 else size * p.numel()
-            else:
-                optim = int(kind.states_per_param * p.numel()) * size
+            optim = _optimizer_bytes(p, kind.name)
             acc = sizes.setdefault(group_name(mod_name), [0, 0, 0, 0])
             for i, v in enumerate((p.numel(), nb, nb, optim)):
                 acc[i] += v

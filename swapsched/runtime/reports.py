@@ -10,7 +10,7 @@ import numpy as np
 
 from swapsched.budget import format_bytes
 
-__all__ = ["Divergence", "DivergenceError", "RunSummary", "StepReport"]
+__all__ = ["Divergence", "DivergenceError", "RunSummary", "StateStepReport", "StepReport"]
 
 
 @dataclass(frozen=True)
@@ -148,6 +148,28 @@ class RunTally:
 
 
 @dataclass(frozen=True)
+class StateStepReport:
+    """What the state moved in the last training step (``StepReport.state``)."""
+
+    placements: tuple[tuple[str, str], ...]  # (group, placement) of the groups off the device
+    param_bytes_off: int  # parameter bytes the device did not hold at rest
+    grad_bytes_off: int
+    optimizer_bytes_off: int
+    host_stepped: tuple[str, ...]  # groups stepped on the host
+    optimizer_step_s: float | None  # the last optimizer.step(), fetches and copies back included
+    copied_bytes: int  # bytes of state copied either way in the last step and its optimizer step
+    peak_transient_bytes: int  # the most state bytes on the device beyond the resident part
+
+    def __str__(self) -> str:
+        where = ", ".join(f"{g}: {w}" for g, w in self.placements[:4]) + (", ..." if len(self.placements) > 4 else "")
+        step = f"; last optimizer step {1e3 * self.optimizer_step_s:.1f} ms" if self.optimizer_step_s is not None else ""
+        return (f"state off the device: parameters {format_bytes(self.param_bytes_off)}, gradients "
+                f"{format_bytes(self.grad_bytes_off)}, optimizer {format_bytes(self.optimizer_bytes_off)} "
+                f"({len(self.placements)} group(s): {where}); {len(self.host_stepped)} stepped on the host{step}; "
+                f"copied {format_bytes(self.copied_bytes)}")
+
+
+@dataclass(frozen=True)
 class StepReport:
     """What ``runtime.report()`` returns about the last step."""
 
@@ -202,6 +224,9 @@ class StepReport:
     # the plan moved nothing and the shape's steps had followed it: the hooks came off after the
     # step's first saved tensor (no Python per saved tensor; nothing watched, so no peak of ours)
     unhooked: bool = False
+    # the training state the plan moves (R13-R16; SwapRuntime(model=, optimizer=) under a byte
+    # budget no activation plan meets): what was off the device, where each group stepped
+    state: StateStepReport | None = None
     run: RunSummary | None = None  # the whole run so far
 
     def __str__(self) -> str:
@@ -229,6 +254,8 @@ class StepReport:
                          + ", ".join(self.recomputed_blocks[:4]) + (", ..." if len(self.recomputed_blocks) > 4 else "")
                          + (f" ({len(self.selective_blocks)} selectively)"
                             if self.selective_blocks else ""))
+        if self.state is not None:
+            lines.append(f"  {self.state}")
         if self.divergence is not None:
             lines.append(f"  diverged {self.divergence}: finished on demand; the next step profiles again")
         if self.nothing_saved:

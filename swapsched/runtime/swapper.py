@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from swapsched.budget import BudgetError
+from swapsched.budget import BudgetError, parse_budget
 from swapsched.env.result import SimResult
 from swapsched.errors import UserError, internal_assert, present
 from swapsched.hardware import HOST_COSTS, Hardware
@@ -37,11 +37,12 @@ from swapsched.runtime.frame import GradientsKept, Phase, SavedTensorHooks, Step
 from swapsched.runtime.layout import PlanLayout
 from swapsched.runtime.plans import ShapePlans, without_small
 from swapsched.runtime.profile_step import ProfileStep
-from swapsched.runtime.profiler import static_bytes_of
+from swapsched.runtime.profiler import optimizer_state_kind, state_groups, static_bytes_of
 from swapsched.runtime.recompute import BlockCheckpoints
 from swapsched.runtime.recorder import storage_key
 from swapsched.runtime.reports import Divergence, DivergenceError, RunSummary, RunTally, StepReport
 from swapsched.runtime.retime import ExecutedSteps, median_trace
+from swapsched.runtime.state_mover import StateMover
 from swapsched.trace import Trace
 
 __all__ = ["PolicyRuntime", "Phase", "StepReport", "RunSummary", "Divergence", "DivergenceError"]
@@ -133,7 +134,9 @@ class PolicyRuntime:
         self._policy_planned = False  # the plan is the policy's (re-planned after re-timing), not use_plan's
         # parameters, gradients and optimizer state: counted in absolute budgets when the model is given
         self.static_bytes = static_bytes_of(model, optimizer) if model is not None else 0
-        self.model = model
+        self.model, self.optimizer = model, optimizer
+        # R13-R16: what moves parameters, gradients and optimizer state, where the plan places them
+        self.mover: StateMover | None = None
         # R9: the blocks the plan recomputes run under torch.utils.checkpoint (the model's own
         # modules are wrapped, so only with a model); block -> the bytes its recompute rebuilds
         self.blocks = BlockCheckpoints(model) if model is not None else None
@@ -219,11 +222,15 @@ class PolicyRuntime:
         frame = StepFrame(backend=self.backend, hardware=self.hardware, model=self.model, static_bytes=self.static_bytes,
                           static_keys=self._static_keys, min_bytes=self.min_bytes, strict=self.strict, audit=self.audit,
                           step=self.steps, blocks=self.blocks, rebuilt=dict(self._rebuilt),
-                          device_timed=self._device_timed_step(), layout=self.layout, host=self)
+                          device_timed=self._device_timed_step(), layout=self.layout, host=self, state=self.mover)
         ex: StepExecution = ProfileStep(frame) if self.phase is Phase.PROFILE else ExecuteStep(frame)
         self._exec = ex
+        mover = self.mover
         t0 = time.perf_counter()
         try:
+            if mover is not None:
+                mover.begin_step()
+                mover.on_bytes = ex.state_bytes
             with SavedTensorHooks(ex.pack, ex.unpack) as self._hooks:
                 yield self
             ex.finish()
@@ -232,9 +239,14 @@ class PolicyRuntime:
             raise
         finally:
             self._exec = None
+            if mover is not None:  # every parameter, gradient and state where the user can read it
+                mover.on_bytes = None
+                mover.end_step()
         self.backend.synchronize()
         step_s = time.perf_counter() - t0
         rep = ex.report(step_s)
+        if mover is not None and self.trace is not None:
+            rep = replace(rep, state=mover.report(self.trace.state))
         self._report = replace(rep, run=self._tally.add(rep, budget_bytes=self.budget_bytes, budget_spec=self.budget_spec,
                                                         shapes=len(self.layouts)))
         t_after = time.perf_counter()
@@ -253,7 +265,7 @@ class PolicyRuntime:
         (``audit``, ``strict``, ``unhook=False``: what measures the hooks themselves), and
         ``UNHOOK_AFTER`` steps of the shape have executed it as planned within the budget."""
         return (self.unhook and not self.audit and not self.strict and (self._retimed or not self.retime_steps)
-                and not layout.plan.evictions and self.plans.followed(layout) >= UNHOOK_AFTER)
+                and not layout.plan.evictions and not layout.plan.state and self.plans.followed(layout) >= UNHOOK_AFTER)
 
     def take_hooks_off(self) -> None:
         """Take the step's hooks off (from inside its first pack: they are the innermost ones)."""
@@ -304,7 +316,7 @@ class PolicyRuntime:
             self.blocks.record_producers(ex.trace, ex.producers)
         if self._profiled >= self.profile_steps:
             profiled, self._profiles = self._profiles, []
-            trace = median_trace([trace for trace, _ in profiled])
+            trace = self._with_state(median_trace([trace for trace, _ in profiled]))
             if self.blocks is not None and self.blocks.fell_short(trace, self.budget_bytes):
                 self._checkpoint_blocks(self.blocks.names, {})  # whole, and profiled again
                 return
@@ -318,7 +330,7 @@ class PolicyRuntime:
         shapes' plans."""
         if profiled.trace is None:
             return
-        trace = profiled.trace
+        trace = self._with_state(profiled.trace)
         try:
             self.plans.budgets.of(trace)
         except BudgetError:
@@ -397,9 +409,13 @@ class PolicyRuntime:
         self._policy_planned = False
 
     def close(self) -> None:
-        """Stop the copy engines. ``with SwapRuntime(...) as runtime:`` closes itself."""
+        """Stop the copy engines, and put the training state the plan moved back on the device.
+        ``with SwapRuntime(...) as runtime:`` closes itself."""
         self._closed = True
         self.plans.shutdown()
+        if self.mover is not None:
+            self.mover.remove()
+            self.mover = None
         if self.blocks is not None:
             self.blocks.remove()
         self.backend.shutdown()
@@ -421,6 +437,33 @@ class PolicyRuntime:
         """Before a step of a new shape reaches backward: the model's gradients as they are, to put
         back if the shape is refused."""
         self._grads.keep()
+
+    def _with_state(self, trace: Trace) -> Trace:
+        """R13: ``trace`` with the model's training state per group where the state must move:
+        with the model and its optimizer given, under a byte budget that no plan of the
+        activations alone meets (``Trace.min_feasible_bytes``). The state's bytes are in the
+        trace's static bytes already (``static_bytes_of``)."""
+        if self.model is None or self.optimizer is None or trace.state or self.plans.budgets.relative \
+                or self.plans.budgets.device:
+            return trace
+        if parse_budget(self.plans.budgets.spec, trace, check_feasible=False) >= trace.min_feasible_bytes:
+            return trace
+        kind = optimizer_state_kind(self.optimizer)
+        return replace(trace, state=state_groups(self.model, trace, kind), meta={**trace.meta, "optimizer": kind})
+
+    def _place_state(self, plan: SwapPlan) -> None:
+        """The state mover for ``plan``'s placement (R13-R16): made, kept, or taken off."""
+        placement = {g: w for g, w in plan.placement().items() if w != "device"}
+        if self.mover is not None and self.mover.placement == placement:
+            return
+        if self.mover is not None:
+            self.mover.remove()
+            self.mover = None
+        if placement:
+            if self.model is None or self.optimizer is None:
+                raise UserError(f"plan {plan.policy!r} moves the training state (R13): give the runtime the model "
+                                "and its optimizer (SwapRuntime(model=..., optimizer=...))")
+            self.mover = StateMover(self.model, self.optimizer, self.backend, present(self.trace, "the trace").state, placement)
 
     def _planned_on(self, trace: Trace) -> Trace:
         """What the policy may plan on (``BlockCheckpoints.planned_on``; no block without a model)."""
@@ -487,6 +530,11 @@ class PolicyRuntime:
         internal_assert(not (plan.recompute or plan.selective), "a plan that recomputes goes through _recompute (R9's two stages)")
         trace = present(self.trace, "the trace a plan is adopted on")
         plan.validate(trace)
+        if plan.state and plan.host_step != "after-backward":
+            # the user's optimizer.step() runs the host steps, after backward (state_mover.py): the
+            # prediction is made for that
+            plan, simulated = replace(plan, host_step="after-backward"), None
+        self._place_state(plan)
         self.layout = self.plans.lay_out(trace, plan, simulated, first_sight=self.first_sight)
         self.plan, self.predicted_s = plan, self.layout.predicted_s
         self.plans.keep(self.layout)

@@ -1,0 +1,668 @@
+"""The training state moved in real training (R13-R16): parameters fetched ahead of their uses and
+let go after, gradients copied out as they are produced, the optimizer's state streamed in for a
+device step, and host steps run by the user's own optimizer.
+
+:class:`StateMover` carries a plan's ``state`` placements (``swapsched/state.py``) out on a model
+and its optimizer, on either backend (``backends.py``: the emulated device's copy engines, or CUDA
+copy streams with pinned host buffers). The user's loop does not change: ``optimizer.step()`` and
+``zero_grad()`` stay the user's calls; optimizer step hooks put each group's tensors where its
+placement steps it, around the user's own step.
+
+**Where a parameter is.** Between steps ("at rest") every tensor is where the user can read and
+change it: a placement that steps on the host (``host-step``, ``full``) or keeps its master there
+(``stream-full``) leaves ``p.data`` and ``p.grad`` as the host tensors, so ``clip_grad_norm_``,
+``state_dict()`` and ``load_state_dict()`` see the current values and ``optimizer.step()`` steps
+them on the host; ``device``, ``param`` and ``stream`` leave the parameter on the device. Within
+a step (``begin_step`` to ``end_step``) a parameter being used lives in a device storage; "let
+go" resizes that storage to 0 bytes and a fetch resizes it back and copies into it. Autograd's
+saved views of the parameter (``weight.t()``) share the storage, so they see the fetched bytes
+and never hold the released ones; the copies write through a separate tensor on the storage, so
+the parameter's version counter (autograd's check on saved tensors) does not move.
+
+**When.** A group's forward fetch is issued as the previous fetched group's forward starts (the
+first as the step starts) and waited for by a forward pre-hook on the group's module; its
+parameters are let go by the forward hook (``param``: once their copy out lands). In backward a
+parameter is fetched when autograd first unpacks a saved tensor on its storage
+(:meth:`at_unpack`, called by the step's unpack hook, at the group's ``backward_at`` event or at a
+kept tensor on its storage), and the next group's fetch is issued then (R14: one group ahead); it
+is let go once its gradient is complete. A gradient that leaves
+the device is copied out from its post-accumulate hook into a host buffer and added to the
+gradient kept there (gradient accumulation: ``g1 + g2`` in the order autograd adds them).
+
+**What keeps tensors alive during a copy.** Every copy's ``Ticket`` holds its source until the
+copy completes; a storage is resized to 0 only after the copy reading it is complete (polled at
+every hook, waited for where its room or its bytes are needed); host buffers are the mover's own
+for the run (the host masters, gradients and state), or go back to the pool once added.
+
+Host steps run inside the user's ``optimizer.step()``, after backward (the plan's ``host_step`` is
+executed as ``"after-backward"``: a step that overlapped backward could not see the clipping and
+accumulation the user does after it). Streamed state comes in at ``optimizer.step()`` too.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from swapsched.errors import UserError
+from swapsched.runtime.backends import Backend, Ticket
+from swapsched.runtime.reports import StateStepReport
+from swapsched.state import PLACEMENTS, StateGroup, group_name
+
+__all__ = ["StateMover", "HOST_PLACEMENTS"]
+
+#: Placements whose master parameter, gradient and optimizer state live on the host at rest
+HOST_PLACEMENTS = frozenset({"host-step", "full", "stream-full"})
+#: ... whose parameter leaves the device between its uses within a step
+_RELEASED = frozenset({"param", "full", "stream-full"})
+#: ... that step on the host (the rest on the device)
+_HOST_STEPPED = frozenset({"host-step", "full"})
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements through a tensor of its own (copies into it leave ``t``'s version)."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
+@dataclass(eq=False)
+class _Param:
+    """One parameter the mover places, with what it holds for it."""
+
+    p: nn.Parameter
+    name: str
+    group: str
+    placement: str
+    nbytes: int
+    host: torch.Tensor | None = None  # the host master (placements that keep one)
+    dev: torch.Tensor | None = None  # the device tensor p.data is while on the device
+    resident: bool = True  # dev's storage holds the bytes
+    fetch: Ticket | None = None  # a copy into dev in flight
+    out: Ticket | None = None  # a copy out of dev in flight (``param``: its storage goes when it lands)
+    out_release: bool = False  # let dev go once ``out`` lands
+    back: Ticket | None = None  # host-step: the host master's copy back into dev (R16)
+    dev_version: int = -1  # the host master's version dev was copied from (a reload changes it)
+    hgrad: torch.Tensor | None = None  # the gradient kept on the host
+    grad_outs: list[tuple[Ticket, torch.Tensor]] = field(default_factory=list)  # gradients on their way out
+    uses: int = 0  # forward scopes of groups using it now (a tied weight: more than one)
+
+
+class StateMover:
+    """Carries ``placement`` (group -> ``state.PLACEMENTS``) out on ``model`` and ``optimizer``
+    (module docstring). ``groups``: the trace's state groups (their forward order); ``on_bytes``:
+    called with each change of the state's device bytes beyond the resident part (the executing
+    step's accounting adds them to its static bytes)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, backend: Backend,
+                 groups: Sequence[StateGroup], placement: Mapping[str, str]):
+        bad = {w for w in placement.values() if w not in PLACEMENTS}
+        if bad:
+            raise UserError(f"unknown placement(s) {sorted(bad)}; use one of {', '.join(PLACEMENTS)}")
+        self.model, self.optimizer, self.backend = model, optimizer, backend
+        self.placement = {g: w for g, w in placement.items() if w != "device"}
+        self.on_bytes: Callable[[int], None] | None = None
+        self.in_step = False
+        self.transient = self.peak_transient = 0
+        self.copied = 0
+        self.optimizer_step_s: float | None = None
+        self._t_step = 0.0
+        self._handles: list[Any] = []
+        self._by_storage: dict[int, _Param] = {}  # a released parameter's device storage -> it
+        self._host_state: set[int] = set()  # ids of the optimizer-state tensors that are host buffers
+        self._streamed: dict[int, torch.Tensor] = {}  # a streamed-in state tensor's id -> its host tensor
+        self._backward = False
+        self._next_backward = 0  # index in backward_order of the next group backward reaches
+        # parameters per group (each once, in the group of the module that registers it first, as
+        # profiler.state_groups counts it), and which groups' modules use each (a tied weight)
+        owner: dict[int, str] = {}
+        users: dict[str, list[nn.Parameter]] = {}
+        names: dict[int, str] = {}
+        for mod_name, mod in model.named_modules():
+            for pname, p in mod.named_parameters(recurse=False):
+                if not p.requires_grad:
+                    continue
+                g = group_name(mod_name)
+                owner.setdefault(id(p), g)
+                names.setdefault(id(p), f"{mod_name}.{pname}" if mod_name else pname)
+                if all(q is not p for q in users.setdefault(g, [])):
+                    users[g].append(p)
+        unknown = set(self.placement) - set(users)
+        if unknown:
+            raise UserError(f"placement names group(s) {sorted(unknown)} that own no trainable parameter of the model")
+        in_optimizer = {id(p) for grp in optimizer.param_groups for p in grp["params"]}
+        self.params: dict[int, _Param] = {}
+        for g, ps in users.items():
+            for p in ps:
+                where = self.placement.get(owner[id(p)], "device")
+                if where == "device" or id(p) in self.params:
+                    continue
+                if id(p) not in in_optimizer:
+                    raise UserError(f"parameter {names[id(p)]!r} is placed ({where}) but not in the optimizer; "
+                                    "give the optimizer that steps the model, or keep its group on the device")
+                if not p.is_contiguous():
+                    raise UserError(f"parameter {names[id(p)]!r} is not contiguous; it cannot move (keep its group on the device)")
+                self.params[id(p)] = _Param(p, names[id(p)], owner[id(p)], where, p.numel() * p.element_size())
+        self.users = {g: [self.params[id(p)] for p in ps if id(p) in self.params] for g, ps in users.items()}
+        self.users = {g: ps for g, ps in self.users.items() if ps}
+        if not self.params:
+            raise UserError("the placement moves no trainable parameter of the model")
+        self.device = next(iter(self.params.values())).p.device
+        order = {grp.name: i for i, grp in enumerate(sorted(groups, key=lambda grp: grp.forward_at))}
+        self.forward_order = sorted(self.users, key=lambda g: order.get(g, len(order)))
+        # backward reaches each group at its backward_at (R13), the last forward group first
+        back_at = {grp.name: grp.backward_at for grp in groups}
+        self.backward_order = sorted(self.users, key=lambda g: (back_at.get(g, 0), -order.get(g, 0)))
+        self.backward_at = [back_at.get(g, 0) for g in self.backward_order]
+        self._check_host_step()
+        self._to_rest_at_install()
+        self._install_hooks()
+
+    # ------------------------------------------------------------------ setup
+    def _check_host_step(self) -> None:
+        """Every optimizer group with a parameter stepped on the host can step there: its class and
+        hyperparameters are tried on a one-element host tensor (a fused kernel the host lacks fails)."""
+        host_ids = {id(mp.p) for mp in self.params.values() if mp.placement in _HOST_STEPPED}
+        for grp in self.optimizer.param_groups:
+            if not any(id(p) in host_ids for p in grp["params"]):
+                continue
+            probe = torch.zeros(1, requires_grad=True)
+            hyper = {k: v for k, v in grp.items() if k != "params"}
+            accepted = inspect.signature(type(self.optimizer).__init__).parameters
+            try:
+                opt = type(self.optimizer)([probe], **{k: v for k, v in hyper.items() if k in accepted})
+                opt.param_groups[0].update(hyper)  # what the class sets itself (AdamW's decoupled_weight_decay)
+                probe.grad = torch.ones(1)
+                opt.step()
+            except Exception as exc:  # the class cannot step on the host: said, nothing moved yet
+                raise UserError(f"{type(self.optimizer).__name__} with {hyper} cannot step on the host ({exc}); "
+                                "use a class or setting with a CPU kernel (for example fused=False), or a budget "
+                                "whose plan steps on the device") from exc
+
+    def _host_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """A host tensor of ``like``'s shape and dtype from the backend's pool (pinned on CUDA)."""
+        nbytes = like.numel() * like.element_size()
+        return self.backend.pool.take(nbytes).view(like.dtype).view(like.shape)
+
+    def _to_rest_at_install(self) -> None:
+        """Each placed parameter as it is at rest (module docstring), its optimizer state where its
+        placement keeps it (a runtime made mid-run finds the state on the device)."""
+        with torch.no_grad():
+            for mp in self.params.values():
+                p = mp.p
+                mp.dev = p.data
+                if mp.placement in HOST_PLACEMENTS:
+                    mp.host = self._host_buffer(p)
+                    mp.host.copy_(p.data)
+                    if p.grad is not None:
+                        mp.hgrad = self._host_buffer(p.grad)
+                        mp.hgrad.copy_(p.grad)
+                    p.data = mp.host
+                    p.grad = mp.hgrad
+                    mp.dev_version = p._version
+                    if mp.placement != "host-step":  # host-step keeps its device copy all step
+                        mp.dev = None
+                        mp.resident = False
+                elif mp.placement == "param":  # on the device at rest, beyond the resident part (R14)
+                    self._by_storage[p.untyped_storage()._cdata] = mp
+                    self.transient += mp.nbytes
+                if mp.placement in ("stream", *HOST_PLACEMENTS):
+                    self._state_to_host(mp)
+
+    def _install_hooks(self) -> None:
+        for g in self.users:
+            mod = self.model.get_submodule(g) if g else self.model
+            self._handles.append(mod.register_forward_pre_hook(lambda m, a, g=g: self._enter(g)))
+            self._handles.append(mod.register_forward_hook(lambda m, a, o, g=g: self._leave(g)))
+        for mp in self.params.values():
+            if mp.placement in HOST_PLACEMENTS or mp.placement in _RELEASED:
+                self._handles.append(mp.p.register_post_accumulate_grad_hook(lambda p, mp=mp: self._grad_ready(mp)))
+        self._handles.append(self.optimizer.register_step_pre_hook(lambda opt, a, k: self._before_optimizer_step()))
+        self._handles.append(self.optimizer.register_step_post_hook(lambda opt, a, k: self._after_optimizer_step()))
+
+    def remove(self) -> None:
+        """Take the hooks off and put every parameter, gradient and state back on the device."""
+        self.settle()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        with torch.no_grad():
+            for mp in self.params.values():
+                p = mp.p
+                if mp.placement in HOST_PLACEMENTS:
+                    p.data = present_host(mp).to(self.device, copy=True)
+                    if mp.hgrad is not None:
+                        p.grad = mp.hgrad.to(self.device, copy=True)
+                elif mp.placement == "param":
+                    self._ready(mp)
+                st = self.optimizer.state.get(p, {})
+                for k, v in list(self._state_tensors(mp)):
+                    if id(v) in self._host_state or mp.placement in HOST_PLACEMENTS:
+                        st[k] = v.to(self.device, copy=True)
+        self.params.clear()
+        self._by_storage.clear()
+
+    # ------------------------------------------------------------------ accounting
+    def _bytes(self, delta: int) -> None:
+        self.transient += delta
+        if self.transient > self.peak_transient:
+            self.peak_transient = self.transient
+        if self.on_bytes is not None and delta:
+            self.on_bytes(delta)
+
+    # ------------------------------------------------------------------ device storage of a parameter
+    def _device_copy(self, host: torch.Tensor | None) -> torch.Tensor:
+        """An uninitialized device tensor shaped as ``host`` (the copy into it follows)."""
+        assert host is not None, "a parameter fetched from the host has its host master"
+        return torch.empty(host.shape, dtype=host.dtype, device=self.device)
+
+    def _release(self, mp: _Param) -> None:
+        """Let ``mp``'s device bytes go (a copy still reading them: once it lands)."""
+        if not mp.resident or mp.dev is None:
+            return
+        if mp.out is not None and not self.backend.done(mp.out):
+            mp.out_release = True
+            return
+        if mp.fetch is not None:  # a fetch nobody waited for: its bytes must land before they go
+            self.backend.wait_host(mp.fetch)
+            mp.fetch = None
+        mp.dev.untyped_storage().resize_(0)
+        mp.resident = False
+        self._bytes(-mp.nbytes)
+
+    def _fetch(self, mp: _Param) -> None:
+        """Issue ``mp``'s copy onto the device (into its own storage: saved views see it)."""
+        if mp.resident and mp.dev is not None:
+            if mp.out is not None and mp.out_release:  # its copy out is still reading it: it stays
+                mp.out_release = False
+            return
+        if mp.dev is None:
+            mp.dev = self._device_copy(mp.host)
+            if self.in_step:
+                mp.p.data = mp.dev
+            self._by_storage[mp.dev.untyped_storage()._cdata] = mp
+        else:
+            mp.dev.untyped_storage().resize_(mp.nbytes)
+        mp.resident = True
+        self._bytes(mp.nbytes)
+        source = mp.host if mp.placement in HOST_PLACEMENTS else present_out(mp)
+        mp.fetch = self.backend.copy_in_into(source, _alias(mp.dev))
+        self.copied += mp.nbytes
+
+    def _ready(self, mp: _Param) -> None:
+        """``mp`` on the device, its bytes there, before the compute reads them."""
+        self._fetch(mp)
+        if mp.fetch is not None:
+            self.backend.wait_for_use(mp.fetch)
+            mp.fetch = None
+        if self.in_step and mp.p.data is not mp.dev:
+            mp.p.data = mp.dev
+
+    def _poll(self) -> None:
+        """Retire the copies out that landed: their storages go, their host buffers are complete."""
+        for mp in self.params.values():
+            if mp.out is not None and self.backend.done(mp.out):
+                self.backend.wait_host(mp.out)  # raises a failed copy's error
+                mp.out = None
+                if mp.out_release:
+                    mp.out_release = False
+                    self._release(mp)
+
+    # ------------------------------------------------------------------ the step
+    def begin_step(self) -> None:
+        """As a step under the runtime starts: gradients kept on the host leave ``p.grad`` (the
+        backward's gradients are added to them there), and the first group's forward fetch is issued."""
+        self.in_step = True
+        self._backward = False
+        self._next_backward = 0
+        self.peak_transient = self.transient
+        self.copied = 0
+        for mp in self.params.values():
+            if mp.placement in HOST_PLACEMENTS:
+                g = mp.p.grad
+                if g is not mp.hgrad:  # zero_grad() let it go, or the user set one of their own
+                    if mp.hgrad is not None and mp.hgrad._base is not None:
+                        self.backend.pool.discard(mp.hgrad._base)  # the user's to keep or drop: never reused
+                    mp.hgrad = None
+                    if g is not None:
+                        mp.hgrad = self._host_buffer(g)
+                        mp.hgrad.copy_(g)
+                mp.p.grad = None
+        self._issue_next(self.forward_order, None)
+
+    def _issue_next(self, order: list[str], after: str | None) -> None:
+        """R14: the group after ``after`` in ``order`` whose parameters leave the device between
+        uses: its fetch issued (those of its parameters not on the device already)."""
+        start = 0 if after is None else order.index(after) + 1
+        for g in order[start:]:
+            moving = [mp for mp in self.users[g] if mp.placement in _RELEASED]
+            if moving:
+                for mp in moving:
+                    self._fetch(mp)
+                return
+
+    def _enter(self, g: str) -> None:
+        """Forward pre-hook of group ``g``'s module: its parameters on the device."""
+        if not self.in_step:
+            self._enter_at_rest(g)
+            return
+        self._poll()
+        for mp in self.users[g]:
+            mp.uses += 1
+            if mp.placement == "host-step":
+                self._host_step_ready(mp)
+            else:
+                self._ready(mp)
+        self._issue_next(self.forward_order, g)
+
+    def _host_step_ready(self, mp: _Param) -> None:
+        """host-step: the device copy current (R16: its copy back waited for; a reloaded master
+        copied again) and the parameter on it."""
+        assert mp.dev is not None, "a host-step parameter keeps its device copy"
+        if mp.back is not None:
+            self.backend.wait_for_use(mp.back)
+            mp.back = None
+        if mp.dev_version != mp.p._version and mp.p.data is mp.host:  # changed in place on the host (a reload)
+            t = self.backend.copy_in_into(present_host(mp), _alias(mp.dev))
+            self.backend.wait_for_use(t)
+            self.copied += mp.nbytes
+        mp.dev_version = mp.p._version
+        mp.p.data = mp.dev
+
+    def _leave(self, g: str) -> None:
+        """Forward hook of group ``g``'s module: what leaves the device between its uses goes."""
+        if not self.in_step:
+            self._leave_at_rest(g)
+            return
+        for mp in self.users[g]:
+            mp.uses = max(0, mp.uses - 1)
+            if mp.uses or mp.placement not in _RELEASED:
+                continue
+            if mp.placement == "param":  # the device copy is the master: copied out, let go once it lands
+                if mp.host is None:
+                    mp.host = self._host_buffer(mp.p)
+                mp.out = self.backend.copy_out_into(_alias(present_dev(mp)), mp.host)
+                self.copied += mp.nbytes
+            self._release(mp)
+
+    def at_unpack(self, event: int, t: torch.Tensor | None) -> None:
+        """Autograd unpacks a saved tensor at trace event ``event`` (``t``: it, where the step kept
+        it rather than swapped it). Backward reaches each group at its ``backward_at`` (R13): its
+        parameters are waited for there and the next group's fetch is issued (R14); a kept tensor
+        on a placed parameter's storage is fetched first whatever the events say (a step that left
+        its trace)."""
+        if not self.in_step:
+            return
+        if not self._backward:
+            self._backward = True
+            self._poll()
+            self._issue_next(self.backward_order, None)  # the first as backward starts
+        order = self.backward_order
+        while self._next_backward < len(order) and self.backward_at[self._next_backward] <= event:
+            g = order[self._next_backward]
+            self._next_backward += 1
+            for mp in self.users[g]:
+                if mp.placement in _RELEASED:
+                    self._ready(mp)
+            self._issue_next(order, g)
+        if t is not None:
+            mp = self._by_storage.get(t.untyped_storage()._cdata)
+            if mp is not None and not (mp.resident and mp.fetch is None):
+                self._ready(mp)
+
+    def _grad_ready(self, mp: _Param) -> None:
+        """Post-accumulate hook: ``mp``'s gradient is complete for this backward."""
+        if not self.in_step:
+            return
+        if mp.placement in HOST_PLACEMENTS:
+            g = mp.p.grad
+            if g is not None:
+                self._bytes(mp.nbytes)
+                buf = self.backend.pool.take(mp.nbytes)
+                mp.grad_outs.append((self.backend.copy_out_into(g.detach(), buf.view(g.dtype).view(g.shape)), buf))
+                self.copied += mp.nbytes
+                mp.p.grad = None  # the ticket holds the device gradient until its copy lands
+        if mp.placement in ("full", "stream-full"):
+            self._release(mp)
+        self._collect_grads(wait=False)
+
+    def _collect_grads(self, wait: bool) -> None:
+        """The gradients whose copies landed (all of them, with ``wait``) added to the host's."""
+        for mp in self.params.values():
+            while mp.grad_outs and (wait or self.backend.done(mp.grad_outs[0][0])):
+                ticket, buf = mp.grad_outs.pop(0)
+                self.backend.wait_host(ticket)
+                g = buf.view(mp.p.dtype).view(mp.p.shape)
+                if mp.hgrad is None:
+                    mp.hgrad = g  # the buffer becomes the host gradient
+                else:
+                    mp.hgrad.add_(g)  # as AccumulateGrad adds: the earlier sum plus this one
+                    self.backend.pool.give(buf)
+                self._bytes(-mp.nbytes)
+
+    def end_step(self) -> None:
+        """As the step ends (or fails): every tensor as at rest (module docstring)."""
+        try:
+            self._collect_grads(wait=True)
+            for mp in self.params.values():
+                if mp.fetch is not None:
+                    self.backend.wait_host(mp.fetch)
+                    mp.fetch = None
+                if mp.out is not None:
+                    self.backend.wait_host(mp.out)
+                    mp.out = None
+                mp.uses = 0
+                if mp.placement == "param":
+                    mp.out_release = False
+                    self._ready(mp)  # R14: kept from its backward fetch to the next forward
+                elif mp.placement in ("full", "stream-full"):
+                    self._release(mp)
+                    mp.dev = None  # a fresh storage next step; the host master is the parameter
+                if mp.placement in HOST_PLACEMENTS:
+                    mp.p.data = present_host(mp)
+                    mp.p.grad = mp.hgrad
+                    if mp.placement == "host-step":
+                        mp.dev_version = mp.p._version
+        finally:
+            self.in_step = False
+            self._by_storage = {k: v for k, v in self._by_storage.items() if v.dev is not None}
+
+    def settle(self) -> None:
+        """Wait for every copy in flight (before reading what they write, and at the end)."""
+        for mp in self.params.values():
+            for t in (mp.fetch, mp.out, mp.back):
+                if t is not None:
+                    self.backend.wait_host(t)
+            mp.fetch = mp.out = mp.back = None
+        self._collect_grads(wait=True)
+
+    # ------------------------------------------------------------------ outside a step (eval, no_grad)
+    def _enter_at_rest(self, g: str) -> None:
+        """A forward outside ``runtime.step()`` (evaluation): the group's parameters on the device
+        for it, synchronously, and back to rest after (``_leave_at_rest``)."""
+        with torch.no_grad():
+            for mp in self.users[g]:
+                if mp.placement == "host-step":
+                    self.in_step = True  # the device copy is kept; put the parameter on it as a step would
+                    try:
+                        self._host_step_ready(mp)
+                    finally:
+                        self.in_step = False
+                elif mp.placement in _RELEASED:
+                    self._fetch(mp)
+                    assert mp.fetch is not None and mp.dev is not None
+                    self.backend.wait_host(mp.fetch)
+                    mp.fetch = None
+                    mp.p.data = mp.dev
+
+    def _leave_at_rest(self, g: str) -> None:
+        for mp in self.users[g]:
+            if mp.placement in HOST_PLACEMENTS:
+                if mp.placement != "host-step":
+                    self._release(mp)
+                    mp.dev = None
+                mp.p.data = present_host(mp)
+
+    # ------------------------------------------------------------------ the optimizer's step
+    def _before_optimizer_step(self) -> None:
+        """Each group where its placement steps it: ``stream`` and ``stream-full`` on the device,
+        their state (and, for ``stream-full``, parameter and gradient) streamed in; ``host-step``
+        and ``full`` on the host, as they are at rest; ``param`` on the device, as at rest."""
+        self._t_step = time.perf_counter()
+        self.settle()
+        tickets: list[Ticket] = []
+        with torch.no_grad():
+            for mp in self.params.values():
+                if mp.placement == "stream":
+                    tickets += self._state_in(mp)
+                elif mp.placement == "stream-full":
+                    mp.dev = self._device_copy(mp.host)
+                    tickets.append(self.backend.copy_in_into(present_host(mp), _alias(mp.dev)))
+                    mp.resident = True
+                    self._bytes(mp.nbytes)
+                    dgrad = None
+                    if mp.hgrad is not None:
+                        dgrad = self._device_copy(mp.hgrad)
+                        tickets.append(self.backend.copy_in_into(mp.hgrad, dgrad))
+                        self._bytes(mp.nbytes)
+                    self.copied += mp.nbytes * (2 if dgrad is not None else 1)
+                    tickets += self._state_in(mp)
+                    mp.p.data = mp.dev
+                    mp.p.grad = dgrad
+        for t in tickets:
+            self.backend.wait_for_use(t)
+
+    def _after_optimizer_step(self) -> None:
+        """The stepped tensors back where they rest: streamed state out, ``stream-full``'s
+        parameter out to its master, ``host-step``'s master copied back to its device copy (R16:
+        the next forward waits for it)."""
+        tickets: list[Ticket] = []
+        with torch.no_grad():
+            for mp in self.params.values():
+                if mp.placement in ("stream", "stream-full"):
+                    tickets += self._state_out(mp)
+                if mp.placement == "stream-full":
+                    tickets.append(self.backend.copy_out_into(_alias(present_dev(mp)), present_host(mp)))
+                    self.copied += mp.nbytes
+                elif mp.placement == "host-step":
+                    mp.back = self.backend.copy_in_into(present_host(mp), _alias(present_dev(mp)))
+                    self.copied += mp.nbytes
+            for t in tickets:
+                self.backend.wait_host(t)
+            for mp in self.params.values():
+                if mp.placement == "stream-full":
+                    if mp.p.grad is not None:
+                        self._bytes(-mp.nbytes)
+                    self._release(mp)
+                    mp.dev = None
+                    mp.p.data = present_host(mp)
+                    mp.p.grad = mp.hgrad
+                elif mp.placement == "host-step":
+                    mp.dev_version = mp.p._version
+        self.optimizer_step_s = time.perf_counter() - self._t_step
+
+    def _state_tensors(self, mp: _Param) -> Iterable[tuple[str, torch.Tensor]]:
+        """The optimizer's per-element state of ``mp`` (a scalar step count stays where it is)."""
+        for k, v in self.optimizer.state.get(mp.p, {}).items():
+            if torch.is_tensor(v) and v.dim() > 0:
+                yield k, v
+
+    def _state_to_host(self, mp: _Param) -> None:
+        """``mp``'s optimizer state into host buffers, synchronously (at install)."""
+        st = self.optimizer.state.get(mp.p)
+        for k, v in list(self._state_tensors(mp)):
+            if id(v) not in self._host_state:
+                h = self._host_buffer(v)
+                h.copy_(v)
+                st[k] = h  # type: ignore[index]
+                self._host_state.add(id(h))
+
+    def _state_in(self, mp: _Param) -> list[Ticket]:
+        """``mp``'s state from its host tensors into device copies (issued; the step waits)."""
+        st = self.optimizer.state[mp.p]
+        out = []
+        for k, v in list(self._state_tensors(mp)):
+            if id(v) not in self._host_state:  # created on the device (the first step), or reloaded there
+                continue
+            d = self._device_copy(v)
+            out.append(self.backend.copy_in_into(v, d))
+            nbytes = v.numel() * v.element_size()
+            self._bytes(nbytes)
+            self.copied += nbytes
+            st[k] = d
+            self._streamed[id(d)] = v
+        return out
+
+    def _state_out(self, mp: _Param) -> list[Ticket]:
+        """``mp``'s state back into its host tensors (new host tensors where it was made on the device)."""
+        st = self.optimizer.state[mp.p]
+        out = []
+        for k, v in list(self._state_tensors(mp)):
+            if id(v) in self._host_state:
+                continue
+            h = self._streamed.pop(id(v), None)
+            was_streamed = h is not None
+            if h is None:  # made on the device by the first step, or reloaded there
+                h = self._host_buffer(v)
+                self._host_state.add(id(h))
+            out.append(self.backend.copy_out_into(v, h))
+            nbytes = v.numel() * v.element_size()
+            self.copied += nbytes
+            if was_streamed:
+                self._bytes(-nbytes)
+            st[k] = h  # v stays alive in the ticket until the copy lands
+        return out
+
+    # ------------------------------------------------------------------ what it reports
+    def report(self, groups: Sequence[StateGroup]) -> StateStepReport:
+        by_name = {g.name: g for g in groups}
+        off = [0, 0, 0]
+        for name, where in self.placement.items():
+            g = by_name.get(name)
+            if g is None:
+                continue
+            resident = {"param": ("grad_bytes", "optim_bytes"), "stream": ("param_bytes", "grad_bytes"),
+                        "host-step": ("param_bytes",)}.get(where, ())
+            for i, part in enumerate(("param_bytes", "grad_bytes", "optim_bytes")):
+                if part not in resident:
+                    off[i] += getattr(g, part)
+        return StateStepReport(
+            placements=tuple(sorted(self.placement.items())), param_bytes_off=off[0], grad_bytes_off=off[1],
+            optimizer_bytes_off=off[2], host_stepped=tuple(sorted(g for g, w in self.placement.items() if w in _HOST_STEPPED)),
+            optimizer_step_s=self.optimizer_step_s, copied_bytes=self.copied, peak_transient_bytes=self.peak_transient)
+
+    def measured_device_bytes(self) -> int:
+        """The audit's figure: state bytes the device holds now beyond the resident part, read off
+        the storages themselves (a released parameter's storage has 0 bytes), not the counters."""
+        total = 0
+        host_keys = self._host_state
+        for mp in self.params.values():
+            if mp.placement in _RELEASED and mp.dev is not None:
+                total += mp.dev.untyped_storage().nbytes()
+            if mp.placement in HOST_PLACEMENTS:
+                g = mp.p.grad
+                if g is not None and g is not mp.hgrad:
+                    total += g.untyped_storage().nbytes()
+                total += sum(t.src.untyped_storage().nbytes() for t, _ in mp.grad_outs if t.src is not None)
+            if mp.placement in ("stream", "stream-full"):
+                total += sum(v.untyped_storage().nbytes() for _, v in self._state_tensors(mp) if id(v) not in host_keys)
+        return total
+
+
+def present_host(mp: _Param) -> torch.Tensor:
+    assert mp.host is not None, f"parameter {mp.name} ({mp.placement}) has its host master"
+    return mp.host
+
+
+def present_dev(mp: _Param) -> torch.Tensor:
+    assert mp.dev is not None, f"parameter {mp.name} ({mp.placement}) has its device tensor"
+    return mp.dev
+
+
+def present_out(mp: _Param) -> torch.Tensor:
+    """A ``param`` placement's host copy, made by its copy out after forward."""
+    assert mp.host is not None, f"parameter {mp.name} was copied out before it is fetched back"
+    return mp.host
