@@ -113,8 +113,16 @@ class ExecuteStep(CopyingStep):
         self.first_sight = layout.first_sight
 
     def state_bytes(self, delta: int) -> None:
+        if self.deaths:
+            self._count_deaths()
         super().state_bytes(delta)
         self.room -= delta
+
+    def state_room(self) -> int:
+        """The bytes a state fetch may take now under the budget (R6: it waits for room)."""
+        if self.deaths:
+            self._count_deaths()
+        return self.budget - self.static - self.used
 
     def _first_tensor(self, nbytes: int) -> bool:
         """The step's first saved tensor has ``nbytes`` where this layout expects other bytes: take

@@ -105,6 +105,9 @@ class StateMover:
         self.model, self.optimizer, self.backend = model, optimizer, backend
         self.placement = {g: w for g, w in placement.items() if w != "device"}
         self.on_bytes: Callable[[int], None] | None = None
+        # the room a fetch may take now (the executing step's; None: no budget to wait for)
+        self.room: Callable[[], int] | None = None
+        self._waiting: list[_Param] = []  # fetches waiting for room, in issue order (R6)
         self.in_step = False
         self.transient = self.peak_transient = 0
         self.copied = 0
@@ -273,8 +276,25 @@ class StateMover:
         mp.resident = False
         self._bytes(-mp.nbytes)
 
+    def _prefetch(self, mp: _Param) -> None:
+        """R14: ``mp``'s fetch ahead of its use, issued once the budget has room for it (R6: in
+        issue order, behind any fetch already waiting)."""
+        if (mp.resident and mp.dev is not None) or mp in self._waiting:
+            return
+        if self._waiting or (self.room is not None and self.room() < mp.nbytes):
+            self._waiting.append(mp)
+            return
+        self._fetch(mp)
+
+    def _admit(self) -> None:
+        """The fetches waiting for room that now have it, in issue order (R6)."""
+        while self._waiting and (self.room is None or self.room() >= self._waiting[0].nbytes):
+            self._fetch(self._waiting.pop(0))
+
     def _fetch(self, mp: _Param) -> None:
         """Issue ``mp``'s copy onto the device (into its own storage: saved views see it)."""
+        if mp in self._waiting:  # needed now: ahead of the fetches waiting for room
+            self._waiting.remove(mp)
         if mp.resident and mp.dev is not None:
             if mp.out is not None and mp.out_release:  # its copy out is still reading it: it stays
                 mp.out_release = False
@@ -302,7 +322,9 @@ class StateMover:
             mp.p.data = mp.dev
 
     def _poll(self) -> None:
-        """Retire the copies out that landed: their storages go, their host buffers are complete."""
+        """Retire the copies out that landed (their storages go, their host buffers are complete)
+        and admit the fetches that now have room."""
+        self._admit()
         for mp in self.params.values():
             if mp.out is not None and self.backend.done(mp.out):
                 self.backend.wait_host(mp.out)  # raises a failed copy's error
@@ -316,6 +338,7 @@ class StateMover:
         """As a step under the runtime starts: gradients kept on the host leave ``p.grad`` (the
         backward's gradients are added to them there), and the first group's forward fetch is issued."""
         self.in_step = True
+        self._waiting.clear()
         self._backward = False
         self._next_backward = 0
         self.peak_transient = self.transient
@@ -341,7 +364,7 @@ class StateMover:
             moving = [mp for mp in self.users[g] if mp.placement in _RELEASED]
             if moving:
                 for mp in moving:
-                    self._fetch(mp)
+                    self._prefetch(mp)
                 return
 
     def _enter(self, g: str) -> None:
@@ -396,6 +419,8 @@ class StateMover:
         its trace)."""
         if not self.in_step:
             return
+        if self._waiting:
+            self._admit()
         if not self._backward:
             self._backward = True
             self._poll()
@@ -428,6 +453,8 @@ class StateMover:
         if mp.placement in ("full", "stream-full"):
             self._release(mp)
         self._collect_grads(wait=False)
+        if self._waiting:
+            self._admit()
 
     def _collect_grads(self, wait: bool) -> None:
         """The gradients whose copies landed (all of them, with ``wait``) added to the host's."""

@@ -229,8 +229,9 @@ class PolicyRuntime:
         t0 = time.perf_counter()
         try:
             if mover is not None:
+                mover.on_bytes = ex.state_bytes  # before its first fetch (begin_step issues it)
+                mover.room = getattr(ex, "state_room", None)  # an executing step's budget; a profiling step has none
                 mover.begin_step()
-                mover.on_bytes = ex.state_bytes
             with SavedTensorHooks(ex.pack, ex.unpack) as self._hooks:
                 yield self
             ex.finish()
@@ -240,7 +241,7 @@ class PolicyRuntime:
         finally:
             self._exec = None
             if mover is not None:  # every parameter, gradient and state where the user can read it
-                mover.on_bytes = None
+                mover.on_bytes = mover.room = None
                 mover.end_step()
         self.backend.synchronize()
         step_s = time.perf_counter() - t0
