@@ -89,6 +89,7 @@ class _Param:
     hgrad: torch.Tensor | None = None  # the gradient kept on the host
     grad_outs: list[tuple[Ticket, torch.Tensor]] = field(default_factory=list)  # gradients on their way out
     uses: int = 0  # forward scopes of groups using it now (a tied weight: more than one)
+    step_grad: torch.Tensor | None = None  # stream-full: the host gradient while the device steps it
 
 
 class StateMover:
@@ -236,9 +237,11 @@ class StateMover:
             for mp in self.params.values():
                 p = mp.p
                 if mp.placement in HOST_PLACEMENTS:
+                    grad = p.grad  # at rest: the host gradient, None after zero_grad(), or the user's
+                    p.grad = None
                     p.data = present_host(mp).to(self.device, copy=True)
-                    if mp.hgrad is not None:
-                        p.grad = mp.hgrad.to(self.device, copy=True)
+                    if grad is not None:
+                        p.grad = grad.to(self.device, copy=True)
                 elif mp.placement == "param":
                     self._ready(mp)
                 st = self.optimizer.state.get(p, {})
@@ -518,12 +521,12 @@ class StateMover:
                         self._host_step_ready(mp)
                     finally:
                         self.in_step = False
-                elif mp.placement in _RELEASED:
+                elif mp.placement in HOST_PLACEMENTS:  # param: on the device at rest already
                     self._fetch(mp)
-                    assert mp.fetch is not None and mp.dev is not None
-                    self.backend.wait_host(mp.fetch)
-                    mp.fetch = None
-                    mp.p.data = mp.dev
+                    if mp.fetch is not None:
+                        self.backend.wait_host(mp.fetch)
+                        mp.fetch = None
+                    mp.p.data = present_dev(mp)
 
     def _leave_at_rest(self, g: str) -> None:
         for mp in self.users[g]:
@@ -550,10 +553,10 @@ class StateMover:
                     tickets.append(self.backend.copy_in_into(present_host(mp), _alias(mp.dev)))
                     mp.resident = True
                     self._bytes(mp.nbytes)
-                    dgrad = None
-                    if mp.hgrad is not None:
-                        dgrad = self._device_copy(mp.hgrad)
-                        tickets.append(self.backend.copy_in_into(mp.hgrad, dgrad))
+                    dgrad, mp.step_grad = None, mp.p.grad  # at rest: the host gradient (None after zero_grad)
+                    if mp.step_grad is not None:
+                        dgrad = self._device_copy(mp.step_grad)
+                        tickets.append(self.backend.copy_in_into(mp.step_grad, dgrad))
                         self._bytes(mp.nbytes)
                     self.copied += mp.nbytes * (2 if dgrad is not None else 1)
                     tickets += self._state_in(mp)
@@ -585,8 +588,9 @@ class StateMover:
                         self._bytes(-mp.nbytes)
                     self._release(mp)
                     mp.dev = None
+                    mp.p.grad = None
                     mp.p.data = present_host(mp)
-                    mp.p.grad = mp.hgrad
+                    mp.p.grad, mp.step_grad = mp.step_grad, None
                 elif mp.placement == "host-step":
                     mp.dev_version = mp.p._version
         self.optimizer_step_s = time.perf_counter() - self._t_step
