@@ -125,9 +125,14 @@ def plan_state(trace: Trace, budget: int, hardware: Hardware, *, inner: Policy, 
             if not r.oom:
                 scored.append((r.iteration_s, c, placement, room, act_budget))
     if not scored:
+        host = hardware.host_budget_bytes
+        why = ("" if host is None else
+               f"; the host budget, {format_bytes(host)}, keeps on the device every group whose host part does not fit "
+               f"in it (R11): the whole state needs {format_bytes(sum(g.bytes for g in trace.state))} of host memory")
         raise BudgetError(f"no placement of {trace.name!r}'s state fits {format_bytes(budget)}: the smallest feasible "
                           f"budget with the state movable is {format_bytes(trace.min_feasible_bytes_movable)}, and a plan "
-                          "also needs room to fetch a group ahead of its use; try a larger budget")
+                          f"also needs room to fetch a group ahead of its use{why}; try a larger budget"
+                          + ("" if host is None else " or host budget"))
     scored.sort()
     best: tuple[float, SwapPlan] | None = None
     for _, _, placement, room, act_budget in scored[:FINALISTS]:

@@ -1,0 +1,100 @@
+"""SwapRuntime(model=, optimizer=) under a byte budget no activation plan meets: the state is
+planned and moved (R13-R16), training stays bit-identical, every executed step keeps the budget
+under both meters, and budgets the state cannot meet are refused with what they need."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from swapsched.budget import BudgetError, format_bytes
+from swapsched.deploy import SwapRuntime
+from swapsched.runtime.profiler import profile, static_bytes_of
+from swapsched.zoo import build_model
+
+FAMILY, SIZE = "gpt", "tiny"
+
+
+def _pair() -> tuple[Any, Any, torch.optim.Optimizer, torch.optim.Optimizer]:
+    a, b = build_model(FAMILY, SIZE, seed=3), build_model(FAMILY, SIZE, seed=3)
+    return a, b, torch.optim.AdamW(a.model.parameters(), lr=1e-3), torch.optim.AdamW(b.model.parameters(), lr=1e-3)
+
+
+@pytest.fixture(scope="module")
+def floors() -> dict[str, int]:
+    """The step's static bytes, its smallest feasible budget with the activations alone, and with
+    the state movable (R14), from a profile with the state recorded."""
+    case = build_model(FAMILY, SIZE, seed=3)
+    trace = profile(case.model, case.inputs, case.loss_fn, name="gpt-tiny", state="adamw")
+    return {"static": trace.static_bytes, "activations": trace.min_feasible_bytes, "movable": trace.min_feasible_bytes_movable,
+            "floor": trace.min_feasible_bytes - trace.static_bytes}
+
+
+def test_a_budget_below_the_static_bytes_moves_the_state_and_trains_bit_identically(floors: dict[str, int]) -> None:
+    # the issue's budget: half the static bytes plus the activation floor
+    budget = floors["static"] // 2 + floors["floor"]
+    assert floors["movable"] <= budget < floors["activations"]
+    a, b, opt_a, opt_b = _pair()
+    assert static_bytes_of(a.model, opt_a) <= floors["static"]
+    steps = 10
+    with SwapRuntime(budget=budget, policy="default", model=a.model, optimizer=opt_a, backend="cpu", audit=True) as rt:
+        for i in range(steps):
+            with rt.step():
+                la = a.loss()
+                la.backward()
+            lb = b.loss()
+            lb.backward()
+            assert torch.equal(la, lb), f"step {i}: losses differ"
+            for opt, model in ((opt_a, a.model), (opt_b, b.model)):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+            rep = rt.report()
+            if rep.mode == "execute":
+                assert rep.state is not None and rep.state.placements, "the plan moved no state"
+                assert rep.peak_device_bytes is not None and rep.peak_device_bytes <= budget, \
+                    f"step {i}: {format_bytes(rep.peak_device_bytes or 0)} over {format_bytes(budget)}"
+                assert rep.measured_peak_bytes is not None and rep.measured_peak_bytes <= budget
+        assert rt.trace is not None and rt.trace.state, "the runtime's trace records the state"
+        assert rt.plan is not None and rt.plan.state
+        assert "state off the device" in str(rt.report())
+    # closed: the state is back on the device, and every tensor equals the plain run's
+    for (n, p), q in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
+        assert torch.equal(p, q), n
+        for k, v in opt_a.state[p].items():
+            assert torch.equal(v, opt_b.state[q][k]), (n, k)
+
+
+def test_a_budget_the_state_cannot_meet_says_what_it_needs_and_the_host_memory(floors: dict[str, int]) -> None:
+    a, _, opt_a, _ = _pair()
+    budget = floors["movable"] - 1
+    with SwapRuntime(budget=budget, policy="default", model=a.model, optimizer=opt_a, backend="cpu") as rt:
+        with pytest.raises(BudgetError, match="host memory for the state"):
+            for _ in range(4):
+                with rt.step():
+                    a.loss().backward()
+
+
+def test_a_host_budget_that_cannot_hold_what_must_move_is_refused(floors: dict[str, int]) -> None:
+    a, _, opt_a, _ = _pair()
+    budget = floors["static"] // 2 + floors["floor"]
+    with SwapRuntime(budget=budget, policy="default", model=a.model, optimizer=opt_a, backend="cpu",
+                     host_budget=1024) as rt:
+        with pytest.raises(BudgetError, match="the host budget, 1.00 KiB, keeps on the device"):
+            for _ in range(4):
+                with rt.step():
+                    a.loss().backward()
+
+
+def test_without_the_optimizer_the_budget_covers_what_it_did() -> None:
+    # the model alone: the state is not the runtime's to move, and a byte budget below the
+    # activations' floor is refused as before
+    a, _, _, _ = _pair()
+    with SwapRuntime(budget="1KiB", policy="default", model=a.model, backend="cpu") as rt:
+        with pytest.raises(BudgetError, match="smallest feasible"):
+            for _ in range(4):
+                with rt.step():
+                    a.loss().backward()
+        assert rt.mover is None
