@@ -38,6 +38,9 @@ def swap_trainer(trainer: Any, budget: str | int = "60%", policy: str | Policy |
     inner = trainer.training_step
 
     def training_step(*args: Any, **kwargs: Any) -> Any:
+        if runtime.optimizer is None and trainer.optimizer is not None and runtime.plan is None:
+            # made by the trainer as training starts; accelerate wraps the torch optimizer
+            runtime.attach_optimizer(getattr(trainer.optimizer, "optimizer", trainer.optimizer))
         with runtime.step():
             return inner(*args, **kwargs)
 

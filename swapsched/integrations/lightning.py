@@ -57,6 +57,10 @@ class SwapCallback(Callback):  # type: ignore[misc]
         internal_assert(self._step is None, "a training batch starts while the last one's step is open")
         runtime = present(self.runtime, "the runtime made when fitting started")
         assert isinstance(runtime, SwapRuntime)
+        if runtime.optimizer is None and runtime.plan is None and len(trainer.optimizers) == 1:
+            # its state may move (R13); Lightning wraps the torch optimizer in a LightningOptimizer
+            opt = trainer.optimizers[0]
+            runtime.attach_optimizer(getattr(opt, "_optimizer", opt))
         self._step = runtime.step()
         self._step.__enter__()
 

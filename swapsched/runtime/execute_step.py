@@ -94,8 +94,9 @@ class ExecuteStep(CopyingStep):
         self.budget = present(layout.budget_bytes, "the budget of the shape's layout")
         # the model's, plus what the profiling found held by others; of the training state, what
         # the plan leaves on the device all step (R14), and what the state mover holds beyond it now
-        self.static_base = layout.step_static_bytes
-        self.static = self.static_base + (self.frame.state.transient if self.frame.state is not None else 0)
+        moved_off = int(tr.static_bytes) - layout.step_static_bytes  # the state the plan keeps off the device
+        self.static_base = self.frame.static_bytes - moved_off  # the audit's base: the model's bytes it keeps
+        self.static = layout.step_static_bytes + (self.frame.state.transient if self.frame.state is not None else 0)
         self.room = self.budget - self.static  # for saved tensors
         self.out_at, self.prefetch_at = layout.out_at, layout.prefetch_at
         tb = event_tables(tr)  # the simulator's per-trace lists, shared

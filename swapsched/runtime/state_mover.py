@@ -89,6 +89,7 @@ class _Param:
     hgrad: torch.Tensor | None = None  # the gradient kept on the host
     grad_outs: list[tuple[Ticket, torch.Tensor]] = field(default_factory=list)  # gradients on their way out
     uses: int = 0  # forward scopes of groups using it now (a tied weight: more than one)
+    taken: bool = False  # the host gradient is off p.grad for this step's backward (_take_grad)
     step_grad: torch.Tensor | None = None  # stream-full: the host gradient while the device steps it
 
 
@@ -224,7 +225,9 @@ class StateMover:
         for mp in self.params.values():
             if mp.placement in HOST_PLACEMENTS or mp.placement in _RELEASED:
                 self._handles.append(mp.p.register_post_accumulate_grad_hook(lambda p, mp=mp: self._grad_ready(mp)))
-        self._handles.append(self.optimizer.register_step_pre_hook(lambda opt, a, k: self._before_optimizer_step()))
+            if mp.placement in HOST_PLACEMENTS:  # runs before autograd accumulates into p.grad
+                self._handles.append(mp.p.register_hook(lambda g, mp=mp: self._take_grad(mp)))
+        self._handles.append(self.optimizer.register_step_pre_hook(self._step_pre_hook))
         self._handles.append(self.optimizer.register_step_post_hook(lambda opt, a, k: self._after_optimizer_step()))
 
     def remove(self) -> None:
@@ -338,26 +341,32 @@ class StateMover:
 
     # ------------------------------------------------------------------ the step
     def begin_step(self) -> None:
-        """As a step under the runtime starts: gradients kept on the host leave ``p.grad`` (the
-        backward's gradients are added to them there), and the first group's forward fetch is issued."""
+        """As a step under the runtime starts: the first group's forward fetch is issued."""
         self.in_step = True
         self._waiting.clear()
         self._backward = False
         self._next_backward = 0
         self.peak_transient = self.transient
         self.copied = 0
-        for mp in self.params.values():
-            if mp.placement in HOST_PLACEMENTS:
-                g = mp.p.grad
-                if g is not mp.hgrad:  # zero_grad() let it go, or the user set one of their own
-                    if mp.hgrad is not None and mp.hgrad._base is not None:
-                        self.backend.pool.discard(mp.hgrad._base)  # the user's to keep or drop: never reused
-                    mp.hgrad = None
-                    if g is not None:
-                        mp.hgrad = self._host_buffer(g)
-                        mp.hgrad.copy_(g)
-                mp.p.grad = None
         self._issue_next(self.forward_order, None)
+
+    def _take_grad(self, mp: _Param) -> None:
+        """Before autograd accumulates ``mp``'s first gradient of the step (a hook on the
+        parameter, after any ``zero_grad()`` the user calls, Lightning's between forward and
+        backward too): the gradient kept on the host leaves ``p.grad``, and backward's is added to
+        it there (``_collect_grads``)."""
+        if not self.in_step or mp.taken or mp.placement not in HOST_PLACEMENTS:
+            return
+        g = mp.p.grad
+        if g is not mp.hgrad:  # zero_grad() let it go, or the user set one of their own
+            if mp.hgrad is not None and mp.hgrad._base is not None:
+                self.backend.pool.discard(mp.hgrad._base)  # the user's to keep or drop: never reused
+            mp.hgrad = None
+            if g is not None:
+                mp.hgrad = self._host_buffer(g)
+                mp.hgrad.copy_(g)
+        mp.p.grad = None
+        mp.taken = True
 
     def _issue_next(self, order: list[str], after: str | None) -> None:
         """R14: the group after ``after`` in ``order`` whose parameters leave the device between
@@ -425,7 +434,7 @@ class StateMover:
         if self._waiting:
             self._admit()
         if not self._backward:
-            self._backward = True
+            self._backward_starts()
             self._poll()
             self._issue_next(self.backward_order, None)  # the first as backward starts
         order = self.backward_order
@@ -441,13 +450,27 @@ class StateMover:
             if mp is not None and not (mp.resident and mp.fetch is None):
                 self._ready(mp)
 
+    def _backward_starts(self) -> None:
+        """The first hook of a backward: when autograd's engine finishes it, every tensor comes to
+        rest (``_to_rest``), so what runs between backward and ``optimizer.step()`` (clipping,
+        inside Lightning's closure too) sees every gradient where the user reads it."""
+        self._backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
+
+    def _backward_ends(self) -> None:
+        self._backward = False
+        self._next_backward = 0
+        self._to_rest()
+
     def _grad_ready(self, mp: _Param) -> None:
         """Post-accumulate hook: ``mp``'s gradient is complete for this backward."""
         if not self.in_step:
             return
+        if not self._backward:
+            self._backward_starts()
         if mp.placement in HOST_PLACEMENTS:
             g = mp.p.grad
-            if g is not None:
+            if g is not None and g is not mp.hgrad:  # (a second backward in one step adds to it in place)
                 self._bytes(mp.nbytes)
                 buf = self.backend.pool.take(mp.nbytes)
                 mp.grad_outs.append((self.backend.copy_out_into(g.detach(), buf.view(g.dtype).view(g.shape)), buf))
@@ -476,29 +499,37 @@ class StateMover:
     def end_step(self) -> None:
         """As the step ends (or fails): every tensor as at rest (module docstring)."""
         try:
-            self._collect_grads(wait=True)
-            for mp in self.params.values():
-                if mp.fetch is not None:
-                    self.backend.wait_host(mp.fetch)
-                    mp.fetch = None
-                if mp.out is not None:
-                    self.backend.wait_host(mp.out)
-                    mp.out = None
-                mp.uses = 0
-                if mp.placement == "param":
-                    mp.out_release = False
-                    self._ready(mp)  # R14: kept from its backward fetch to the next forward
-                elif mp.placement in ("full", "stream-full"):
-                    self._release(mp)
-                    mp.dev = None  # a fresh storage next step; the host master is the parameter
-                if mp.placement in HOST_PLACEMENTS:
-                    mp.p.data = present_host(mp)
-                    mp.p.grad = mp.hgrad
-                    if mp.placement == "host-step":
-                        mp.dev_version = mp.p._version
+            self._to_rest()
         finally:
             self.in_step = False
             self._by_storage = {k: v for k, v in self._by_storage.items() if v.dev is not None}
+
+    def _to_rest(self) -> None:
+        """Every tensor as at rest: at the step's end, or where the user's optimizer steps inside
+        the step (Lightning's training batch), before it does. The gradients taken off ``p.grad``
+        as the step began go back once (a ``zero_grad()`` after the step inside it stays)."""
+        self._collect_grads(wait=True)
+        for mp in self.params.values():
+            if mp.fetch is not None:
+                self.backend.wait_host(mp.fetch)
+                mp.fetch = None
+            if mp.out is not None:
+                self.backend.wait_host(mp.out)
+                mp.out = None
+            mp.uses = 0
+            if mp.placement == "param":
+                mp.out_release = False
+                self._ready(mp)  # R14: kept from its backward fetch to the next forward
+            elif mp.placement in ("full", "stream-full"):
+                self._release(mp)
+                mp.dev = None  # a fresh storage next step; the host master is the parameter
+            if mp.placement in HOST_PLACEMENTS:
+                mp.p.data = present_host(mp)
+                if mp.taken:
+                    mp.p.grad = mp.hgrad
+                    mp.taken = False
+                if mp.placement == "host-step":
+                    mp.dev_version = mp.p._version
 
     def settle(self) -> None:
         """Wait for every copy in flight (before reading what they write, and at the end)."""
@@ -512,8 +543,9 @@ class StateMover:
     # ------------------------------------------------------------------ outside a step (eval, no_grad)
     def _enter_at_rest(self, g: str) -> None:
         """A forward outside ``runtime.step()`` (evaluation): the group's parameters on the device
-        for it, synchronously, and back to rest after (``_leave_at_rest``)."""
-        with torch.no_grad():
+        for it, synchronously, and back to rest after (``_leave_at_rest``). Under
+        ``inference_mode`` (Lightning's validation) too: what it makes must outlive it."""
+        with torch.no_grad(), torch.inference_mode(False):
             for mp in self.users[g]:
                 if mp.placement == "host-step":
                     self.in_step = True  # the device copy is kept; put the parameter on it as a step would
@@ -529,7 +561,7 @@ class StateMover:
                     mp.p.data = present_dev(mp)
 
     def _leave_at_rest(self, g: str) -> None:
-        for mp in self.users[g]:
+        for mp in self.users[g]:  # (resizing a storage is no in-place update: allowed under inference_mode)
             if mp.placement in HOST_PLACEMENTS:
                 if mp.placement != "host-step":
                     self._release(mp)
@@ -537,11 +569,31 @@ class StateMover:
                 mp.p.data = present_host(mp)
 
     # ------------------------------------------------------------------ the optimizer's step
+    def _step_pre_hook(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Before the user's ``optimizer.step()``: each group where it steps. A step given a
+        closure (Lightning's) runs forward and backward inside it: the groups are placed after it."""
+        # args as torch's step wrapper passes them: the optimizer itself first, then step's own
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._before_optimizer_step()
+            return None
+
+        def closure_then_place() -> Any:
+            loss = closure()
+            self._before_optimizer_step()
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_place}
+        return (args[0], closure_then_place, *args[2:]), kwargs
+
     def _before_optimizer_step(self) -> None:
         """Each group where its placement steps it: ``stream`` and ``stream-full`` on the device,
         their state (and, for ``stream-full``, parameter and gradient) streamed in; ``host-step``
         and ``full`` on the host, as they are at rest; ``param`` on the device, as at rest."""
         self._t_step = time.perf_counter()
+        if self.in_step:  # stepped inside runtime.step() (Lightning): backward's work first comes to rest
+            self._to_rest()
         self.settle()
         tickets: list[Ticket] = []
         with torch.no_grad():

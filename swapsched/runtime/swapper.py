@@ -439,6 +439,18 @@ class PolicyRuntime:
         back if the shape is refused."""
         self._grads.keep()
 
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer that steps the model, where it exists only after the runtime is made
+        (a trainer creates it as training starts): its state counts in ``static_bytes`` and may
+        move (R13). Only before a plan is made."""
+        if self.optimizer is optimizer:
+            return
+        if self.optimizer is not None or self.plan is not None or self.model is None:
+            raise UserError("attach_optimizer() gives a runtime made with a model and no optimizer its optimizer, "
+                            "before its first plan; give it as SwapRuntime(model=..., optimizer=...) otherwise")
+        self.optimizer = optimizer
+        self.static_bytes = static_bytes_of(self.model, optimizer)
+
     def _with_state(self, trace: Trace) -> Trace:
         """R13: ``trace`` with the model's training state per group where the state must move:
         with the model and its optimizer given, under a byte budget that no plan of the

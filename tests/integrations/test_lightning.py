@@ -133,3 +133,21 @@ def test_a_compiled_module_runs_the_compiled_executor():
     assert report.graphs and report.step is not None and report.step.within
     for p, q in zip(plain.parameters(), swapped.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_byte_budget_below_the_static_bytes_moves_the_optimizer_it_creates(accumulate):
+    # the optimizer Lightning creates (configure_optimizers) is attached at the first batch, its
+    # state placed with the parameters (R13); the optimizer steps inside the callback's step
+    from swapsched.runtime.profiler import profile
+
+    case = build_model("mlp", "small", seed=0)
+    trace = profile(case.model, case.inputs, case.loss_fn, name="mlp-small", state="adamw")
+    budget = trace.static_bytes // 2 + (trace.min_feasible_bytes - trace.static_bytes)
+    swap = SwapCallback(budget=budget, policy="default", backend="cpu")
+    plain, swapped = _fit([], accumulate), _fit([swap], accumulate)
+    rep = swap.runtime.report()
+    assert rep.mode == "execute" and rep.state is not None and rep.state.placements
+    assert rep.peak_device_bytes <= rep.budget_bytes
+    for p, q in zip(plain.parameters(), swapped.parameters(), strict=True):
+        assert torch.equal(p, q)
