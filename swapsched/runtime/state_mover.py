@@ -140,7 +140,7 @@ class StateMover:
             raise UserError(f"placement names group(s) {sorted(unknown)} that own no trainable parameter of the model")
         in_optimizer = {id(p) for grp in optimizer.param_groups for p in grp["params"]}
         self.params: dict[int, _Param] = {}
-        for g, ps in users.items():
+        for ps in users.values():
             for p in ps:
                 where = self.placement.get(owner[id(p)], "device")
                 if where == "device" or id(p) in self.params:
@@ -314,8 +314,8 @@ class StateMover:
             mp.dev.untyped_storage().resize_(mp.nbytes)
         mp.resident = True
         self._bytes(mp.nbytes)
-        source = mp.host if mp.placement in HOST_PLACEMENTS else present_out(mp)
-        mp.fetch = self.backend.copy_in_into(source, _alias(mp.dev))
+        # the host master, or (param) the copy made after forward: the same buffer
+        mp.fetch = self.backend.copy_in_into(present_out(mp), _alias(mp.dev))
         self.copied += mp.nbytes
 
     def _ready(self, mp: _Param) -> None:
@@ -325,7 +325,7 @@ class StateMover:
             self.backend.wait_for_use(mp.fetch)
             mp.fetch = None
         if self.in_step and mp.p.data is not mp.dev:
-            mp.p.data = mp.dev
+            mp.p.data = present_dev(mp)
 
     def _poll(self) -> None:
         """Retire the copies out that landed (their storages go, their host buffers are complete)
@@ -446,9 +446,9 @@ class StateMover:
                     self._ready(mp)
             self._issue_next(order, g)
         if t is not None:
-            mp = self._by_storage.get(t.untyped_storage()._cdata)
-            if mp is not None and not (mp.resident and mp.fetch is None):
-                self._ready(mp)
+            kept = self._by_storage.get(t.untyped_storage()._cdata)
+            if kept is not None and not (kept.resident and kept.fetch is None):
+                self._ready(kept)
 
     def _backward_starts(self) -> None:
         """The first hook of a backward: when autograd's engine finishes it, every tensor comes to
@@ -746,6 +746,6 @@ def present_dev(mp: _Param) -> torch.Tensor:
 
 
 def present_out(mp: _Param) -> torch.Tensor:
-    """A ``param`` placement's host copy, made by its copy out after forward."""
-    assert mp.host is not None, f"parameter {mp.name} was copied out before it is fetched back"
+    """Where a fetch copies from: the host master, or a ``param`` placement's copy made after forward."""
+    assert mp.host is not None, f"parameter {mp.name} has a host copy before it is fetched"
     return mp.host

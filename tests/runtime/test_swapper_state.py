@@ -70,22 +70,21 @@ def test_a_budget_below_the_static_bytes_moves_the_state_and_trains_bit_identica
 def test_a_budget_the_state_cannot_meet_says_what_it_needs_and_the_host_memory(floors: dict[str, int]) -> None:
     a, _, opt_a, _ = _pair()
     budget = floors["movable"] - 1
-    with SwapRuntime(budget=budget, policy="default", model=a.model, optimizer=opt_a, backend="cpu") as rt:
-        with pytest.raises(BudgetError, match="host memory for the state"):
-            for _ in range(4):
-                with rt.step():
-                    a.loss().backward()
+    with SwapRuntime(budget=budget, policy="default", model=a.model, optimizer=opt_a, backend="cpu") as rt, \
+            pytest.raises(BudgetError, match="host memory for the state"):
+        for _ in range(4):
+            with rt.step():
+                a.loss().backward()
 
 
 def test_a_host_budget_that_cannot_hold_what_must_move_is_refused(floors: dict[str, int]) -> None:
     a, _, opt_a, _ = _pair()
     budget = floors["static"] // 2 + floors["floor"]
     with SwapRuntime(budget=budget, policy="default", model=a.model, optimizer=opt_a, backend="cpu",
-                     host_budget=1024) as rt:
-        with pytest.raises(BudgetError, match="the host budget, 1.00 KiB, keeps on the device"):
-            for _ in range(4):
-                with rt.step():
-                    a.loss().backward()
+                     host_budget=1024) as rt, pytest.raises(BudgetError, match="the host budget, 1.00 KiB, keeps on the device"):
+        for _ in range(4):
+            with rt.step():
+                a.loss().backward()
 
 
 def test_without_the_optimizer_the_budget_covers_what_it_did() -> None:
