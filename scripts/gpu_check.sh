@@ -30,17 +30,21 @@ step() {
 # 1. the CUDA backend's tests (bit-identical gradients, pinned pool, streams, the budget on CUDA)
 step gpu_tests 110 python -m pytest -m gpu -q -p no:cacheprovider tests/runtime tests/compiled
 # 2. runtime cost on CUDA: hook overhead, nothing-evicted overhead, policies at 30-80%
-step runtime_cuda 70 python scripts/bench_runtime.py --backend cuda --model gpt --size medium --steps 8 --rounds 10 \
+step runtime_cuda 60 python scripts/bench_runtime.py --backend cuda --model gpt --size medium --steps 8 --rounds 10 \
     --out "$out/runtime_cuda.json"
 # 3. sim-to-real on CUDA (calibrates the link first, then every policy)
-step sim2real_cuda 100 python scripts/bench_sim2real.py --backend cuda --rounds 3 --steps 2 --out "$out/sim2real_cuda.json"
+step sim2real_cuda 70 python scripts/bench_sim2real.py --backend cuda --rounds 3 --steps 2 --out "$out/sim2real_cuda.json"
 # 4. side by side on a ~350M-parameter GPT at 50%, interleaved: the learned planner, capuchin, the peers
 #    (checkpointing, selective checkpointing, save_on_cpu(pin_memory=True), checkpoint-offload), peaks by max_memory_allocated
-step gpt350m_50 110 python -m swapsched.cli run gpt --size 350m --batch-size 4 --seq-len 512 --budget 50% --steps 6 \
+step gpt350m_50 100 python -m swapsched.cli run gpt --size 350m --batch-size 4 --seq-len 512 --budget 50% --steps 6 \
     --backend cuda --compare --compare-policies capuchin --rounds 4 --no-progress --json "$out/gpt350m_50.json"
 # 5. the compiled executor (R10) on the same GPT at 50%: step time and max_memory_allocated beside
 #    the hook runtime, torch.compile with activation_memory_budget=0.5 and SAC (torch's default op list)
-step compiled_gpt350m_50 90 python scripts/check_compiled_gpu.py --budget 50% --steps 4 --out "$out/compiled_gpu.json"
+step compiled_gpt350m_50 80 python scripts/check_compiled_gpu.py --budget 50% --steps 4 --out "$out/compiled_gpu.json"
+# 6. the whole training state moved on CUDA (R17): a GPT with AdamW at half its static bytes plus its
+#    activation floor, default against the offloaders' placements; pinned host masters, copy streams
+step state_live_cuda 60 python scripts/bench_state_live.py --backend cuda --size large --rounds 2 --round-steps 3 \
+    --out "$out/state_live_cuda.json"
 joined=$(IFS=,; echo "${steps[*]}")
 echo "{\"exit\": $status, \"steps\": [$joined]}" > "$out/gpu_check.json"
 echo "gpu_check: exit $status; results in $out/ (summary: $out/gpu_check.json)"

@@ -63,12 +63,26 @@ def _pair(model: str, size: str | None, batch_size: int | None, seq_len: int | N
     return a, b
 
 
+#: The optimizers ``run`` trains with: SGD (no state: what the activations' comparisons use) and
+#: AdamW (8 bytes of state a parameter, which a byte budget below the static bytes moves, R13)
+LIVE_OPTIMIZERS = ("sgd", "adamw")
+
+
+def make_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
+    """``run``'s optimizer ``name`` (``LIVE_OPTIMIZERS``) over ``model``'s parameters."""
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=1e-3)
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-3)
+    raise UserError(f"optimizer {name!r} unknown; use one of {', '.join(LIVE_OPTIMIZERS)}")
+
+
 def _train(case: ModelCase, ref: ModelCase, steps: int, device: str, wrap: Callable[[], Any],
-           on_step: Callable[[int, float, bool], None] | None = None) -> tuple[list[float], bool, list[int]]:
-    """``steps`` SGD steps of ``case`` inside ``wrap()`` and of ``ref`` plainly: step times, whether
-    every loss matched bit for bit, and (CUDA) each step's allocation peak above its start."""
-    opt_a = torch.optim.SGD(case.model.parameters(), lr=1e-3)
-    opt_b = torch.optim.SGD(ref.model.parameters(), lr=1e-3)
+           on_step: Callable[[int, float, bool], None] | None, opt_a: torch.optim.Optimizer,
+           opt_b: torch.optim.Optimizer) -> tuple[list[float], bool, list[int]]:
+    """``steps`` optimizer steps of ``case`` inside ``wrap()`` and of ``ref`` plainly: step times
+    (forward and backward), whether every loss matched bit for bit, and (CUDA) each step's
+    allocation peak above its start."""
     times, matches, peaks = [], True, []
     cuda = device.startswith("cuda")
     for s in range(steps):
@@ -98,15 +112,16 @@ class NothingToSwap(UserError):
 
 def run_runtime(model: str, policy: Any, budget: str, steps: int, *, size: str | None = None, batch_size: int | None = None,
                 seq_len: int | None = None, backend: str | None = None, bandwidth: float | None = None,
-                hardware: str | None = None, on_step: Callable[..., None] | None = None) -> RunResult:
+                hardware: str | None = None, on_step: Callable[..., None] | None = None, optimizer: str = "sgd") -> RunResult:
     from swapsched.deploy import SwapRuntime
     from swapsched.runtime.backends import resolve_backend
 
     backend = resolve_backend(backend)
     device = "cuda" if backend == "cuda" else "cpu"
     case, ref = _pair(model, size, batch_size, seq_len, device)
+    opt_a, opt_b = make_optimizer(case.model, optimizer), make_optimizer(ref.model, optimizer)
     rt = SwapRuntime(budget=budget, policy=policy, backend=backend, bandwidth=bandwidth, hardware=hardware,
-                     model=case.model)
+                     model=case.model, optimizer=opt_a)
     name = getattr(rt.policy, "name", str(policy))
     if steps <= rt.profile_steps:
         raise UserError(f"--steps must exceed the {rt.profile_steps} profiling steps, got {steps}")
@@ -118,7 +133,7 @@ def run_runtime(model: str, policy: Any, budget: str, steps: int, *, size: str |
             on_step(s, dt, ok, rt.report())
 
     try:
-        _, matches, peaks = _train(case, ref, steps, device, rt.step, step_cb)
+        _, matches, peaks = _train(case, ref, steps, device, rt.step, step_cb, opt_a, opt_b)
     finally:
         rt.close()
     run = [r for r in reports if r.mode == "execute"]
@@ -304,9 +319,10 @@ def _blocks_of(model: nn.Module) -> list[nn.Module]:
 class _Method:
     """One method of the comparison: its own copy of the model, its optimizer, what wraps its step."""
 
-    def __init__(self, name: str, case: ModelCase, wrap: Callable[[], Any], note: str = "", runtime: Any = None):
+    def __init__(self, name: str, case: ModelCase, wrap: Callable[[], Any], note: str = "", runtime: Any = None,
+                 optimizer: torch.optim.Optimizer | None = None):
         self.name, self.case, self.wrap, self.note, self.runtime = name, case, wrap, note, runtime
-        self.opt = torch.optim.SGD(case.model.parameters(), lr=1e-3)
+        self.opt = optimizer or torch.optim.SGD(case.model.parameters(), lr=1e-3)
         self.losses: list[torch.Tensor] = []
         self.times: list[list[float]] = []
 
@@ -333,7 +349,7 @@ class _Method:
 def compare_live(model: str, budget: str, policies: list[str], *, size: str | None = None, batch_size: int | None = None,
                  seq_len: int | None = None, backend: str | None = None, bandwidth: float | None = None,
                  hardware: str | None = None, rounds: int = 6, round_steps: int = 2, seed: int = 0,
-                 progress: Callable[[str], None] | None = None) -> LiveComparison:
+                 progress: Callable[[str], None] | None = None, optimizer: str = "sgd") -> LiveComparison:
     """Every method of ``--compare`` (module docstring) on ``model`` at ``budget``, interleaved."""
     import random
 
@@ -353,26 +369,39 @@ def compare_live(model: str, budget: str, policies: list[str], *, size: str | No
 
     def runtime_method(name: str, policy: str, note: str = "") -> _Method:
         case = fresh()
-        rt = SwapRuntime(budget=budget, policy=policy, backend=backend, bandwidth=bandwidth, hardware=hardware, model=case.model)
+        opt = make_optimizer(case.model, optimizer)
+        rt = SwapRuntime(budget=budget, policy=policy, backend=backend, bandwidth=bandwidth, hardware=hardware,
+                         model=case.model, optimizer=opt)
         runtimes.append(rt)
-        return _Method(name, case, rt.step, note or f"swapsched runtime, link: {rt.backend.link()}", rt)
+        return _Method(name, case, rt.step, note or f"swapsched runtime, link: {rt.backend.link()}", rt, opt)
 
-    methods = [_Method("plain", fresh(), contextlib.nullcontext, "no copies")]
+    def plain_method(name: str, case: ModelCase, wrap: Callable[[], Any], note: str) -> _Method:
+        return _Method(name, case, wrap, note, optimizer=make_optimizer(case.model, optimizer))
+
+    methods = [plain_method("plain", fresh(), contextlib.nullcontext, "no copies")]
     ck = fresh()
     n = _checkpoint_blocks(ck.model)
-    methods.append(_Method("checkpoint", ck, contextlib.nullcontext, f"torch.utils.checkpoint on {n} blocks, no copies"))
+    methods.append(plain_method("checkpoint", ck, contextlib.nullcontext, f"torch.utils.checkpoint on {n} blocks, no copies"))
     sac = fresh()
     n = _sac_blocks(sac.model)
-    methods.append(_Method("selective-checkpoint", sac, contextlib.nullcontext,
-                           f"torch selective checkpointing on {n} blocks (torchtitan's op list), no copies"))
+    methods.append(plain_method("selective-checkpoint", sac, contextlib.nullcontext,
+                                f"torch selective checkpointing on {n} blocks (torchtitan's op list), no copies"))
     if device == "cuda":
-        methods.append(_Method("save_on_cpu", fresh(), lambda: torch.autograd.graph.save_on_cpu(pin_memory=True),
-                               "torch.autograd.graph.save_on_cpu(pin_memory=True)"))
+        methods.append(plain_method("save_on_cpu", fresh(), lambda: torch.autograd.graph.save_on_cpu(pin_memory=True),
+                                    "torch.autograd.graph.save_on_cpu(pin_memory=True)"))
     else:  # on the CPU it would copy nothing (the tensors are on the host already): its schedule, emulated
         methods.append(runtime_method("save_on_cpu", "swap-all", "save_on_cpu's schedule on the runtime's emulated link "
                                                                  "(torch's own copies nothing on a CPU-only machine)"))
     methods.append(runtime_method("checkpoint-offload", "checkpoint-offload",
                                   "each block checkpointed, its input offloaded (ALST), on the runtime"))
+    if optimizer != "sgd" and not budget.strip().endswith("%"):
+        # R13: the offloaders users pick for the state, as their placements (agents/state_search.PEERS,
+        # each block checkpointed as they are run) executed by the runtime: their own code (FSDP2's
+        # CPUOffloadPolicy, torchao's CPUOffloadOptimizer, DeepSpeed's ZeRO-Offload) offloads from a
+        # CUDA device and is not run here; each row says so
+        for peer, what in (("zero-offload", "ZeRO-Offload's placement"), ("fsdp-offload", "FSDP2 CPUOffloadPolicy's placement"),
+                           ("ao-offload", "torchao CPUOffloadOptimizer's placement")):
+            methods.append(runtime_method(peer, peer, f"{what} executed by the swapsched runtime, not the peer's own code"))
     for p in policies:
         methods.append(runtime_method(p, p))
     refused: dict[str, str] = {}

@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--backend", choices=["cpu", "cuda"], help="default: cuda when available")
     sp.add_argument("--bandwidth", type=positive_float, help="CPU backend: throttle both copy engines to this many bytes/s")
     sp.add_argument("--hardware", help="profile the plan is made for (default: cpu-emulated on cpu, h100-pcie5 on cuda)")
+    sp.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd",
+                    help="sgd (no state, default) or adamw; with adamw a byte budget below what the activations alone "
+                         "can meet moves parameters, gradients and optimizer state (and --compare adds the offloaders' placements)")
     sp.add_argument("--compare", action="store_true",
                     help="also run the other policies and the peers (plain, checkpointing, selective checkpointing, "
                          "save_on_cpu, checkpoint-offload) in shuffled interleaved rounds, each with its measured peak")

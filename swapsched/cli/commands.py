@@ -190,7 +190,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"step {s + 1:>3}  {1e3 * dt:8.2f} ms  {rep.mode:<8} {mem}  loss {'matches' if ok else 'DIFFERS'}", flush=True)
 
     try:
-        main_run = run_runtime(args.model, args.policy, args.budget, args.steps, backend=args.backend,
+        main_run = run_runtime(args.model, args.policy, args.budget, args.steps, backend=args.backend, optimizer=args.optimizer,
                                bandwidth=args.bandwidth, hardware=args.hardware, on_step=show, **common)
     except NothingToSwap as exc:
         print(exc)
@@ -216,7 +216,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             bar.set_postfix_str(what)
             bar.update()
 
-        live = compare_live(args.model, args.budget, policies, backend=args.backend, bandwidth=args.bandwidth,
+        live = compare_live(args.model, args.budget, policies, backend=args.backend, bandwidth=args.bandwidth, optimizer=args.optimizer,
                             hardware=args.hardware, rounds=args.rounds, round_steps=args.round_steps, progress=tick, **common)
         bar.close()
         print()
