@@ -115,6 +115,7 @@ CASES = [
     ("run", "--steps", "0", "positive integer"),
     ("run", "--steps", "2", "steps"),
     ("run", "--backend", "tpu", "invalid choice"),
+    ("run", "--optimizer", "lion", "invalid choice"),
     ("run", "--bandwidth", "-1", "positive number"),
     ("run", "--hardware", "abacus", "unknown hardware"),
     ("run", "--compare-policies", "min,magic", "unknown policy 'magic'"),
