@@ -112,9 +112,10 @@ def format_live(live: Any) -> str:
     verdict = (f"fastest that fits {format_bytes(live.budget_bytes)}: {best.method} ({best.ratio:.2f}x the plain step)"
                if best else f"no method fits {format_bytes(live.budget_bytes)}")
     return "\n".join([
-        f"interleaved: {live.rounds} shuffled rounds of {live.round_steps} steps per method; vs plain = median over rounds "
+        f"interleaved: {live.rounds} shuffled rounds of {live.round_steps} steps (forward, backward, optimizer step) per method; vs plain = median over rounds "
         "of the method's median step over plain's in the same round; peak by one meter for every method (CPU: live "
-        "storages; CUDA: max_memory_allocated), the budget in bytes as the runtime resolves it on this model",
+        "storages; CUDA: max_memory_allocated; a CPU row that moves the state: its runtime's audit meter, as its note "
+        "says), the budget in bytes as the runtime resolves it on this model",
         table, verdict])
 
 
