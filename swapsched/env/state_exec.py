@@ -48,7 +48,7 @@ from swapsched.env.result import SimResult, StateCost
 from swapsched.plan import SwapPlan
 from swapsched.state import OPTIMIZERS
 
-__all__ = ["StateExecution", "StateResult", "state_split", "fetch_events", "stream_in_bytes", "run_to_steady_state",
+__all__ = ["StateExecution", "StateResult", "state_split", "resident_parts", "fetch_events", "stream_in_bytes", "run_to_steady_state",
            "STEADY_STATE_ROUNDS"]
 
 #: R16: the most steps simulated one after another to reach the steady state of a plan that
@@ -75,6 +75,12 @@ def state_split(trace_state: tuple, placement: dict[str, str]) -> tuple[int, int
         static += part_bytes(g, _STATIC[where])
         host += part_bytes(g, _HOST[where])
     return static, host
+
+
+def resident_parts(placement: str) -> tuple[str, ...]:
+    """The parts of a group (``"param_bytes"``, ``"grad_bytes"``, ``"optim_bytes"``) the device
+    holds all step under ``placement`` (module docstring); the rest is off it between uses."""
+    return _STATIC[placement]
 
 
 def part_bytes(group: Any, fields: tuple[str, ...]) -> int:

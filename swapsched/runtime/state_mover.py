@@ -41,59 +41,32 @@ accumulation the user does after it). Streamed state comes in at ``optimizer.ste
 
 from __future__ import annotations
 
-import inspect
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from swapsched.env.state_exec import resident_parts
 from swapsched.errors import UserError
-from swapsched.runtime.backends import Backend, Ticket
+from swapsched.runtime.backends import Backend
 from swapsched.runtime.reports import StateStepReport
+from swapsched.runtime.state_rest import (
+    _HOST_STEPPED,
+    _RELEASED,
+    HOST_PLACEMENTS,
+    StateAtRest,
+    _alias,
+    _Param,
+    present_dev,
+    present_host,
+    present_out,
+)
 from swapsched.state import PLACEMENTS, StateGroup, group_name
 
 __all__ = ["StateMover", "HOST_PLACEMENTS"]
 
-#: Placements whose master parameter, gradient and optimizer state live on the host at rest
-HOST_PLACEMENTS = frozenset({"host-step", "full", "stream-full"})
-#: ... whose parameter leaves the device between its uses within a step
-_RELEASED = frozenset({"param", "full", "stream-full"})
-#: ... that step on the host (the rest on the device)
-_HOST_STEPPED = frozenset({"host-step", "full"})
-
-def _alias(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s elements through a tensor of its own (copies into it leave ``t``'s version)."""
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
-
-
-@dataclass(eq=False)
-class _Param:
-    """One parameter the mover places, with what it holds for it."""
-
-    p: nn.Parameter
-    name: str
-    group: str
-    placement: str
-    nbytes: int
-    host: torch.Tensor | None = None  # the host master (placements that keep one)
-    dev: torch.Tensor | None = None  # the device tensor p.data is while on the device
-    resident: bool = True  # dev's storage holds the bytes
-    fetch: Ticket | None = None  # a copy into dev in flight
-    out: Ticket | None = None  # a copy out of dev in flight (``param``: its storage goes when it lands)
-    out_release: bool = False  # let dev go once ``out`` lands
-    back: Ticket | None = None  # host-step: the host master's copy back into dev (R16)
-    dev_version: int = -1  # the host master's version dev was copied from (a reload changes it)
-    hgrad: torch.Tensor | None = None  # the gradient kept on the host
-    grad_outs: list[tuple[Ticket, torch.Tensor]] = field(default_factory=list)  # gradients on their way out
-    uses: int = 0  # forward scopes of groups using it now (a tied weight: more than one)
-    taken: bool = False  # the host gradient is off p.grad for this step's backward (_take_grad)
-    step_grad: torch.Tensor | None = None  # stream-full: the host gradient while the device steps it
-
-
-class StateMover:
+class StateMover(StateAtRest):
     """Carries ``placement`` (group -> ``state.PLACEMENTS``) out on ``model`` and ``optimizer``
     (module docstring). ``groups``: the trace's state groups (their forward order); ``on_bytes``:
     called with each change of the state's device bytes beyond the resident part (the executing
@@ -167,55 +140,10 @@ class StateMover:
         self._install_hooks()
 
     # ------------------------------------------------------------------ setup
-    def _check_host_step(self) -> None:
-        """Every optimizer group with a parameter stepped on the host can step there: its class and
-        hyperparameters are tried on a one-element host tensor (a fused kernel the host lacks fails)."""
-        host_ids = {id(mp.p) for mp in self.params.values() if mp.placement in _HOST_STEPPED}
-        for grp in self.optimizer.param_groups:
-            if not any(id(p) in host_ids for p in grp["params"]):
-                continue
-            probe = torch.zeros(1, requires_grad=True)
-            hyper = {k: v for k, v in grp.items() if k != "params"}
-            accepted = inspect.signature(type(self.optimizer).__init__).parameters
-            try:
-                opt = type(self.optimizer)([probe], **{k: v for k, v in hyper.items() if k in accepted})
-                opt.param_groups[0].update(hyper)  # what the class sets itself (AdamW's decoupled_weight_decay)
-                probe.grad = torch.ones(1)
-                opt.step()
-            except Exception as exc:  # the class cannot step on the host: said, nothing moved yet
-                raise UserError(f"{type(self.optimizer).__name__} with {hyper} cannot step on the host ({exc}); "
-                                "use a class or setting with a CPU kernel (for example fused=False), or a budget "
-                                "whose plan steps on the device") from exc
-
     def _host_buffer(self, like: torch.Tensor) -> torch.Tensor:
         """A host tensor of ``like``'s shape and dtype from the backend's pool (pinned on CUDA)."""
         nbytes = like.numel() * like.element_size()
         return self.backend.pool.take(nbytes).view(like.dtype).view(like.shape)
-
-    def _to_rest_at_install(self) -> None:
-        """Each placed parameter as it is at rest (module docstring), its optimizer state where its
-        placement keeps it (a runtime made mid-run finds the state on the device)."""
-        with torch.no_grad():
-            for mp in self.params.values():
-                p = mp.p
-                mp.dev = p.data
-                if mp.placement in HOST_PLACEMENTS:
-                    mp.host = self._host_buffer(p)
-                    mp.host.copy_(p.data)
-                    if p.grad is not None:
-                        mp.hgrad = self._host_buffer(p.grad)
-                        mp.hgrad.copy_(p.grad)
-                    p.data = mp.host
-                    p.grad = mp.hgrad
-                    mp.dev_version = p._version
-                    if mp.placement != "host-step":  # host-step keeps its device copy all step
-                        mp.dev = None
-                        mp.resident = False
-                elif mp.placement == "param":  # on the device at rest, beyond the resident part (R14)
-                    self._by_storage[p.untyped_storage()._cdata] = mp
-                    self.transient += mp.nbytes
-                if mp.placement in ("stream", *HOST_PLACEMENTS):
-                    self._state_to_host(mp)
 
     def _install_hooks(self) -> None:
         for g in self.users:
@@ -229,30 +157,6 @@ class StateMover:
                 self._handles.append(mp.p.register_hook(lambda g, mp=mp: self._take_grad(mp)))
         self._handles.append(self.optimizer.register_step_pre_hook(self._step_pre_hook))
         self._handles.append(self.optimizer.register_step_post_hook(lambda opt, a, k: self._after_optimizer_step()))
-
-    def remove(self) -> None:
-        """Take the hooks off and put every parameter, gradient and state back on the device."""
-        self.settle()
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        with torch.no_grad():
-            for mp in self.params.values():
-                p = mp.p
-                if mp.placement in HOST_PLACEMENTS:
-                    grad = p.grad  # at rest: the host gradient, None after zero_grad(), or the user's
-                    p.grad = None
-                    p.data = present_host(mp).to(self.device, copy=True)
-                    if grad is not None:
-                        p.grad = grad.to(self.device, copy=True)
-                elif mp.placement == "param":
-                    self._ready(mp)
-                st = self.optimizer.state.get(p, {})
-                for k, v in list(self._state_tensors(mp)):
-                    if id(v) in self._host_state or mp.placement in HOST_PLACEMENTS:
-                        st[k] = v.to(self.device, copy=True)
-        self.params.clear()
-        self._by_storage.clear()
 
     # ------------------------------------------------------------------ accounting
     def _bytes(self, delta: int) -> None:
@@ -540,165 +444,6 @@ class StateMover:
             mp.fetch = mp.out = mp.back = None
         self._collect_grads(wait=True)
 
-    # ------------------------------------------------------------------ outside a step (eval, no_grad)
-    def _enter_at_rest(self, g: str) -> None:
-        """A forward outside ``runtime.step()`` (evaluation): the group's parameters on the device
-        for it, synchronously, and back to rest after (``_leave_at_rest``). Under
-        ``inference_mode`` (Lightning's validation) too: what it makes must outlive it."""
-        with torch.no_grad(), torch.inference_mode(False):
-            for mp in self.users[g]:
-                if mp.placement == "host-step":
-                    self.in_step = True  # the device copy is kept; put the parameter on it as a step would
-                    try:
-                        self._host_step_ready(mp)
-                    finally:
-                        self.in_step = False
-                elif mp.placement in HOST_PLACEMENTS:  # param: on the device at rest already
-                    self._fetch(mp)
-                    if mp.fetch is not None:
-                        self.backend.wait_host(mp.fetch)
-                        mp.fetch = None
-                    mp.p.data = present_dev(mp)
-
-    def _leave_at_rest(self, g: str) -> None:
-        for mp in self.users[g]:  # (resizing a storage is no in-place update: allowed under inference_mode)
-            if mp.placement in HOST_PLACEMENTS:
-                if mp.placement != "host-step":
-                    self._release(mp)
-                    mp.dev = None
-                mp.p.data = present_host(mp)
-
-    # ------------------------------------------------------------------ the optimizer's step
-    def _step_pre_hook(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Before the user's ``optimizer.step()``: each group where it steps. A step given a
-        closure (Lightning's) runs forward and backward inside it: the groups are placed after it."""
-        # args as torch's step wrapper passes them: the optimizer itself first, then step's own
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        if closure is None:
-            self._before_optimizer_step()
-            return None
-
-        def closure_then_place() -> Any:
-            loss = closure()
-            self._before_optimizer_step()
-            return loss
-
-        if "closure" in kwargs:
-            return args, {**kwargs, "closure": closure_then_place}
-        return (args[0], closure_then_place, *args[2:]), kwargs
-
-    def _before_optimizer_step(self) -> None:
-        """Each group where its placement steps it: ``stream`` and ``stream-full`` on the device,
-        their state (and, for ``stream-full``, parameter and gradient) streamed in; ``host-step``
-        and ``full`` on the host, as they are at rest; ``param`` on the device, as at rest."""
-        self._t_step = time.perf_counter()
-        if self.in_step:  # stepped inside runtime.step() (Lightning): backward's work first comes to rest
-            self._to_rest()
-        self.settle()
-        tickets: list[Ticket] = []
-        with torch.no_grad():
-            for mp in self.params.values():
-                if mp.placement == "stream":
-                    tickets += self._state_in(mp)
-                elif mp.placement == "stream-full":
-                    mp.dev = self._device_copy(mp.host)
-                    tickets.append(self.backend.copy_in_into(present_host(mp), _alias(mp.dev)))
-                    mp.resident = True
-                    self._bytes(mp.nbytes)
-                    dgrad, mp.step_grad = None, mp.p.grad  # at rest: the host gradient (None after zero_grad)
-                    if mp.step_grad is not None:
-                        dgrad = self._device_copy(mp.step_grad)
-                        tickets.append(self.backend.copy_in_into(mp.step_grad, dgrad))
-                        self._bytes(mp.nbytes)
-                    self.copied += mp.nbytes * (2 if dgrad is not None else 1)
-                    tickets += self._state_in(mp)
-                    mp.p.data = mp.dev
-                    mp.p.grad = dgrad
-        for t in tickets:
-            self.backend.wait_for_use(t)
-
-    def _after_optimizer_step(self) -> None:
-        """The stepped tensors back where they rest: streamed state out, ``stream-full``'s
-        parameter out to its master, ``host-step``'s master copied back to its device copy (R16:
-        the next forward waits for it)."""
-        tickets: list[Ticket] = []
-        with torch.no_grad():
-            for mp in self.params.values():
-                if mp.placement in ("stream", "stream-full"):
-                    tickets += self._state_out(mp)
-                if mp.placement == "stream-full":
-                    tickets.append(self.backend.copy_out_into(_alias(present_dev(mp)), present_host(mp)))
-                    self.copied += mp.nbytes
-                elif mp.placement == "host-step":
-                    mp.back = self.backend.copy_in_into(present_host(mp), _alias(present_dev(mp)))
-                    self.copied += mp.nbytes
-            for t in tickets:
-                self.backend.wait_host(t)
-            for mp in self.params.values():
-                if mp.placement == "stream-full":
-                    if mp.p.grad is not None:
-                        self._bytes(-mp.nbytes)
-                    self._release(mp)
-                    mp.dev = None
-                    mp.p.grad = None
-                    mp.p.data = present_host(mp)
-                    mp.p.grad, mp.step_grad = mp.step_grad, None
-                elif mp.placement == "host-step":
-                    mp.dev_version = mp.p._version
-        self.optimizer_step_s = time.perf_counter() - self._t_step
-
-    def _state_tensors(self, mp: _Param) -> Iterable[tuple[str, torch.Tensor]]:
-        """The optimizer's per-element state of ``mp`` (a scalar step count stays where it is)."""
-        for k, v in self.optimizer.state.get(mp.p, {}).items():
-            if torch.is_tensor(v) and v.dim() > 0:
-                yield k, v
-
-    def _state_to_host(self, mp: _Param) -> None:
-        """``mp``'s optimizer state into host buffers, synchronously (at install)."""
-        st = self.optimizer.state.get(mp.p)
-        for k, v in list(self._state_tensors(mp)):
-            if id(v) not in self._host_state:
-                h = self._host_buffer(v)
-                h.copy_(v)
-                st[k] = h  # type: ignore[index]
-                self._host_state.add(id(h))
-
-    def _state_in(self, mp: _Param) -> list[Ticket]:
-        """``mp``'s state from its host tensors into device copies (issued; the step waits)."""
-        st = self.optimizer.state[mp.p]
-        out = []
-        for k, v in list(self._state_tensors(mp)):
-            if id(v) not in self._host_state:  # created on the device (the first step), or reloaded there
-                continue
-            d = self._device_copy(v)
-            out.append(self.backend.copy_in_into(v, d))
-            nbytes = v.numel() * v.element_size()
-            self._bytes(nbytes)
-            self.copied += nbytes
-            st[k] = d
-            self._streamed[id(d)] = v
-        return out
-
-    def _state_out(self, mp: _Param) -> list[Ticket]:
-        """``mp``'s state back into its host tensors (new host tensors where it was made on the device)."""
-        st = self.optimizer.state[mp.p]
-        out = []
-        for k, v in list(self._state_tensors(mp)):
-            if id(v) in self._host_state:
-                continue
-            h = self._streamed.pop(id(v), None)
-            was_streamed = h is not None
-            if h is None:  # made on the device by the first step, or reloaded there
-                h = self._host_buffer(v)
-                self._host_state.add(id(h))
-            out.append(self.backend.copy_out_into(v, h))
-            nbytes = v.numel() * v.element_size()
-            self.copied += nbytes
-            if was_streamed:
-                self._bytes(-nbytes)
-            st[k] = h  # v stays alive in the ticket until the copy lands
-        return out
-
     # ------------------------------------------------------------------ what it reports
     def report(self, groups: Sequence[StateGroup]) -> StateStepReport:
         by_name = {g.name: g for g in groups}
@@ -707,8 +452,7 @@ class StateMover:
             g = by_name.get(name)
             if g is None:
                 continue
-            resident = {"param": ("grad_bytes", "optim_bytes"), "stream": ("param_bytes", "grad_bytes"),
-                        "host-step": ("param_bytes",)}.get(where, ())
+            resident = resident_parts(where)  # the simulator's table (R14): one home for it
             for i, part in enumerate(("param_bytes", "grad_bytes", "optim_bytes")):
                 if part not in resident:
                     off[i] += getattr(g, part)
@@ -733,19 +477,3 @@ class StateMover:
             if mp.placement in ("stream", "stream-full"):
                 total += sum(v.untyped_storage().nbytes() for _, v in self._state_tensors(mp) if id(v) not in host_keys)
         return total
-
-
-def present_host(mp: _Param) -> torch.Tensor:
-    assert mp.host is not None, f"parameter {mp.name} ({mp.placement}) has its host master"
-    return mp.host
-
-
-def present_dev(mp: _Param) -> torch.Tensor:
-    assert mp.dev is not None, f"parameter {mp.name} ({mp.placement}) has its device tensor"
-    return mp.dev
-
-
-def present_out(mp: _Param) -> torch.Tensor:
-    """Where a fetch copies from: the host master, or a ``param`` placement's copy made after forward."""
-    assert mp.host is not None, f"parameter {mp.name} has a host copy before it is fetched"
-    return mp.host
