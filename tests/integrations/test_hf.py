@@ -109,3 +109,24 @@ def test_a_compiling_trainer_runs_the_compiled_executor(tmp_path):
     with pytest.raises(UserError, match="torch_compile=True"):
         other = _trainer(tmp_path, "other", torch_compile=True)
         swap_trainer(other, budget="70%", backend="cpu")
+
+
+def test_a_byte_budget_below_the_static_bytes_moves_the_state_of_the_optimizer_the_trainer_creates(tmp_path):
+    # the trainer makes its AdamW as training starts: swap_trainer hands it to the runtime at the
+    # first step, and a byte budget no plan of the activations alone meets moves the state (R13)
+    from swapsched.runtime.profiler import profile
+
+    plain, swapped = _trainer(tmp_path, "plain"), _trainer(tmp_path, "swapped")
+    ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
+    trace = profile(_trainer(tmp_path, "probe").model, (ids,), lambda out: out.logits.float().square().mean(), state="adamw")
+    floor = trace.min_feasible_bytes - trace.static_bytes
+    budget = trace.static_bytes // 2 + 2 * floor
+    assert budget < trace.static_bytes
+    runtime = swap_trainer(swapped, budget=budget, policy="default", backend="cpu")
+    plain.train()
+    swapped.train()
+    rep = runtime.report()
+    assert rep.mode == "execute" and rep.state is not None and rep.state.placements
+    assert rep.peak_device_bytes <= rep.budget_bytes
+    for p, q in zip(plain.model.parameters(), swapped.model.parameters(), strict=True):
+        assert torch.equal(p, q)
