@@ -55,6 +55,7 @@ from swapsched.runtime.state_rest import (
     _HOST_STEPPED,
     _RELEASED,
     HOST_PLACEMENTS,
+    Handover,
     StateAtRest,
     _alias,
     _Param,
@@ -70,10 +71,12 @@ class StateMover(StateAtRest):
     """Carries ``placement`` (group -> ``state.PLACEMENTS``) out on ``model`` and ``optimizer``
     (module docstring). ``groups``: the trace's state groups (their forward order); ``on_bytes``:
     called with each change of the state's device bytes beyond the resident part (the executing
-    step's accounting adds them to its static bytes)."""
+    step's accounting adds them to its static bytes). ``handover``: what the last mover left on
+    the host (a change of plan, ``StateAtRest.hand_over``): it stays there where this placement
+    keeps it on the host."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, backend: Backend,
-                 groups: Sequence[StateGroup], placement: Mapping[str, str]):
+                 groups: Sequence[StateGroup], placement: Mapping[str, str], handover: Handover | None = None):
         bad = {w for w in placement.values() if w not in PLACEMENTS}
         if bad:
             raise UserError(f"unknown placement(s) {sorted(bad)}; use one of {', '.join(PLACEMENTS)}")
@@ -136,7 +139,7 @@ class StateMover(StateAtRest):
         self.backward_order = sorted(self.users, key=lambda g: (back_at.get(g, 0), -order.get(g, 0)))
         self.backward_at = [back_at.get(g, 0) for g in self.backward_order]
         self._check_host_step()
-        self._to_rest_at_install()
+        self._to_rest_at_install(handover)
         self._install_hooks()
 
     # ------------------------------------------------------------------ setup

@@ -37,7 +37,7 @@ import torch.nn as nn
 from swapsched.errors import UserError
 from swapsched.runtime.backends import Backend, Ticket
 
-__all__ = ["StateAtRest", "HOST_PLACEMENTS"]
+__all__ = ["StateAtRest", "Handover", "to_device", "HOST_PLACEMENTS"]
 
 #: Placements whose master parameter, gradient and optimizer state live on the host at rest
 HOST_PLACEMENTS = frozenset({"host-step", "full", "stream-full"})
@@ -74,6 +74,37 @@ class _Param:
     taken: bool = False  # the host gradient is off p.grad for this step's backward (_take_grad)
     step_grad: torch.Tensor | None = None  # stream-full: the host gradient while the device steps it
 
+
+
+@dataclass(frozen=True)
+class Handover:
+    """What a mover leaves the next (a change of plan): the parameters resting on the host (by
+    ``id``: their host master, which ``p.data`` is, and ``p.grad`` their host gradient) and the ids
+    of the optimizer-state tensors that are host buffers. No step of the change holds the whole
+    state on the device."""
+
+    host: dict[int, torch.Tensor]
+    host_state: frozenset[int]
+
+
+def to_device(optimizer: torch.optim.Optimizer, device: torch.device, handover: Handover, keep: set[int]) -> None:
+    """Every parameter ``handover`` left on the host that ``keep`` (the next mover's parameters)
+    does not hold, with its gradient and optimizer state, back on ``device``."""
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) in keep:
+                    continue
+                on_host = id(p) in handover.host
+                if on_host:
+                    grad, p.grad = p.grad, None
+                    p.data = p.data.to(device, copy=True)
+                    if grad is not None:
+                        p.grad = grad.to(device, copy=True)
+                st = optimizer.state.get(p, {})
+                for k, v in list(st.items()):  # a host-placed group's state, or a streamed group's
+                    if torch.is_tensor(v) and v.dim() > 0 and (on_host or id(v) in handover.host_state):
+                        st[k] = v.to(device, copy=True)
 
 
 class StateAtRest:
@@ -144,19 +175,33 @@ class StateAtRest:
                                 "use a class or setting with a CPU kernel (for example fused=False), or a budget "
                                 "whose plan steps on the device") from exc
 
-    def _to_rest_at_install(self) -> None:
+    def _to_rest_at_install(self, handover: Handover | None) -> None:
         """Each placed parameter as it is at rest (module docstring), its optimizer state where its
-        placement keeps it (a runtime made mid-run finds the state on the device)."""
+        placement keeps it: from the device (a runtime made mid-run finds the state there), or
+        from where the last mover left it (``handover``: what rests on the host stays there)."""
+        if handover is not None:
+            self._host_state |= handover.host_state
         with torch.no_grad():
             for mp in self.params.values():
                 p = mp.p
+                on_host = handover.host.get(id(p)) if handover is not None else None
+                if on_host is not None and mp.placement not in HOST_PLACEMENTS:  # back to the device it rests on
+                    grad, p.grad = p.grad, None
+                    p.data = on_host.to(self.device, copy=True)
+                    p.grad = None if grad is None else grad.to(self.device, copy=True)
+                    on_host = None
                 mp.dev = p.data
                 if mp.placement in HOST_PLACEMENTS:
-                    mp.host = self._host_buffer(p)
-                    mp.host.copy_(p.data)
-                    if p.grad is not None:
-                        mp.hgrad = self._host_buffer(p.grad)
-                        mp.hgrad.copy_(p.grad)
+                    if on_host is not None:  # the last mover's host master and gradient: kept as they are
+                        mp.host, mp.hgrad = on_host, p.grad
+                        if mp.placement == "host-step":
+                            mp.dev = on_host.to(self.device, copy=True)
+                    else:
+                        mp.host = self._host_buffer(p)
+                        mp.host.copy_(p.data)
+                        if p.grad is not None:
+                            mp.hgrad = self._host_buffer(p.grad)
+                            mp.hgrad.copy_(p.grad)
                     p.data = mp.host
                     p.grad = mp.hgrad
                     mp.dev_version = p._version
@@ -168,30 +213,40 @@ class StateAtRest:
                     self.transient += mp.nbytes
                 if mp.placement in ("stream", *HOST_PLACEMENTS):
                     self._state_to_host(mp)
+                else:  # param: its state on the device
+                    st = self.optimizer.state.get(p, {})
+                    for k, v in list(self._state_tensors(mp)):
+                        if id(v) in self._host_state:
+                            st[k] = v.to(self.device, copy=True)
 
-    def remove(self) -> None:
-        """Take the hooks off and put every parameter, gradient and state back on the device."""
+    def hand_over(self) -> Handover:
+        """Take the hooks off and leave every tensor where it rests, for the next placement's mover
+        (``to_device`` brings back what no placement keeps on the host)."""
         self.settle()
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        with torch.no_grad():
-            for mp in self.params.values():
-                p = mp.p
-                if mp.placement in HOST_PLACEMENTS:
-                    grad = p.grad  # at rest: the host gradient, None after zero_grad(), or the user's
-                    p.grad = None
-                    p.data = present_host(mp).to(self.device, copy=True)
-                    if grad is not None:
-                        p.grad = grad.to(self.device, copy=True)
-                elif mp.placement == "param":
-                    self._ready(mp)
-                st = self.optimizer.state.get(p, {})
-                for k, v in list(self._state_tensors(mp)):
-                    if id(v) in self._host_state or mp.placement in HOST_PLACEMENTS:
-                        st[k] = v.to(self.device, copy=True)
+        for mp in self.params.values():
+            if mp.placement == "param":
+                self._ready(mp)  # R14: it rests on the device
+        out = Handover({id(mp.p): present_host(mp) for mp in self.params.values() if mp.placement in HOST_PLACEMENTS},
+                       frozenset(self._host_state))
         self.params.clear()
         self._by_storage.clear()
+        return out
+
+    def remove(self) -> None:
+        """Take the hooks off and put every parameter, gradient and state back on the device."""
+        to_device(self.optimizer, self.device, self.hand_over(), keep=set())
+
+    def host_bytes(self) -> int:
+        """The bytes of the parameters, gradients and optimizer state resting on the host now."""
+        total = 0
+        for mp in self.params.values():
+            if mp.placement in HOST_PLACEMENTS:
+                total += mp.nbytes + (mp.nbytes if mp.p.grad is not None else 0)
+            total += sum(v.numel() * v.element_size() for _, v in self._state_tensors(mp) if id(v) in self._host_state)
+        return total
 
     def _enter_at_rest(self, g: str) -> None:
         """A forward outside ``runtime.step()`` (evaluation): the group's parameters on the device

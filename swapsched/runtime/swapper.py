@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from swapsched.budget import BudgetError, parse_budget
+from swapsched.budget import BudgetError, format_bytes, parse_budget
 from swapsched.env.result import SimResult
 from swapsched.errors import UserError, internal_assert, present
 from swapsched.hardware import HOST_COSTS, Hardware
@@ -43,6 +44,7 @@ from swapsched.runtime.recorder import storage_key
 from swapsched.runtime.reports import Divergence, DivergenceError, RunSummary, RunTally, StepReport
 from swapsched.runtime.retime import ExecutedSteps, median_trace
 from swapsched.runtime.state_mover import StateMover
+from swapsched.runtime.state_rest import to_device
 from swapsched.trace import Trace
 
 __all__ = ["PolicyRuntime", "Phase", "StepReport", "RunSummary", "Divergence", "DivergenceError"]
@@ -410,13 +412,22 @@ class PolicyRuntime:
         self._policy_planned = False
 
     def close(self) -> None:
-        """Stop the copy engines, and put the training state the plan moved back on the device.
-        ``with SwapRuntime(...) as runtime:`` closes itself."""
+        """Stop the copy engines, and put the training state the plan moved back on the device
+        where the device has room for it (on CUDA, one that does not fit stays on the host, as
+        ``p.data``, with a warning). ``with SwapRuntime(...) as runtime:`` closes itself."""
         self._closed = True
         self.plans.shutdown()
-        if self.mover is not None:
-            self.mover.remove()
-            self.mover = None
+        mover, self.mover = self.mover, None
+        if mover is not None:
+            need = mover.host_bytes()
+            total, held = (0, 0) if self.backend.emulated else self.backend.memory()
+            if not self.backend.emulated and need > total - held:
+                mover.hand_over()  # every tensor stays where it rests
+                warnings.warn(f"SwapRuntime.close(): the {format_bytes(need)} of parameters, gradients and optimizer "
+                              f"state on the host do not fit the device's {format_bytes(total - held)} free: they stay "
+                              "on the host (p.data is a host tensor there)", stacklevel=2)
+            else:
+                mover.remove()
         if self.blocks is not None:
             self.blocks.remove()
         self.backend.shutdown()
@@ -465,18 +476,24 @@ class PolicyRuntime:
         return replace(trace, state=state_groups(self.model, trace, kind), meta={**trace.meta, "optimizer": kind})
 
     def _place_state(self, plan: SwapPlan) -> None:
-        """The state mover for ``plan``'s placement (R13-R16): made, kept, or taken off."""
+        """The state mover for ``plan``'s placement (R13-R17): made, kept, or taken off. A change
+        of placement hands what rests on the host from one mover to the next, so that no moment
+        of it holds the whole state on the device."""
         placement = {g: w for g, w in plan.placement().items() if w != "device"}
         if self.mover is not None and self.mover.placement == placement:
             return
-        if self.mover is not None:
-            self.mover.remove()
-            self.mover = None
-        if placement:
-            if self.model is None or self.optimizer is None:
-                raise UserError(f"plan {plan.policy!r} moves the training state (R13): give the runtime the model "
-                                "and its optimizer (SwapRuntime(model=..., optimizer=...))")
-            self.mover = StateMover(self.model, self.optimizer, self.backend, present(self.trace, "the trace").state, placement)
+        if placement and (self.model is None or self.optimizer is None):
+            raise UserError(f"plan {plan.policy!r} moves the training state (R13): give the runtime the model "
+                            "and its optimizer (SwapRuntime(model=..., optimizer=...))")
+        old, self.mover = self.mover, None
+        handover = old.hand_over() if old is not None else None
+        try:
+            if placement:
+                self.mover = StateMover(present(self.model, "the model"), present(self.optimizer, "the optimizer"),
+                                        self.backend, present(self.trace, "the trace").state, placement, handover)
+        finally:
+            if handover is not None and old is not None:  # what the new placement keeps on the device, back there
+                to_device(old.optimizer, old.device, handover, keep=set(self.mover.params) if self.mover else set())
 
     def _planned_on(self, trace: Trace) -> Trace:
         """What the policy may plan on (``BlockCheckpoints.planned_on``; no block without a model)."""

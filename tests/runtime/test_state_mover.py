@@ -371,3 +371,45 @@ def test_cuda_moves_the_state_and_trains_as_the_plain_loop(where: str) -> None:
         assert moved[0] == plain[0] and all(torch.equal(a, b) for a, b in zip(moved[1], plain[1], strict=True))
     else:
         assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(moved[1], plain[1], strict=True))
+
+
+@pytest.mark.parametrize(("first", "then"), [
+    ({"emb": "full", "layers.0": "stream"}, {"emb": "host-step", "layers.2": "full"}),
+    ({"layers.0": "host-step", "layers.1": "stream-full"}, {"layers.0": "param", "layers.1": "stream"}),
+    ({"layers.1": "stream", "layers.2": "full"}, {}),
+])
+def test_a_change_of_placement_hands_the_host_over_and_trains_on_identically(first: dict[str, str], then: dict[str, str]) -> None:
+    from swapsched.runtime.state_rest import to_device
+
+    def run(switch: bool) -> dict[str, Any]:
+        torch.manual_seed(0)
+        model = TiedLM()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        backend = CpuBackend()
+        mover: StateMover | None = StateMover(model, opt, backend, (), first) if switch else None
+        gen = torch.Generator().manual_seed(1)
+        for step in range(8):
+            if switch and step == 4:
+                assert mover is not None
+                handover = mover.hand_over()
+                # what rests on the host stays there: the host masters handed over are the ones the
+                # new placement keeps (no device copy of a full group is made for the change)
+                mover = StateMover(model, opt, backend, (), then, handover) if then else None
+                kept = set(mover.params) if mover is not None else set()
+                for pid, host in handover.host.items():
+                    if mover is not None and pid in mover.params and mover.params[pid].placement in ("full", "stream-full"):
+                        assert mover.params[pid].host is host
+                to_device(opt, torch.device("cpu"), handover, keep=kept)
+            x = torch.randint(0, VOCAB, (4, 6), generator=gen)
+            Harness(mover).step(lambda x=x: _loss(model, x).backward())
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+        if mover is not None:
+            mover.remove()
+        backend.shutdown()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    plain, moved = run(False), run(True)
+    for n, p in plain.items():
+        assert torch.equal(p, moved[n]), n
