@@ -86,6 +86,7 @@ class StateMover(StateAtRest):
         # the room a fetch may take now (the executing step's; None: no budget to wait for)
         self.room: Callable[[], int] | None = None
         self._waiting: list[_Param] = []  # fetches waiting for room, in issue order (R6)
+        self.eager = False  # fetch on demand in the calling thread (everything_on_host)
         self.in_step = False
         self.transient = self.peak_transient = 0
         self.copied = 0
@@ -153,6 +154,14 @@ class StateMover(StateAtRest):
             mod = self.model.get_submodule(g) if g else self.model
             self._handles.append(mod.register_forward_pre_hook(lambda m, a, g=g: self._enter(g)))
             self._handles.append(mod.register_forward_hook(lambda m, a, o, g=g: self._leave(g)))
+        # each module inside a group that owns placed parameters: they are on the device before it
+        # runs, also where its group's own hooks do not (a checkpointed block's recompute in
+        # backward calls the block's forward, not the module)
+        groups = set(self.users)
+        for name, mod in self.model.named_modules():
+            owned = [self.params[id(p)] for p in mod.parameters(recurse=False) if id(p) in self.params]
+            if owned and name not in groups:
+                self._handles.append(mod.register_forward_pre_hook(lambda m, a, owned=owned: self._touch(owned)))
         for mp in self.params.values():
             if mp.placement in HOST_PLACEMENTS or mp.placement in _RELEASED:
                 self._handles.append(mp.p.register_post_accumulate_grad_hook(lambda p, mp=mp: self._grad_ready(mp)))
@@ -160,6 +169,17 @@ class StateMover(StateAtRest):
                 self._handles.append(mp.p.register_hook(lambda g, mp=mp: self._take_grad(mp)))
         self._handles.append(self.optimizer.register_step_pre_hook(self._step_pre_hook))
         self._handles.append(self.optimizer.register_step_post_hook(lambda opt, a, k: self._after_optimizer_step()))
+
+    @classmethod
+    def everything_on_host(cls, model: nn.Module, optimizer: torch.optim.Optimizer, backend: Backend) -> StateMover:
+        """Every group ``full`` (R13), fetched on demand and copied in the calling thread, not on
+        the throttled engines (the profiling steps': no plan yet, and their gaps are the trace's
+        compute)."""
+        groups = {group_name(name) for name, mod in model.named_modules()
+                  if any(p.requires_grad for p in mod.parameters(recurse=False))}
+        mover = cls(model, optimizer, backend, (), {g: "full" for g in groups})
+        mover.eager = True
+        return mover
 
     # ------------------------------------------------------------------ accounting
     def _bytes(self, delta: int) -> None:
@@ -192,7 +212,7 @@ class StateMover(StateAtRest):
     def _prefetch(self, mp: _Param) -> None:
         """R14: ``mp``'s fetch ahead of its use, issued once the budget has room for it (R6: in
         issue order, behind any fetch already waiting)."""
-        if (mp.resident and mp.dev is not None) or mp in self._waiting:
+        if self.eager or (mp.resident and mp.dev is not None) or mp in self._waiting:
             return
         if self._waiting or (self.room is not None and self.room() < mp.nbytes):
             self._waiting.append(mp)
@@ -221,9 +241,12 @@ class StateMover(StateAtRest):
             mp.dev.untyped_storage().resize_(mp.nbytes)
         mp.resident = True
         self._bytes(mp.nbytes)
+        self.copied += mp.nbytes
+        if self.eager:
+            _alias(mp.dev).copy_(present_out(mp))
+            return
         # the host master, or (param) the copy made after forward: the same buffer
         mp.fetch = self.backend.copy_in_into(present_out(mp), _alias(mp.dev))
-        self.copied += mp.nbytes
 
     def _ready(self, mp: _Param) -> None:
         """``mp`` on the device, its bytes there, before the compute reads them."""
@@ -299,6 +322,17 @@ class StateMover(StateAtRest):
             else:
                 self._ready(mp)
         self._issue_next(self.forward_order, g)
+
+    def _touch(self, owned: list[_Param]) -> None:
+        """A module's own placed parameters on the device before it runs (within a step)."""
+        if not self.in_step:
+            return
+        for mp in owned:
+            if mp.placement == "host-step":
+                if mp.p.data is not mp.dev:
+                    self._host_step_ready(mp)
+            elif not (mp.resident and mp.fetch is None and mp.p.data is mp.dev):
+                self._ready(mp)
 
     def _host_step_ready(self, mp: _Param) -> None:
         """host-step: the device copy current (R16: its copy back waited for; a reloaded master

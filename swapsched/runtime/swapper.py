@@ -221,6 +221,11 @@ class PolicyRuntime:
         if self.plans.planning:
             self._install_plans()  # laying out the plans made in the background counts as planning too
         installing_s = time.perf_counter() - t_install
+        if self.mover is None and self.phase is Phase.PROFILE and self._state_cannot_stay():
+            # R17: the profiling steps run with every group's state on the host, fetched on demand
+            # (as their saved tensors are): under a budget below the static bytes it cannot stay
+            self.mover = StateMover.everything_on_host(present(self.model, "the model"),
+                                                      present(self.optimizer, "the optimizer"), self.backend)
         frame = StepFrame(backend=self.backend, hardware=self.hardware, model=self.model, static_bytes=self.static_bytes,
                           static_keys=self._static_keys, min_bytes=self.min_bytes, strict=self.strict, audit=self.audit,
                           step=self.steps, blocks=self.blocks, rebuilt=dict(self._rebuilt),
@@ -461,6 +466,14 @@ class PolicyRuntime:
                             "before its first plan; give it as SwapRuntime(model=..., optimizer=...) otherwise")
         self.optimizer = optimizer
         self.static_bytes = static_bytes_of(self.model, optimizer)
+
+    def _state_cannot_stay(self) -> bool:
+        """A byte budget below the model's static bytes (parameters, gradients, optimizer state):
+        the state must move from the first step on."""
+        budgets = self.plans.budgets
+        if self.model is None or self.optimizer is None or budgets.relative or budgets.device:
+            return False
+        return parse_budget(budgets.spec) < self.static_bytes
 
     def _with_state(self, trace: Trace) -> Trace:
         """R13: ``trace`` with the model's training state per group where the state must move:

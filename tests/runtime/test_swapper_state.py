@@ -52,6 +52,9 @@ def test_a_budget_below_the_static_bytes_moves_the_state_and_trains_bit_identica
                 opt.step()
                 opt.zero_grad()
             rep = rt.report()
+            if i == 0:  # R17: profiled with every group's state on the host (it cannot stay on the device)
+                assert rep.mode == "profile" and rt.mover is not None
+                assert set(rt.mover.placement.values()) == {"full"} and rt.mover.measured_device_bytes() == 0
             if rep.mode == "execute":
                 assert rep.state is not None and rep.state.placements, "the plan moved no state"
                 assert rep.peak_device_bytes is not None and rep.peak_device_bytes <= budget, \
