@@ -123,7 +123,9 @@ class ExecuteStep(CopyingStep):
         """The bytes a state fetch may take now under the budget (R6: it waits for room)."""
         if self.deaths:
             self._count_deaths()
-        return self.budget - self.static - self.used
+        # what a recompute rebuilds through the coming gap holds memory too (R9: ``other``)
+        rebuilt = self.other[self.i] if self.i < len(self.other) else 0
+        return self.budget - self.static - self.used - int(rebuilt)
 
     def _first_tensor(self, nbytes: int) -> bool:
         """The step's first saved tensor has ``nbytes`` where this layout expects other bytes: take
