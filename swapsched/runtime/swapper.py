@@ -69,7 +69,9 @@ class PolicyRuntime:
     dropped before it runs, which can leave the guard work to do; by default nothing is dropped,
     since policies already weigh each copy's latency). ``model``/``optimizer``: counted in ``static_bytes`` (parameters,
     gradients, optimizer state), so that budgets cover the whole device; without them the budget
-    covers the saved activations alone. With ``model`` the profiling steps also record each saved
+    covers the saved activations alone. With both and a byte budget no plan of the activations
+    alone meets, the policy places the training state too and the runtime moves it (R13-R17,
+    ``state_mover.py``): the user's ``optimizer.step()`` steps host-placed groups on the host. With ``model`` the profiling steps also record each saved
     tensor's module, so the policy may recompute blocks (R9): a plan that does runs those blocks
     under ``torch.utils.checkpoint`` (see ``runtime/recompute.py``), profiles the steps again as
     they now run, and has the policy plan the swaps of what the blocks leave saved. ``profile_steps``: steps run under ``save_on_cpu``
