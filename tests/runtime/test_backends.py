@@ -191,3 +191,23 @@ def test_cuda_retimes_its_trace_from_executed_steps_with_timing_events():
     assert reports[3].gaps_s is not None and reports[4].gaps_s is not None and reports[5].gaps_s is None
     assert trace.meta["timed_by_execution"] == 2 and len(reports[3].gaps_s) == trace.n_events
     assert all(g >= 0 for g in reports[3].gaps_s) and sum(reports[3].gaps_s) <= reports[3].step_s
+
+
+def test_plans_for_the_shipped_profile_count_the_emulated_engines_wake_up():
+    # a throttled CPU backend's copies end its measured wake-up after latency + bytes / rate: the
+    # shipped profile's nominal latency gains it; a calibrated (given) profile is used as it is
+    from swapsched.hardware import default_hardware, load_hardware
+    from swapsched.runtime.backends import runtime_devices
+
+    nominal = load_hardware(default_hardware("cpu")).copy_latency_s
+    hw, backend = runtime_devices("cpu", None, None, 1e9, None)
+    try:
+        assert backend.wake_s >= 0.0
+        assert hw.copy_latency_s == nominal + backend.wake_s
+    finally:
+        backend.shutdown()
+    given, backend = runtime_devices("cpu", None, "cpu-emulated", None, None)
+    try:
+        assert given.copy_latency_s == nominal
+    finally:
+        backend.shutdown()
