@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-import warnings
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from swapsched.budget import BudgetError, format_bytes, parse_budget
+from swapsched.budget import BudgetError
 from swapsched.env.result import SimResult
 from swapsched.errors import UserError, internal_assert, present
 from swapsched.hardware import HOST_COSTS, Hardware
@@ -38,13 +37,13 @@ from swapsched.runtime.frame import GradientsKept, Phase, SavedTensorHooks, Step
 from swapsched.runtime.layout import PlanLayout
 from swapsched.runtime.plans import ShapePlans, without_small
 from swapsched.runtime.profile_step import ProfileStep
-from swapsched.runtime.profiler import optimizer_state_kind, state_groups, static_bytes_of
+from swapsched.runtime.profiler import static_bytes_of
 from swapsched.runtime.recompute import BlockCheckpoints
 from swapsched.runtime.recorder import storage_key
 from swapsched.runtime.reports import Divergence, DivergenceError, RunSummary, RunTally, StepReport
 from swapsched.runtime.retime import ExecutedSteps, median_trace
 from swapsched.runtime.state_mover import StateMover
-from swapsched.runtime.state_rest import to_device
+from swapsched.runtime.state_plans import RuntimeState
 from swapsched.trace import Trace
 
 __all__ = ["PolicyRuntime", "Phase", "StepReport", "RunSummary", "Divergence", "DivergenceError"]
@@ -138,9 +137,9 @@ class PolicyRuntime:
         self._policy_planned = False  # the plan is the policy's (re-planned after re-timing), not use_plan's
         # parameters, gradients and optimizer state: counted in absolute budgets when the model is given
         self.static_bytes = static_bytes_of(model, optimizer) if model is not None else 0
-        self.model, self.optimizer = model, optimizer
-        # R13-R16: what moves parameters, gradients and optimizer state, where the plan places them
-        self.mover: StateMover | None = None
+        self.model = model
+        # R13-R17: whether the state moves, its trace, and the mover of each plan (state_plans.py)
+        self.state = RuntimeState(model, optimizer, self.backend, self.plans.budgets)
         # R9: the blocks the plan recomputes run under torch.utils.checkpoint (the model's own
         # modules are wrapped, so only with a model); block -> the bytes its recompute rebuilds
         self.blocks = BlockCheckpoints(model) if model is not None else None
@@ -223,11 +222,8 @@ class PolicyRuntime:
         if self.plans.planning:
             self._install_plans()  # laying out the plans made in the background counts as planning too
         installing_s = time.perf_counter() - t_install
-        if self.mover is None and self.phase is Phase.PROFILE and self._state_cannot_stay():
-            # R17: the profiling steps run with every group's state on the host, fetched on demand
-            # (as their saved tensors are): under a budget below the static bytes it cannot stay
-            self.mover = StateMover.everything_on_host(present(self.model, "the model"),
-                                                      present(self.optimizer, "the optimizer"), self.backend)
+        if self.phase is Phase.PROFILE:
+            self.state.profile_with_state_on_host(self.static_bytes)
         frame = StepFrame(backend=self.backend, hardware=self.hardware, model=self.model, static_bytes=self.static_bytes,
                           static_keys=self._static_keys, min_bytes=self.min_bytes, strict=self.strict, audit=self.audit,
                           step=self.steps, blocks=self.blocks, rebuilt=dict(self._rebuilt),
@@ -326,7 +322,7 @@ class PolicyRuntime:
             self.blocks.record_producers(ex.trace, ex.producers)
         if self._profiled >= self.profile_steps:
             profiled, self._profiles = self._profiles, []
-            trace = self._with_state(median_trace([trace for trace, _ in profiled]))
+            trace = self.state.with_state(median_trace([trace for trace, _ in profiled]))
             if self.blocks is not None and self.blocks.fell_short(trace, self.budget_bytes):
                 self._checkpoint_blocks(self.blocks.names, {})  # whole, and profiled again
                 return
@@ -340,7 +336,7 @@ class PolicyRuntime:
         shapes' plans."""
         if profiled.trace is None:
             return
-        trace = self._with_state(profiled.trace)
+        trace = self.state.with_state(profiled.trace)
         try:
             self.plans.budgets.of(trace)
         except BudgetError:
@@ -424,17 +420,7 @@ class PolicyRuntime:
         ``p.data``, with a warning). ``with SwapRuntime(...) as runtime:`` closes itself."""
         self._closed = True
         self.plans.shutdown()
-        mover, self.mover = self.mover, None
-        if mover is not None:
-            need = mover.host_bytes()
-            total, held = (0, 0) if self.backend.emulated else self.backend.memory()
-            if not self.backend.emulated and need > total - held:
-                mover.hand_over()  # every tensor stays where it rests
-                warnings.warn(f"SwapRuntime.close(): the {format_bytes(need)} of parameters, gradients and optimizer "
-                              f"state on the host do not fit the device's {format_bytes(total - held)} free: they stay "
-                              "on the host (p.data is a host tensor there)", stacklevel=2)
-            else:
-                mover.remove()
+        self.state.close()
         if self.blocks is not None:
             self.blocks.remove()
         self.backend.shutdown()
@@ -461,54 +447,17 @@ class PolicyRuntime:
         """The optimizer that steps the model, where it exists only after the runtime is made
         (a trainer creates it as training starts): its state counts in ``static_bytes`` and may
         move (R13). Only before a plan is made."""
-        if self.optimizer is optimizer:
-            return
-        if self.optimizer is not None or self.plan is not None or self.model is None:
-            raise UserError("attach_optimizer() gives a runtime made with a model and no optimizer its optimizer, "
-                            "before its first plan; give it as SwapRuntime(model=..., optimizer=...) otherwise")
-        self.optimizer = optimizer
-        self.static_bytes = static_bytes_of(self.model, optimizer)
+        self.static_bytes = self.state.attach(optimizer, planned=self.plan is not None)
 
-    def _state_cannot_stay(self) -> bool:
-        """A byte budget below the model's static bytes (parameters, gradients, optimizer state):
-        the state must move from the first step on."""
-        budgets = self.plans.budgets
-        if self.model is None or self.optimizer is None or budgets.relative or budgets.device:
-            return False
-        return parse_budget(budgets.spec) < self.static_bytes
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer that steps the model (its state counts, and may move: R13)."""
+        return self.state.optimizer
 
-    def _with_state(self, trace: Trace) -> Trace:
-        """R13: ``trace`` with the model's training state per group where the state must move:
-        with the model and its optimizer given, under a byte budget that no plan of the
-        activations alone meets (``Trace.min_feasible_bytes``). The state's bytes are in the
-        trace's static bytes already (``static_bytes_of``)."""
-        if self.model is None or self.optimizer is None or trace.state or self.plans.budgets.relative \
-                or self.plans.budgets.device:
-            return trace
-        if parse_budget(self.plans.budgets.spec, trace, check_feasible=False) >= trace.min_feasible_bytes:
-            return trace
-        kind = optimizer_state_kind(self.optimizer)
-        return replace(trace, state=state_groups(self.model, trace, kind), meta={**trace.meta, "optimizer": kind})
-
-    def _place_state(self, plan: SwapPlan) -> None:
-        """The state mover for ``plan``'s placement (R13-R17): made, kept, or taken off. A change
-        of placement hands what rests on the host from one mover to the next, so that no moment
-        of it holds the whole state on the device."""
-        placement = {g: w for g, w in plan.placement().items() if w != "device"}
-        if self.mover is not None and self.mover.placement == placement:
-            return
-        if placement and (self.model is None or self.optimizer is None):
-            raise UserError(f"plan {plan.policy!r} moves the training state (R13): give the runtime the model "
-                            "and its optimizer (SwapRuntime(model=..., optimizer=...))")
-        old, self.mover = self.mover, None
-        handover = old.hand_over() if old is not None else None
-        try:
-            if placement:
-                self.mover = StateMover(present(self.model, "the model"), present(self.optimizer, "the optimizer"),
-                                        self.backend, present(self.trace, "the trace").state, placement, handover)
-        finally:
-            if handover is not None and old is not None:  # what the new placement keeps on the device, back there
-                to_device(old.optimizer, old.device, handover, keep=set(self.mover.params) if self.mover else set())
+    @property
+    def mover(self) -> StateMover | None:
+        """What moves the training state where the adopted plan places it (``state_mover.py``)."""
+        return self.state.mover
 
     def _planned_on(self, trace: Trace) -> Trace:
         """What the policy may plan on (``BlockCheckpoints.planned_on``; no block without a model)."""
@@ -579,7 +528,7 @@ class PolicyRuntime:
             # the user's optimizer.step() runs the host steps, after backward (state_mover.py): the
             # prediction is made for that
             plan, simulated = replace(plan, host_step="after-backward"), None
-        self._place_state(plan)
+        self.state.place(plan, trace)
         self.layout = self.plans.lay_out(trace, plan, simulated, first_sight=self.first_sight)
         self.plan, self.predicted_s = plan, self.layout.predicted_s
         self.plans.keep(self.layout)

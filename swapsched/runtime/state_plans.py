@@ -1,0 +1,103 @@
+"""The runtime's side of the training state (R13-R17): whether the state must move under the
+run's budget, the trace with the state recorded where it must, the mover for each adopted plan
+(handing what rests on the host from one mover to the next), and what ``close()`` leaves.
+
+:class:`RuntimeState` is ``PolicyRuntime``'s one home for these decisions; what moves the state
+within and between steps is ``state_mover.py`` and ``state_rest.py``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+
+import torch
+
+from swapsched.budget import format_bytes, parse_budget
+from swapsched.errors import UserError, present
+from swapsched.plan import SwapPlan
+from swapsched.runtime.backends import Backend
+from swapsched.runtime.budgets import ShapeBudgets
+from swapsched.runtime.profiler import optimizer_state_kind, state_groups, static_bytes_of
+from swapsched.runtime.state_mover import StateMover
+from swapsched.runtime.state_rest import to_device
+from swapsched.trace import Trace
+
+__all__ = ["RuntimeState"]
+
+
+class RuntimeState:
+    """The model, its optimizer and the mover the adopted plan needs (module docstring)."""
+
+    def __init__(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None, backend: Backend,
+                 budgets: ShapeBudgets) -> None:
+        self.model, self.optimizer, self.backend, self.budgets = model, optimizer, backend, budgets
+        self.mover: StateMover | None = None
+
+    def attach(self, optimizer: torch.optim.Optimizer, planned: bool) -> int:
+        """``PolicyRuntime.attach_optimizer``: the optimizer, and the static bytes it makes."""
+        if self.optimizer is not optimizer:
+            if self.optimizer is not None or planned or self.model is None:
+                raise UserError("attach_optimizer() gives a runtime made with a model and no optimizer its optimizer, "
+                                "before its first plan; give it as SwapRuntime(model=..., optimizer=...) otherwise")
+            self.optimizer = optimizer
+        return static_bytes_of(present(self.model, "the model"), optimizer)
+
+    def _byte_budget(self) -> bool:
+        return self.model is not None and self.optimizer is not None and not (self.budgets.relative or self.budgets.device)
+
+    def profile_with_state_on_host(self, static_bytes: int) -> None:
+        """Before a profiling step: under a byte budget below the static bytes (parameters,
+        gradients, optimizer state) the state cannot stay on the device, and the profiling steps
+        run with every group on the host, fetched on demand (R17)."""
+        if self.mover is None and self._byte_budget() and parse_budget(self.budgets.spec) < static_bytes:
+            self.mover = StateMover.everything_on_host(present(self.model, "the model"),
+                                                      present(self.optimizer, "the optimizer"), self.backend)
+
+    def with_state(self, trace: Trace) -> Trace:
+        """R13: ``trace`` with the model's training state per group where the state must move:
+        under a byte budget that no plan of the activations alone meets
+        (``Trace.min_feasible_bytes``). The state's bytes are in the static bytes already."""
+        if trace.state or not self._byte_budget():
+            return trace
+        if parse_budget(self.budgets.spec, trace, check_feasible=False) >= trace.min_feasible_bytes:
+            return trace
+        model, optimizer = present(self.model, "the model"), present(self.optimizer, "the optimizer")
+        kind = optimizer_state_kind(optimizer)
+        return replace(trace, state=state_groups(model, trace, kind), meta={**trace.meta, "optimizer": kind})
+
+    def place(self, plan: SwapPlan, trace: Trace) -> None:
+        """The mover for ``plan``'s placement: made, kept, or taken off. A change of placement
+        hands what rests on the host from one mover to the next, so that no moment of it holds
+        the whole state on the device."""
+        placement = {g: w for g, w in plan.placement().items() if w != "device"}
+        if self.mover is not None and self.mover.placement == placement:
+            return
+        if placement and (self.model is None or self.optimizer is None):
+            raise UserError(f"plan {plan.policy!r} moves the training state (R13): give the runtime the model "
+                            "and its optimizer (SwapRuntime(model=..., optimizer=...))")
+        old, self.mover = self.mover, None
+        handover = old.hand_over() if old is not None else None
+        try:
+            if placement:
+                self.mover = StateMover(present(self.model, "the model"), present(self.optimizer, "the optimizer"),
+                                        self.backend, trace.state, placement, handover)
+        finally:
+            if handover is not None and old is not None:  # what the new placement keeps on the device, back there
+                to_device(old.optimizer, old.device, handover, keep=set(self.mover.params) if self.mover else set())
+
+    def close(self) -> None:
+        """The state back on the device where the device has room for it (on CUDA, one that does
+        not fit stays on the host, as ``p.data``, with a warning)."""
+        mover, self.mover = self.mover, None
+        if mover is None:
+            return
+        need = mover.host_bytes()
+        total, held = (0, 0) if self.backend.emulated else self.backend.memory()
+        if not self.backend.emulated and need > total - held:
+            mover.hand_over()  # every tensor stays where it rests
+            warnings.warn(f"SwapRuntime.close(): the {format_bytes(need)} of parameters, gradients and optimizer "
+                          f"state on the host do not fit the device's {format_bytes(total - held)} free: they stay "
+                          "on the host (p.data is a host tensor there)", stacklevel=3)
+        else:
+            mover.remove()
