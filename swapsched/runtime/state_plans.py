@@ -46,13 +46,17 @@ class RuntimeState:
     def _byte_budget(self) -> bool:
         return self.model is not None and self.optimizer is not None and not (self.budgets.relative or self.budgets.device)
 
-    def profile_with_state_on_host(self, static_bytes: int) -> None:
+    def profile_with_state_on_host(self, static_bytes: int, host_budget: int | None) -> None:
         """Before a profiling step: under a byte budget below the static bytes (parameters,
         gradients, optimizer state) the state cannot stay on the device, and the profiling steps
-        run with every group on the host, fetched on demand (R17)."""
-        if self.mover is None and self._byte_budget() and parse_budget(self.budgets.spec) < static_bytes:
-            self.mover = StateMover.everything_on_host(present(self.model, "the model"),
-                                                      present(self.optimizer, "the optimizer"), self.backend)
+        run with every group on the host, fetched on demand (R17), where the host budget (R11)
+        holds all of it; else they run with it where it is, and the plan keeps to the host budget."""
+        if self.mover is not None or not self._byte_budget() or parse_budget(self.budgets.spec) >= static_bytes:
+            return
+        if host_budget is not None and static_bytes_of(present(self.model, "the model"), self.optimizer) > host_budget:
+            return
+        self.mover = StateMover.everything_on_host(present(self.model, "the model"),
+                                                  present(self.optimizer, "the optimizer"), self.backend)
 
     def with_state(self, trace: Trace) -> Trace:
         """R13: ``trace`` with the model's training state per group where the state must move:

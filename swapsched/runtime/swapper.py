@@ -223,7 +223,7 @@ class PolicyRuntime:
             self._install_plans()  # laying out the plans made in the background counts as planning too
         installing_s = time.perf_counter() - t_install
         if self.phase is Phase.PROFILE:
-            self.state.profile_with_state_on_host(self.static_bytes)
+            self.state.profile_with_state_on_host(self.static_bytes, self.hardware.host_budget_bytes)
         frame = StepFrame(backend=self.backend, hardware=self.hardware, model=self.model, static_bytes=self.static_bytes,
                           static_keys=self._static_keys, min_bytes=self.min_bytes, strict=self.strict, audit=self.audit,
                           step=self.steps, blocks=self.blocks, rebuilt=dict(self._rebuilt),

@@ -88,6 +88,7 @@ def test_a_host_budget_that_cannot_hold_what_must_move_is_refused(floors: dict[s
         for _ in range(4):
             with rt.step():
                 a.loss().backward()
+            assert rt.mover is None  # the host budget cannot hold the state: profiled where it is
 
 
 def test_without_the_optimizer_the_budget_covers_what_it_did() -> None:
