@@ -47,12 +47,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from swapsched.env.state_exec import resident_parts
 from swapsched.errors import UserError
 from swapsched.runtime.backends import Backend
-from swapsched.runtime.reports import StateStepReport
 from swapsched.runtime.state_rest import (
-    _HOST_STEPPED,
     _RELEASED,
     HOST_PLACEMENTS,
     Handover,
@@ -481,23 +478,7 @@ class StateMover(StateAtRest):
             mp.fetch = mp.out = mp.back = None
         self._collect_grads(wait=True)
 
-    # ------------------------------------------------------------------ what it reports
-    def report(self, groups: Sequence[StateGroup]) -> StateStepReport:
-        by_name = {g.name: g for g in groups}
-        off = [0, 0, 0]
-        for name, where in self.placement.items():
-            g = by_name.get(name)
-            if g is None:
-                continue
-            resident = resident_parts(where)  # the simulator's table (R14): one home for it
-            for i, part in enumerate(("param_bytes", "grad_bytes", "optim_bytes")):
-                if part not in resident:
-                    off[i] += getattr(g, part)
-        return StateStepReport(
-            placements=tuple(sorted(self.placement.items())), param_bytes_off=off[0], grad_bytes_off=off[1],
-            optimizer_bytes_off=off[2], host_stepped=tuple(sorted(g for g, w in self.placement.items() if w in _HOST_STEPPED)),
-            optimizer_step_s=self.optimizer_step_s, copied_bytes=self.copied, peak_transient_bytes=self.peak_transient)
-
+    # ------------------------------------------------------------------ what it measures
     def measured_device_bytes(self) -> int:
         """The audit's figure: state bytes the device holds now beyond the resident part, read off
         the storages themselves (a released parameter's storage has 0 bytes), not the counters."""

@@ -19,23 +19,26 @@ next forward waits for (R16). A step given a closure (Lightning's) runs forward 
 inside it: the groups are placed after the closure returns.
 
 :class:`StateAtRest` is the half of :class:`~swapsched.runtime.state_mover.StateMover` that acts
-between steps (the other half acts within them); the records of each placed parameter
-(:class:`_Param`) live here too.
+between steps (the other half acts within them) and reports what was off the device; the
+records of each placed parameter (:class:`_Param`) live here too.
 """
 
 from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from swapsched.env.state_exec import resident_parts
 from swapsched.errors import UserError
 from swapsched.runtime.backends import Backend, Ticket
+from swapsched.runtime.reports import StateStepReport
+from swapsched.state import StateGroup
 
 __all__ = ["StateAtRest", "Handover", "to_device", "HOST_PLACEMENTS"]
 
@@ -115,6 +118,8 @@ class StateAtRest:
     optimizer: torch.optim.Optimizer
     backend: Backend
     device: torch.device
+    placement: dict[str, str]
+    peak_transient: int
     params: dict[int, _Param]
     users: dict[str, list[_Param]]
     transient: int
@@ -153,6 +158,23 @@ class StateAtRest:
 
     def settle(self) -> None:
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ what it reports
+    def report(self, groups: Sequence[StateGroup]) -> StateStepReport:
+        by_name = {g.name: g for g in groups}
+        off = [0, 0, 0]
+        for name, where in self.placement.items():
+            g = by_name.get(name)
+            if g is None:
+                continue
+            resident = resident_parts(where)  # the simulator's table (R14): one home for it
+            for i, part in enumerate(("param_bytes", "grad_bytes", "optim_bytes")):
+                if part not in resident:
+                    off[i] += getattr(g, part)
+        return StateStepReport(
+            placements=tuple(sorted(self.placement.items())), param_bytes_off=off[0], grad_bytes_off=off[1],
+            optimizer_bytes_off=off[2], host_stepped=tuple(sorted(g for g, w in self.placement.items() if w in _HOST_STEPPED)),
+            optimizer_step_s=self.optimizer_step_s, copied_bytes=self.copied, peak_transient_bytes=self.peak_transient)
 
     # ------------------------------------------------------------------ at rest
     def _check_host_step(self) -> None:
