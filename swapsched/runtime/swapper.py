@@ -10,7 +10,7 @@
 What a run does, phase by phase, and which module holds each job: the package's docstring
 (``swapsched/runtime/__init__.py``). This module is ``PolicyRuntime``, the runtime to which
 ``swapsched.SwapRuntime`` gives policies by name: profile, plan, execute, re-time, one phase after
-another (see :class:`Phase`), and R9's two stages.
+another (see :class:`Phase`); R9's two stages and ``use_plan`` are ``two_stages.py``'s.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any
 
 import torch
 
@@ -44,6 +43,7 @@ from swapsched.runtime.reports import Divergence, DivergenceError, RunSummary, R
 from swapsched.runtime.retime import ExecutedSteps, median_trace
 from swapsched.runtime.state_mover import StateMover
 from swapsched.runtime.state_plans import RuntimeState
+from swapsched.runtime.two_stages import TwoStages
 from swapsched.trace import Trace
 
 __all__ = ["PolicyRuntime", "Phase", "StepReport", "RunSummary", "Divergence", "DivergenceError"]
@@ -53,7 +53,7 @@ __all__ = ["PolicyRuntime", "Phase", "StepReport", "RunSummary", "Divergence", "
 UNHOOK_AFTER = 2
 
 
-class PolicyRuntime:
+class PolicyRuntime(TwoStages):
     """Executes a swap plan in real training; see the module docstring.
 
     ``budget``: ``"60%"`` of the profiled activation peak, or bytes (``"6GiB"``). ``policy``: the
@@ -387,33 +387,6 @@ class PolicyRuntime:
             raise UserError("no step has run yet; wrap a training step in `with runtime.step():`")
         return self._report
 
-    def use_plan(self, plan: SwapPlan, budget: str | int | None = None) -> None:
-        """Execute ``plan`` from the next step on, instead of the policy's (the trace must exist:
-        run the profiling steps first), optionally under another ``budget``. Checked against R7
-        and the trace."""
-        if self.trace is None:
-            raise UserError("use_plan() needs the profiled trace: run the profiling steps first")
-        if budget is not None:
-            self.plans.budgets.respecify(budget, self.trace)  # a malformed budget fails here, not after profiling
-        if plan.recompute or plan.selective:
-            # R9's two stages for a plan given whole: its blocks are checkpointed, the steps are
-            # profiled again, and its swaps are carried onto what they then save (carry_evictions)
-            self._given = (self._unwrapped_trace or self.trace, plan) if plan.evictions else None
-            if self.blocks is not None:
-                self.blocks.remove()  # the plan is made on the steps as they run with no block checkpointed
-            self._recompute(plan, self._planned_on(self._unwrapped_trace or self.trace))
-        else:
-            self._given = None
-            if self.blocks is not None and self.blocks.names and self._unwrapped_trace is not None:
-                # a swap plan for the steps as they run with no block checkpointed (the plan before
-                # recomputed blocks): they run their own forward again, and that trace is back
-                self.blocks.remove()
-                self.plans.clear()  # laid out, and the steps kept re-timed, with blocks checkpointed
-                self._executed.forget()
-                self.trace, self.first_sight = self._unwrapped_trace, self._unwrapped_first_sight
-            self._adopt(plan)
-        self._policy_planned = False
-
     def close(self) -> None:
         """Stop the copy engines, and put the training state the plan moved back on the device
         where the device has room for it (on CUDA, one that does not fit stays on the host, as
@@ -490,34 +463,6 @@ class PolicyRuntime:
             self._recompute(plan, planned_on)
             return
         self._adopt(without_small(plan, trace, self.min_bytes))
-
-    def _recompute(self, plan: SwapPlan, trace: Trace) -> None:
-        """R9, in two stages. Here: checkpoint ``plan``'s blocks from the next step on, and profile
-        again, since the steps then save other tensors (each block only its inputs). On that trace
-        (``_plan_from``) the policy plans the swaps of what stays saved, and the runtime executes them."""
-        blocks = (*plan.recompute, *plan.selective)
-        if self.blocks is None:
-            raise UserError(f"plan {plan.policy!r} recomputes {len(blocks)} block(s) (R9): give the runtime "
-                            "the model (SwapRuntime(model=...)) so that it can run them under torch.utils.checkpoint")
-        plan.validate(trace)
-        saved = self.blocks.selective_saves(trace, plan)
-        self._rebuilt = self.blocks.rebuilt_bytes(trace, plan)
-        self._checkpoint_blocks(blocks, saved)
-
-    def _checkpoint_blocks(self, names: tuple[str, ...], saved: dict[str, frozenset[Any]]) -> None:
-        """Checkpoint the blocks ``names`` (``saved``: those selectively) from the next step on,
-        which is profiled again: plans and layouts made before are for steps that ran otherwise."""
-        present(self.blocks, "the model's blocks").install(names, saved)
-        self.plans.clear()  # every layout (and plan in the making) is for steps that ran otherwise
-        self._profile_again(steps=self.profile_steps)
-
-    def _profile_again(self, steps: int) -> None:
-        """The next ``steps`` steps are profiled, and the policy plans after them: what was planned
-        is for steps that ran otherwise (new blocks checkpointed, a step that left its trace)."""
-        self.trace = self.plan = self.layout = self.predicted_s = None
-        self._profiled = self.profile_steps - steps
-        self._profiles = []
-        self._executed.forget()
 
     def _adopt(self, plan: SwapPlan, simulated: SimResult | None = None) -> None:
         """Check ``plan`` (R7), predict its step time, and lay it out per event for the hooks."""

@@ -1,0 +1,107 @@
+"""R9's two stages, and a plan the user gives (``use_plan``), in the live runtime: a plan that
+recomputes blocks runs them under ``torch.utils.checkpoint`` from the next step on, and the steps
+are profiled again (each block then saves only its inputs); on that trace the policy plans the
+swaps of what stays saved (``PolicyRuntime._plan_from``), or a given plan's swaps are carried over
+(``plan.carry_evictions``).
+
+:class:`TwoStages` is the part of :class:`~swapsched.runtime.swapper.PolicyRuntime` that does
+this; the runtime supplies what it reads.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from swapsched.errors import UserError, present
+from swapsched.plan import SwapPlan
+from swapsched.trace import Trace
+
+if TYPE_CHECKING:
+    from swapsched.env.result import SimResult
+    from swapsched.runtime.plans import ShapePlans
+    from swapsched.runtime.recompute import BlockCheckpoints
+    from swapsched.runtime.retime import ExecutedSteps
+
+__all__ = ["TwoStages"]
+
+
+class TwoStages:
+    """R9's two stages and ``use_plan`` (module docstring)."""
+
+    trace: Trace | None
+    plan: SwapPlan | None
+    layout: Any
+    predicted_s: float | None
+    first_sight: dict[int, int]
+    plans: ShapePlans
+    blocks: BlockCheckpoints | None
+    profile_steps: int
+    _profiled: int
+    _profiles: list[tuple[Trace, dict[int, int]]]
+    _executed: ExecutedSteps
+    _policy_planned: bool
+    _rebuilt: dict[str, int]
+    _unwrapped_trace: Trace | None
+    _unwrapped_first_sight: dict[int, int]
+    _given: tuple[Trace, SwapPlan] | None
+
+    def _planned_on(self, trace: Trace) -> Trace:
+        raise NotImplementedError
+
+    def _adopt(self, plan: SwapPlan, simulated: SimResult | None = None) -> None:
+        raise NotImplementedError
+
+    def use_plan(self, plan: SwapPlan, budget: str | int | None = None) -> None:
+        """Execute ``plan`` from the next step on, instead of the policy's (the trace must exist:
+        run the profiling steps first), optionally under another ``budget``. Checked against R7
+        and the trace."""
+        if self.trace is None:
+            raise UserError("use_plan() needs the profiled trace: run the profiling steps first")
+        if budget is not None:
+            self.plans.budgets.respecify(budget, self.trace)  # a malformed budget fails here, not after profiling
+        if plan.recompute or plan.selective:
+            # R9's two stages for a plan given whole: its blocks are checkpointed, the steps are
+            # profiled again, and its swaps are carried onto what they then save (carry_evictions)
+            self._given = (self._unwrapped_trace or self.trace, plan) if plan.evictions else None
+            if self.blocks is not None:
+                self.blocks.remove()  # the plan is made on the steps as they run with no block checkpointed
+            self._recompute(plan, self._planned_on(self._unwrapped_trace or self.trace))
+        else:
+            self._given = None
+            if self.blocks is not None and self.blocks.names and self._unwrapped_trace is not None:
+                # a swap plan for the steps as they run with no block checkpointed (the plan before
+                # recomputed blocks): they run their own forward again, and that trace is back
+                self.blocks.remove()
+                self.plans.clear()  # laid out, and the steps kept re-timed, with blocks checkpointed
+                self._executed.forget()
+                self.trace, self.first_sight = self._unwrapped_trace, self._unwrapped_first_sight
+            self._adopt(plan)
+        self._policy_planned = False
+
+    def _recompute(self, plan: SwapPlan, trace: Trace) -> None:
+        """R9, in two stages. Here: checkpoint ``plan``'s blocks from the next step on, and profile
+        again, since the steps then save other tensors (each block only its inputs). On that trace
+        (``_plan_from``) the policy plans the swaps of what stays saved, and the runtime executes them."""
+        blocks = (*plan.recompute, *plan.selective)
+        if self.blocks is None:
+            raise UserError(f"plan {plan.policy!r} recomputes {len(blocks)} block(s) (R9): give the runtime "
+                            "the model (SwapRuntime(model=...)) so that it can run them under torch.utils.checkpoint")
+        plan.validate(trace)
+        saved = self.blocks.selective_saves(trace, plan)
+        self._rebuilt = self.blocks.rebuilt_bytes(trace, plan)
+        self._checkpoint_blocks(blocks, saved)
+
+    def _checkpoint_blocks(self, names: tuple[str, ...], saved: dict[str, frozenset[Any]]) -> None:
+        """Checkpoint the blocks ``names`` (``saved``: those selectively) from the next step on,
+        which is profiled again: plans and layouts made before are for steps that ran otherwise."""
+        present(self.blocks, "the model's blocks").install(names, saved)
+        self.plans.clear()  # every layout (and plan in the making) is for steps that ran otherwise
+        self._profile_again(steps=self.profile_steps)
+
+    def _profile_again(self, steps: int) -> None:
+        """The next ``steps`` steps are profiled, and the policy plans after them: what was planned
+        is for steps that ran otherwise (new blocks checkpointed, a step that left its trace)."""
+        self.trace = self.plan = self.layout = self.predicted_s = None
+        self._profiled = self.profile_steps - steps
+        self._profiles = []
+        self._executed.forget()
