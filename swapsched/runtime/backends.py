@@ -142,20 +142,22 @@ class Backend:
         return "the device's"
 
     def copy_out(self, src: torch.Tensor) -> Ticket:
+        """Device ``src`` (a flat ``uint8`` storage) into a buffer of the host pool."""
         raise NotImplementedError
 
     def copy_in(self, host: torch.Tensor, after: Ticket | None, device: Any = None) -> Ticket:
-        """Back to ``device`` (default: the device ``after`` copied from)."""
+        """Back to ``device`` (default: the device ``after`` copied from), into a new buffer."""
         raise NotImplementedError
 
     def copy_out_into(self, src: torch.Tensor, host: torch.Tensor) -> Ticket:
         """Device ``src`` into the existing host tensor ``host`` (same shape and dtype), on the
-        swap-out engine: the training state's copies to its host master (R14)."""
+        swap-out engine (a swap-out's pool buffer, or the training state's host master, R14)."""
         raise NotImplementedError
 
-    def copy_in_into(self, host: torch.Tensor, dst: torch.Tensor) -> Ticket:
-        """Host ``host`` into the existing device tensor ``dst`` (a parameter's own storage, which
-        saved views share), on the swap-in engine (R14)."""
+    def copy_in_into(self, host: torch.Tensor, dst: torch.Tensor, after: Ticket | None = None) -> Ticket:
+        """Host ``host`` into the existing device tensor ``dst`` (a swap-in's new buffer, or a
+        parameter's own storage, which saved views share, R14), on the swap-in engine, not before
+        ``after`` completed."""
         raise NotImplementedError
 
     def done(self, t: Ticket) -> bool:
@@ -228,8 +230,13 @@ class CpuBackend(Backend):
         self._start_engines()
 
     def copy_out(self, src: torch.Tensor) -> Ticket:
-        host = self.pool.take(src.numel())
-        t = Ticket(src.numel(), src=src, dst=host, done_event=threading.Event())
+        return self.copy_out_into(src, self.pool.take(src.numel()))
+
+    def copy_in(self, host: torch.Tensor, after: Ticket | None, device: Any = None) -> Ticket:
+        return self.copy_in_into(host, torch.empty(host.numel(), dtype=torch.uint8), after)
+
+    def copy_out_into(self, src: torch.Tensor, host: torch.Tensor) -> Ticket:
+        t = Ticket(src.numel() * src.element_size(), src=src, dst=host, done_event=threading.Event())
 
         def copy() -> None:
             host.copy_(src)
@@ -238,24 +245,8 @@ class CpuBackend(Backend):
         self.d2h.submit(t, copy)
         return t
 
-    def copy_in(self, host: torch.Tensor, after: Ticket | None, device: Any = None) -> Ticket:
-        dev = torch.empty(host.numel(), dtype=torch.uint8)
-        t = Ticket(host.numel(), src=host, dst=dev, after=after, done_event=threading.Event())
-        self.h2d.submit(t, lambda: dev.copy_(host))
-        return t
-
-    def copy_out_into(self, src: torch.Tensor, host: torch.Tensor) -> Ticket:
-        t = Ticket(src.numel() * src.element_size(), src=src, dst=host, done_event=threading.Event())
-
-        def copy() -> None:
-            host.copy_(src)
-            t.src = None
-
-        self.d2h.submit(t, copy)
-        return t
-
-    def copy_in_into(self, host: torch.Tensor, dst: torch.Tensor) -> Ticket:
-        t = Ticket(host.numel() * host.element_size(), src=host, dst=dst, done_event=threading.Event())
+    def copy_in_into(self, host: torch.Tensor, dst: torch.Tensor, after: Ticket | None = None) -> Ticket:
+        t = Ticket(host.numel() * host.element_size(), src=host, dst=dst, after=after, done_event=threading.Event())
         self.h2d.submit(t, lambda: dst.copy_(host))
         return t
 
@@ -344,42 +335,20 @@ class CudaBackend(Backend):
         return pair
 
     def copy_out(self, src: torch.Tensor) -> Ticket:
-        device = src.device
-        d2h_stream = self._streams(device)[0]
-        compute = torch.cuda.current_stream(device)
-        produced = torch.cuda.Event()
-        produced.record(compute)  # the producer kernels were queued on compute before this point
-        host = self.pool.take(src.numel())
-        done = torch.cuda.Event()
-        # wait_stream/wait_event on the copy stream itself; the "current" stream inside the
-        # context is the copy stream, so never call current_stream() in there
-        d2h_stream.wait_event(produced)
-        with torch.cuda.stream(d2h_stream):
-            host.copy_(src, non_blocking=True)
-        done.record(d2h_stream)
-        return Ticket(src.numel(), src=src, dst=host, done_event=done, device=device)
+        return self.copy_out_into(src, self.pool.take(src.numel()))
 
     def copy_in(self, host: torch.Tensor, after: Ticket | None, device: Any = None) -> Ticket:
         device = torch.device(device) if device is not None else (after.device if after is not None else self.device)
-        h2d_stream = self._streams(device)[1]
-        compute = torch.cuda.current_stream(device)
         dev = torch.empty(host.numel(), dtype=torch.uint8, device=device)  # owned by compute
-        allocated = torch.cuda.Event()
-        allocated.record(compute)
-        h2d_stream.wait_event(allocated)
-        if after is not None:
-            h2d_stream.wait_event(after.done_event)
-        with torch.cuda.stream(h2d_stream):
-            dev.copy_(host, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(h2d_stream)
-        return Ticket(host.numel(), src=host, dst=dev, after=after, done_event=done, device=device)
+        return self.copy_in_into(host, dev, after)
 
     def copy_out_into(self, src: torch.Tensor, host: torch.Tensor) -> Ticket:
         device = src.device
         d2h_stream = self._streams(device)[0]
         produced = torch.cuda.Event()
-        produced.record(torch.cuda.current_stream(device))  # src's producers are queued on compute before this
+        produced.record(torch.cuda.current_stream(device))  # the producer kernels were queued on compute before this point
+        # wait_stream/wait_event on the copy stream itself; the "current" stream inside the
+        # context is the copy stream, so never call current_stream() in there
         d2h_stream.wait_event(produced)
         with torch.cuda.stream(d2h_stream):
             host.copy_(src, non_blocking=True)
@@ -388,17 +357,19 @@ class CudaBackend(Backend):
         # the ticket holds src until the copy is complete (the swapper frees it only then)
         return Ticket(src.numel() * src.element_size(), src=src, dst=host, done_event=done, device=device)
 
-    def copy_in_into(self, host: torch.Tensor, dst: torch.Tensor) -> Ticket:
+    def copy_in_into(self, host: torch.Tensor, dst: torch.Tensor, after: Ticket | None = None) -> Ticket:
         device = dst.device
         h2d_stream = self._streams(device)[1]
         allocated = torch.cuda.Event()
         allocated.record(torch.cuda.current_stream(device))  # dst was (re)allocated on compute before this
         h2d_stream.wait_event(allocated)
+        if after is not None:  # a swap-in never starts before its swap-out completed (R6)
+            h2d_stream.wait_event(after.done_event)
         with torch.cuda.stream(h2d_stream):
             dst.copy_(host, non_blocking=True)
         done = torch.cuda.Event()
         done.record(h2d_stream)
-        return Ticket(host.numel() * host.element_size(), src=host, dst=dst, done_event=done, device=device)
+        return Ticket(host.numel() * host.element_size(), src=host, dst=dst, after=after, done_event=done, device=device)
 
     def done(self, t: Ticket) -> bool:
         return t.done_event.query()
