@@ -74,6 +74,15 @@ class Harness:
         finally:
             mover.end_step()
 
+    def train_step(self, model: nn.Module, x: torch.Tensor, micro: int = 1) -> float:
+        """Forward and backward of ``model`` on ``x`` as one of ``micro`` micro-batches: the loss."""
+        def fwd_bwd() -> float:
+            loss = _loss(model, x) / micro
+            loss.backward()
+            return loss.item()
+
+        return self.step(fwd_bwd)
+
 
 def _optimizer(model: nn.Module, variant: str) -> torch.optim.Optimizer:
     if variant == "param-groups":  # the blocks with another lr and no weight decay
@@ -99,14 +108,7 @@ def train(placement: dict[str, str] | None, variant: str = "clip", steps: int = 
     try:
         for step in range(steps):
             for _ in range(micro):
-                x = torch.randint(0, VOCAB, (4, 6), generator=gen)
-
-                def fwd_bwd(x: torch.Tensor = x) -> float:
-                    loss = _loss(model, x) / micro
-                    loss.backward()
-                    return loss.item()
-
-                losses.append(h.step(fwd_bwd))
+                losses.append(h.train_step(model, torch.randint(0, VOCAB, (4, 6), generator=gen), micro))
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
             opt.step()
             opt.zero_grad()
@@ -346,14 +348,7 @@ def test_cuda_moves_the_state_and_trains_as_the_plain_loop(where: str) -> None:
         gen = torch.Generator().manual_seed(1)
         losses, low = [], 0
         for _ in range(5):
-            x = torch.randint(0, VOCAB, (4, 6), generator=gen).cuda()
-
-            def fwd_bwd(x: torch.Tensor = x) -> float:
-                loss = _loss(model, x)
-                loss.backward()
-                return loss.item()
-
-            losses.append(h.step(fwd_bwd))
+            losses.append(h.train_step(model, torch.randint(0, VOCAB, (4, 6), generator=gen).cuda()))
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
             opt.step()
             opt.zero_grad()
