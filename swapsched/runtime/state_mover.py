@@ -41,6 +41,7 @@ accumulation the user does after it). Streamed state comes in at ``optimizer.ste
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -48,7 +49,7 @@ import torch
 import torch.nn as nn
 
 from swapsched.errors import UserError
-from swapsched.runtime.backends import Backend
+from swapsched.runtime.backends import Backend, Ticket
 from swapsched.runtime.state_rest import (
     _RELEASED,
     HOST_PLACEMENTS,
@@ -83,7 +84,9 @@ class StateMover(StateAtRest):
         # the room a fetch may take now (the executing step's; None: no budget to wait for)
         self.room: Callable[[], int] | None = None
         self._waiting: list[_Param] = []  # fetches waiting for room, in issue order (R6)
-        self.eager = False  # fetch on demand in the calling thread (everything_on_host)
+        # gradients on their way to the host, in issue order: (parameter, copy, host buffer)
+        self._grad_outs: deque[tuple[_Param, Ticket, torch.Tensor]] = deque()
+        self.eager = False  # fetch on demand in the calling thread (the profiling steps': state_plans.py)
         self.in_step = False
         self.transient = self.peak_transient = 0
         self.copied = 0
@@ -166,17 +169,6 @@ class StateMover(StateAtRest):
                 self._handles.append(mp.p.register_hook(lambda g, mp=mp: self._take_grad(mp)))
         self._handles.append(self.optimizer.register_step_pre_hook(self._step_pre_hook))
         self._handles.append(self.optimizer.register_step_post_hook(lambda opt, a, k: self._after_optimizer_step()))
-
-    @classmethod
-    def everything_on_host(cls, model: nn.Module, optimizer: torch.optim.Optimizer, backend: Backend) -> StateMover:
-        """Every group ``full`` (R13), fetched on demand and copied in the calling thread, not on
-        the throttled engines (the profiling steps': no plan yet, and their gaps are the trace's
-        compute)."""
-        groups = {group_name(name) for name, mod in model.named_modules()
-                  if any(p.requires_grad for p in mod.parameters(recurse=False))}
-        mover = cls(model, optimizer, backend, (), {g: "full" for g in groups})
-        mover.eager = True
-        return mover
 
     # ------------------------------------------------------------------ accounting
     def _bytes(self, delta: int) -> None:
@@ -411,7 +403,7 @@ class StateMover(StateAtRest):
             if g is not None and g is not mp.hgrad:  # (a second backward in one step adds to it in place)
                 self._bytes(mp.nbytes)
                 buf = self.backend.pool.take(mp.nbytes)
-                mp.grad_outs.append((self.backend.copy_out_into(g.detach(), buf.view(g.dtype).view(g.shape)), buf))
+                self._grad_outs.append((mp, self.backend.copy_out_into(g.detach(), buf.view(g.dtype).view(g.shape)), buf))
                 self.copied += mp.nbytes
                 mp.p.grad = None  # the ticket holds the device gradient until its copy lands
         if mp.placement in ("full", "stream-full"):
@@ -421,18 +413,19 @@ class StateMover(StateAtRest):
             self._admit()
 
     def _collect_grads(self, wait: bool) -> None:
-        """The gradients whose copies landed (all of them, with ``wait``) added to the host's."""
-        for mp in self.params.values():
-            while mp.grad_outs and (wait or self.backend.done(mp.grad_outs[0][0])):
-                ticket, buf = mp.grad_outs.pop(0)
-                self.backend.wait_host(ticket)
-                g = buf.view(mp.p.dtype).view(mp.p.shape)
-                if mp.hgrad is None:
-                    mp.hgrad = g  # the buffer becomes the host gradient
-                else:
-                    mp.hgrad.add_(g)  # as AccumulateGrad adds: the earlier sum plus this one
-                    self.backend.pool.give(buf)
-                self._bytes(-mp.nbytes)
+        """The gradients whose copies landed (all of them, with ``wait``) added to the host's, in
+        the order they were copied out (one engine runs them in that order, R6)."""
+        outs = self._grad_outs
+        while outs and (wait or self.backend.done(outs[0][1])):
+            mp, ticket, buf = outs.popleft()
+            self.backend.wait_host(ticket)
+            g = buf.view(mp.p.dtype).view(mp.p.shape)
+            if mp.hgrad is None:
+                mp.hgrad = g  # the buffer becomes the host gradient
+            else:
+                mp.hgrad.add_(g)  # as AccumulateGrad adds: the earlier sum plus this one
+                self.backend.pool.give(buf)
+            self._bytes(-mp.nbytes)
 
     def end_step(self) -> None:
         """As the step ends (or fails): every tensor as at rest (module docstring)."""
@@ -491,7 +484,7 @@ class StateMover(StateAtRest):
                 g = mp.p.grad
                 if g is not None and g is not mp.hgrad:
                     total += g.untyped_storage().nbytes()
-                total += sum(t.src.untyped_storage().nbytes() for t, _ in mp.grad_outs if t.src is not None)
             if mp.placement in ("stream", "stream-full"):
                 total += sum(v.untyped_storage().nbytes() for _, v in self._state_tensors(mp) if id(v) not in host_keys)
-        return total
+        # gradients whose copy out still holds their device storage
+        return total + sum(t.src.untyped_storage().nbytes() for _, t, _ in self._grad_outs if t.src is not None)

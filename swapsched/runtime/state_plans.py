@@ -21,6 +21,7 @@ from swapsched.runtime.budgets import ShapeBudgets
 from swapsched.runtime.profiler import optimizer_state_kind, state_groups, static_bytes_of
 from swapsched.runtime.state_mover import StateMover
 from swapsched.runtime.state_rest import to_device
+from swapsched.state import group_name
 from swapsched.trace import Trace
 
 __all__ = ["RuntimeState"]
@@ -55,8 +56,13 @@ class RuntimeState:
             return
         if host_budget is not None and static_bytes_of(present(self.model, "the model"), self.optimizer) > host_budget:
             return
-        self.mover = StateMover.everything_on_host(present(self.model, "the model"),
-                                                  present(self.optimizer, "the optimizer"), self.backend)
+        # every group full, fetched on demand and copied in the calling thread, not on the
+        # throttled engines: no plan yet, and the profiling steps' gaps are the trace's compute
+        model = present(self.model, "the model")
+        groups = {group_name(name) for name, mod in model.named_modules()
+                  if any(p.requires_grad for p in mod.parameters(recurse=False))}
+        self.mover = StateMover(model, present(self.optimizer, "the optimizer"), self.backend, (), {g: "full" for g in groups})
+        self.mover.eager = True
 
     def with_state(self, trace: Trace) -> Trace:
         """R13: ``trace`` with the model's training state per group where the state must move:

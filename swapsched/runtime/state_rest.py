@@ -28,7 +28,7 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -72,7 +72,6 @@ class _Param:
     back: Ticket | None = None  # host-step: the host master's copy back into dev (R16)
     dev_version: int = -1  # the host master's version dev was copied from (a reload changes it)
     hgrad: torch.Tensor | None = None  # the gradient kept on the host
-    grad_outs: list[tuple[Ticket, torch.Tensor]] = field(default_factory=list)  # gradients on their way out
     uses: int = 0  # forward scopes of groups using it now (a tied weight: more than one)
     taken: bool = False  # the host gradient is off p.grad for this step's backward (_take_grad)
     step_grad: torch.Tensor | None = None  # stream-full: the host gradient while the device steps it
