@@ -196,7 +196,7 @@ class DeviceMeter:
     """Peak device bytes of one training step, whatever the method: on CUDA torch's
     ``max_memory_allocated``; on the CPU the bytes of every storage an op makes on the main thread
     while it lives (a ``TorchDispatchMode`` with a finalizer per storage), leaving out the host
-    pool's buffers (``backends.HOST_ALLOCATING``: on the emulated device host and device are both
+    pool's buffers (``transients.HOST_ALLOCATING``: on the emulated device host and device are both
     the CPU), plus what was live before the step: parameters, buffers, gradients, optimizer state.
     Copies made on other threads (the emulated copy engines) write into buffers made here."""
 
@@ -229,7 +229,7 @@ class DeviceMeter:
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils._pytree import tree_flatten
 
-        from swapsched.runtime.backends import HOST_ALLOCATING
+        from swapsched.runtime.transients import HOST_ALLOCATING
 
         base = self._resident()
         state = {"live": 0, "peak": 0}

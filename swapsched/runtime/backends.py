@@ -35,15 +35,11 @@ from swapsched.budget import parse_budget
 from swapsched.errors import UserError
 from swapsched.hardware import Hardware, default_hardware, load_hardware
 from swapsched.runtime.copy_engine import CopyEngine, CopyError, Ticket, sleep_overshoot
+from swapsched.runtime.transients import HOST_ALLOCATING
 
 __all__ = ["resolve_backend", "Ticket", "Backend", "CpuBackend", "CudaBackend", "HostPool", "CopyError", "make_backend",
            "runtime_devices"]
 
-
-#: Set while a host pool allocates a buffer on this thread: a device-memory meter that watches
-#: every allocation (``swapsched run --compare``) leaves host buffers out on the emulated device,
-#: where host and "device" are both the CPU.
-HOST_ALLOCATING = threading.local()
 
 
 class HostPool:

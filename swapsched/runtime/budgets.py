@@ -103,13 +103,18 @@ class ShapeBudgets:
         if passes > 1:
             why = (f"; its {passes} backward passes read the same saved tensors (retain_graph=True or "
                    "create_graph=True), and each tensor stays on the device from its first unpack to its last")
-        elif need >= trace.peak_bytes_no_swap:
+        elif need >= trace.peak_bytes_no_swap and int(trace.must_resident_bytes.max()) >= trace.saved_bytes_peak:
             # one autograd node reads every saved tensor at once: nothing can be away when it runs
             why = ("; its backward reads every saved tensor at once, as a model compiled whole with "
                    "torch.compile does (one autograd node): compile its blocks separately so that tensors "
                    "can move between them")
         else:
-            why = ""
+            # R3: where the step is fullest, what no plan moves (outputs not saved, activations'
+            # gradients) with what backward reads there
+            at = int((trace.other_bytes + trace.must_resident_bytes).argmax())
+            other = int(trace.other_bytes[at])
+            why = (f"; at its fullest it holds {format_bytes(other)} beyond its saved tensors (outputs not saved, "
+                   "activations' gradients: nothing a plan can move)" if other else "")
         if resolved is not None and not relative:
             why += f"; the budget stands for {format_bytes(resolved)} for every shape, and this step's shape needs more"
         raise BudgetError(f"the runtime's budget {spec!r} is below this training step's smallest "

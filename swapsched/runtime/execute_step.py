@@ -103,8 +103,9 @@ class ExecuteStep(CopyingStep):
         self.tensor_bytes = tb.bytes
         self.frees = tb.free  # tensors whose last unpack is each event
         self.alloc = tb.alloc_bytes  # bytes of the tensors first packed at each event (made in its gap)
-        # non-saved bytes live in each gap (R3): here what a recompute rebuilds, held by the
-        # checkpoint where backward runs the block (R9; see ProfileStep._with_rebuilt)
+        # non-saved bytes live in each gap (R3), as the profiling steps measured them
+        # (runtime/transients.py): activations' gradients, outputs not saved, what a recompute
+        # rebuilds and a selective checkpoint keeps (R9)
         self.other = tb.other
         # the hooks' hot path reads two flat lists: the expected event (tensor id for a pack, its
         # complement ~id for an unpack) and whether anything happens after it (a free, a planned
@@ -123,9 +124,9 @@ class ExecuteStep(CopyingStep):
         """The bytes a state fetch may take now under the budget (R6: it waits for room)."""
         if self.deaths:
             self._count_deaths()
-        # what a recompute rebuilds through the coming gap holds memory too (R9: ``other``)
-        rebuilt = self.other[self.i] if self.i < len(self.other) else 0
-        return self.budget - self.static - self.used - int(rebuilt)
+        # what the coming gap holds beyond the saved tensors needs room too (R3: ``other``)
+        other = self.other[self.i] if self.i < len(self.other) else 0
+        return self.budget - self.static - self.used - int(other)
 
     def _first_tensor(self, nbytes: int) -> bool:
         """The step's first saved tensor has ``nbytes`` where this layout expects other bytes: take
@@ -269,11 +270,12 @@ class ExecuteStep(CopyingStep):
             self._after_event(i)
         alloc = self.alloc
         if i + 1 < len(alloc):
-            need = int(alloc[i + 1] * self.scale) + self.other[i + 1]
+            other = self.other[i + 1]  # not scaled: a weight's gradient is the same for any batch
+            need = int(alloc[i + 1] * self.scale) + other
             if self.used + need > self.room:
                 self._room_for_next(need)
-            if self.other[i + 1] and self.static + self.used + self.other[i + 1] > self.peak:
-                self.peak = self.static + self.used + self.other[i + 1]  # the rebuilt members, through the gap
+            if other and self.static + self.used + other > self.peak:
+                self.peak = self.static + self.used + other  # what the gap holds beyond the saved tensors
         if self.marks_in is not None:
             self.marks_out.append(self.backend.mark())
         now = time.perf_counter()

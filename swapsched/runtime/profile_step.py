@@ -15,6 +15,7 @@ from swapsched.runtime.accounting import StepExecution
 from swapsched.runtime.recorder import ModulePath, OpNames, StorageIds, TraceRecorder, is_cached_cast, storage_key
 from swapsched.runtime.reports import StepReport
 from swapsched.runtime.stash import Packed, Record, flat_bytes, rebuild
+from swapsched.runtime.transients import TransientMeter
 from swapsched.trace import Trace
 
 if TYPE_CHECKING:
@@ -39,7 +40,8 @@ class ProfileStep(StepExecution):
 
     __slots__ = ("ids", "recorder", "trace", "moved", "device", "owners", "cast_keys", "cast_bytes", "released",
                  "freed", "unpacked", "devices", "param_keys", "passes", "modules", "checkpoint_packs", "recomputes",
-                 "new_shape", "seen_before", "carried", "carried_keys", "ops", "producers", "held", "first_sight")
+                 "new_shape", "seen_before", "carried", "carried_keys", "ops", "producers", "held", "first_sight",
+                 "transients")
 
     def __init__(self, frame: StepFrame, since: tuple[float, int] | None = None,
                  carried: list[tuple[weakref.ref[Any], int, int]] | None = None):
@@ -52,7 +54,10 @@ class ProfileStep(StepExecution):
         # cannot be entered safely) names each saved tensor's op and records which op call made
         # each storage: what selective checkpointing recomputes, and how it names an op call (R9)
         self.ops = OpNames(self.modules).__enter__() if since is None else None
-        self.recorder = TraceRecorder(clock, ops=self.ops, modules=self.modules)
+        # and measures what each gap holds beyond the saved tensors (R3's other bytes): entered
+        # after the op names, left before them (modes leave in the reverse order)
+        self.transients = TransientMeter(lambda: len(self.recorder.kinds)).__enter__() if since is None else None
+        self.recorder = TraceRecorder(clock, ops=self.ops, modules=self.modules, transients=self.transients)
         # trace id (order of first sight) -> the op call that made its storage, per module then
         # (OpNames.producers); in trace ids once the step is done
         self.producers: dict[int, tuple[tuple[str, Any, int], ...]] = {}
@@ -157,14 +162,14 @@ class ProfileStep(StepExecution):
     @contextmanager
     def _paused(self) -> Iterator[None]:
         """The hook's own ops are not the model's: the op recorder skips them."""
-        if self.ops is None:
+        if self.ops is None or self.transients is None:
             yield
             return
-        self.ops.paused = True
+        self.ops.paused = self.transients.paused = True
         try:
             yield
         finally:
-            self.ops.paused = False
+            self.ops.paused = self.transients.paused = False
 
     def _own(self, tid: int, st: Any, p: Packed) -> None:
         entry = self.owners.get(tid)
@@ -235,9 +240,11 @@ class ProfileStep(StepExecution):
         if "unpack" not in self.recorder.kinds:  # a step without backward: no trace to learn from
             self.abort()
             return
+        model = self.frame.model
+        grads = [p.grad for p in model.parameters() if p.grad is not None] if model is not None else []
         self.trace = self.recorder.finish(f"runtime-step-{self.frame.step}", self.device, static, "measured",
                                           exclude=frozenset(unowned), released=dict(self.released),
-                                          freed=dict(self.freed))
+                                          freed=dict(self.freed), static_tensors=grads)
         self.trace = replace(self.trace, events=self._with_rebuilt(self.trace),
                              meta={**self.trace.meta, "unowned_bytes": static - self.frame.static_bytes,
                                    "unowned_tensors": len(unowned) + carried, "backward_passes": len(self.passes)})
@@ -253,6 +260,8 @@ class ProfileStep(StepExecution):
         checkpoints held in each gap (the most at either end of it: they grow through forward and
         go in backward), as the runtime's hooks saw it between the gaps."""
         events = list(trace.events)
+        if self.transients is not None:
+            return tuple(events)  # the transient meter saw what the checkpoints held and rebuilt
         index = self.recorder.event_index
         held = self.held
         if any(held):
@@ -276,6 +285,10 @@ class ProfileStep(StepExecution):
         return tuple(events)
 
     def abort(self) -> None:
+        if self.transients is not None:
+            self.transients.__exit__(None, None, None)
+            self.transients.close()
+            self.transients = None
         if self.ops is not None:
             self.ops.__exit__(None, None, None)
             self.ops = None

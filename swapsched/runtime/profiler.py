@@ -1,8 +1,9 @@
 """Profile one real training step into a Trace, through ``saved_tensors_hooks`` (DESIGN.md "Trace").
 
 ``profile(model, inputs, loss_fn)`` runs the step twice on a real device: first a *structure*
-pass under a dispatch mode that names the aten op behind each saved tensor and a
-``FlopCounterMode`` that counts FLOPs per gap, then a *timing* pass with nothing but light hooks
+pass under a dispatch mode that names the aten op behind each saved tensor, a
+``FlopCounterMode`` that counts FLOPs per gap and the transient meter that measures what each gap
+holds beyond the saved tensors (R3's other bytes, ``transients.py``; on ``meta`` too), then a *timing* pass with nothing but light hooks
 (``perf_counter`` on the CPU; one CUDA event per hook on a GPU, read after a single synchronize).
 Gradients, RNG and buffers are restored between the passes, so after ``profile`` the model holds
 exactly the gradients of one plain training step. On the ``meta`` device only the structure pass
@@ -30,6 +31,7 @@ from swapsched.errors import UserError, present
 from swapsched.hardware import DEFAULT_CPU_HARDWARE, DEFAULT_GPU_HARDWARE, Hardware, load_hardware
 from swapsched.precision import Precision, autocast_for
 from swapsched.runtime.recorder import ModulePath, OpNames, ProfileError, TraceRecorder, storage_key
+from swapsched.runtime.transients import TransientMeter
 from swapsched.state import StateGroup, group_name, optimizer_kind
 from swapsched.trace import Trace
 
@@ -201,17 +203,21 @@ def profile(
     # structure pass: op names, FLOPs per gap, module paths
     snap = _snapshot(model) if dev.type != "meta" else None
     ops, flops = OpNames(), FlopCounterMode(display=False)
+    transients = TransientMeter(lambda: len(structure.kinds))  # R3's other bytes, per gap
     with ExitStack() as stack:
         mp = stack.enter_context(ModulePath(model))
         stack.enter_context(flops)
         stack.enter_context(ops)
-        structure = TraceRecorder(None, ops=ops, flops=flops, modules=mp)
+        stack.enter_context(transients)
+        structure = TraceRecorder(None, ops=ops, flops=flops, modules=mp, transients=transients)
         kernels = kernel_mode()
         run(structure, kernels)
     if kernels is not None:
         # what ran, per kernel ({} where the model never called SDPA: its own attention code)
         step_meta.update(attention=dict(sorted(kernels.used.items())), attention_requested=attention)
-    structural = structure.finish(name, str(dev), static, "roofline")
+    grads = [p.grad for p in params if p.grad is not None]  # counted in static
+    structural = structure.finish(name, str(dev), static, "roofline", static_tensors=grads)
+    transients.close()
     structural = replace(structural, meta={**structural.meta, **step_meta})
 
     if dev.type == "meta":
@@ -228,7 +234,8 @@ def profile(
             f"{name}: two runs of the same step saved different tensors (data-dependent control flow?); "
             "profile a step whose saved tensors do not depend on the data"
         )
-    events = tuple(replace(m, flops=s.flops) for m, s in zip(measured.events, structural.events, strict=False))
+    events = tuple(replace(m, flops=s.flops, other_bytes=s.other_bytes)
+                   for m, s in zip(measured.events, structural.events, strict=False))
     trace = replace(
         measured, tensors=structural.tensors, events=events,
         meta={**measured.meta, **step_meta, "tail_flops": structural.meta["tail_flops"]},

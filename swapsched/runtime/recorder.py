@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -29,6 +29,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import FlopCounterMode
 
 from swapsched.errors import UserError
+from swapsched.runtime.transients import TransientMeter
 from swapsched.trace import Event, TensorInfo, Trace
 
 __all__ = ["ProfileError", "TraceRecorder", "OpNames", "ModulePath", "StorageIds", "is_parameter", "is_cached_cast",
@@ -202,8 +203,9 @@ class TraceRecorder:
     """
 
     def __init__(self, clock: str | None, ops: OpNames | None = None, flops: FlopCounterMode | None = None,
-                 modules: ModulePath | None = None):
+                 modules: ModulePath | None = None, transients: TransientMeter | None = None):
         self.clock, self.ops, self.flops, self.modules = clock, ops, flops, modules
+        self.transients = transients  # R3's other bytes, measured (finish puts them on the events)
         self.ids = StorageIds()
         self.tensors: list[TensorInfo] = []
         self.op_names: list[str] = []
@@ -252,6 +254,8 @@ class TraceRecorder:
             self.op_names.append("")
             if self.ops is not None:
                 self.ops.name_saver(t, partial(self.op_names.__setitem__, tid))
+            if self.transients is not None:
+                self.transients.saved(t, tid)
         self._mark(t0)
         self.kinds.append("pack")
         self.tensor_of.append(tid)
@@ -285,12 +289,15 @@ class TraceRecorder:
         self.hook_s = self._hook_s_before + (self._last - self._hook_t0)
 
     def finish(self, name: str, device: str, static: int, timing: str, exclude: frozenset[int] = frozenset(),
-               released: dict[int, int] | None = None, freed: dict[int, int] | None = None) -> Trace:
+               released: dict[int, int] | None = None, freed: dict[int, int] | None = None,
+               static_tensors: Iterable[torch.Tensor] = ()) -> Trace:
         """Build the Trace. Tensors never unpacked, and those in ``exclude`` (ids in order of first
         sight: storages the runtime found held by someone else), are dropped; their gaps merge into
         the next event's. ``released``: id -> the hook call before which the program let go of the
         tensor, which becomes its ``released_at`` (R2); ``freed``: id -> the hook call before which
-        its last unpacked copy died, which becomes its ``freed_at`` (R2)."""
+        its last unpacked copy died, which becomes its ``freed_at`` (R2). With a transient meter,
+        each event's ``other_bytes`` (R3) is the most its gap held beyond the trace's tensors and
+        ``static_tensors`` (those counted in ``static``: parameters' gradients)."""
         end = time.perf_counter()
         n = len(self.kinds)
         if self.clock == "cuda":
@@ -325,6 +332,13 @@ class TraceRecorder:
             carry_s, carry_f = 0.0, 0.0
         new_index[n] = len(events)
         self.event_index = new_index  # recorded hook call -> its trace event (the runtime places rebuilt bytes by it)
+        if self.transients is not None and events:
+            per_call = self.transients.per_call(n, saved=set(keep) | exclude, static=static_tensors)
+            other = [0] * len(events)
+            for call, held in enumerate(per_call):  # a dropped call's gap merged into the next event's;
+                j = min(new_index[call], len(events) - 1)  # the tail's counts in the last gap's (R3)
+                other[j] = max(other[j], held)
+            events = [replace(e, other_bytes=o) for e, o in zip(events, other, strict=True)]
         def event_of(calls: dict[int, int] | None, old: int) -> int | None:
             # died in the gap before hook call r: held through the gap of the event r became
             if not calls or old not in calls:

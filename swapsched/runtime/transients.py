@@ -1,0 +1,132 @@
+"""R3's other bytes, measured: the device memory a step holds beyond its saved tensors.
+
+Between two saved-tensor hooks, a step also holds what no hook sees: outputs it has not saved
+yet or never will (a convolution's output before the ReLU that saves its own), the gradients of
+activations flowing through backward, an op's scratch tensors that torch makes through the
+dispatcher, what a checkpoint's recompute rebuilds, what a selective checkpoint keeps. A
+convolution's backward holds its output gradient, its input gradient and its saved input at once;
+on a convnet these come to a quarter of the step's peak, and a plan that does not count them
+overruns its budget.
+
+:class:`TransientMeter` is a dispatch mode entered for a whole profiled step. Every storage an op
+makes (not a view of an input's) is timed from the op to its death by a finalizer, with the hook
+call it happened before. At the end, the storages that became trace tensors (their bytes are the
+trace's, R2) or are counted in ``static_bytes`` (parameters' gradients, buffers) are taken out, and
+what remains gives, for each hook call, the most bytes alive in the gap before it.
+
+What torch allocates inside a kernel without the dispatcher (cuDNN's workspace, oneDNN's
+scratchpads) is not seen here: on CUDA the caching allocator's counters see it (``device_extra``).
+The same measurement runs on ``meta``, where the storages have their sizes but no memory.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["TransientMeter", "HOST_ALLOCATING"]
+
+#: Set (``HOST_ALLOCATING.on = True``) around the host pool's allocations: every meter of device
+#: memory (this one, ``swapsched run --compare``'s) leaves host buffers out on the emulated device,
+#: where host and "device" are both the CPU.
+HOST_ALLOCATING = threading.local()
+
+
+class TransientMeter(TorchDispatchMode):
+    """Every storage an op makes while the mode is entered, timed by hook call (see the module).
+
+    ``calls``: how many saved-tensor hook calls the step has made so far (the gap an allocation
+    falls in). ``paused``: the runtime's own hooks are copying; their ops are not the step's.
+    :meth:`saved` is told of each packed tensor and its id; :meth:`per_call` gives the result."""
+
+    def __init__(self, calls: Callable[[], int]) -> None:
+        super().__init__()
+        self.calls = calls
+        self.paused = False
+        self._seq = 0
+        self._live: dict[int, int] = {}  # storage key -> seq of the live storage made here
+        # (hook calls so far, seq, +bytes or -bytes) in time order; finalizers may append from a
+        # copy thread (the CPU backend drops a source there), and a deque's append is atomic
+        self._log: deque[tuple[int, int, int]] = deque()
+        self._saved: dict[int, list[int]] = {}  # trace id in order of first sight -> seqs of its storages
+        self._finalizers: list[weakref.finalize] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.paused or getattr(HOST_ALLOCATING, "on", False):
+            return out
+        flat_out = tree_flatten(out)[0]
+        if not any(isinstance(t, torch.Tensor) for t in flat_out):
+            return out
+        # an output on an input's storage is a view or an in-place result: no new bytes
+        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in flat_out:
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
+                self._watch(t)
+        return out
+
+    def _watch(self, t: torch.Tensor) -> int | None:
+        st = t.untyped_storage()
+        key, n = st._cdata, st.nbytes()
+        if key in self._live or n == 0:
+            return None
+        self._seq += 1
+        seq = self._seq
+        self._live[key] = seq
+        self._log.append((self.calls(), seq, n))
+        self._finalizers.append(weakref.finalize(st, self._died, key, seq, n))
+        return seq
+
+    def _died(self, key: int, seq: int, n: int) -> None:
+        if self._live.get(key) == seq:
+            del self._live[key]
+        self._log.append((self.calls(), seq, -n))
+
+    def saved(self, t: torch.Tensor, tid: int) -> None:
+        """``t`` was packed as trace tensor ``tid`` (order of first sight): if a storage made here,
+        its bytes are the trace's while ``tid`` is kept (R2)."""
+        seq = self._live.get(t.untyped_storage()._cdata)
+        if seq is not None:
+            self._saved.setdefault(tid, []).append(seq)
+
+    def per_call(self, n_calls: int, saved: Iterable[int], static: Iterable[torch.Tensor]) -> list[int]:
+        """The most bytes alive in the gap before each hook call ``0..n_calls`` (the last: the
+        compute after the last hook call), leaving out the storages of trace tensors ``saved`` and
+        those of ``static`` tensors (counted in ``static_bytes``: parameters' gradients made in
+        backward)."""
+        static_keys = {t.untyped_storage()._cdata for t in static}
+        leave_out = {seq for key, seq in self._live.items() if key in static_keys}
+        leave_out |= {seq for tid in saved for seq in self._saved.get(tid, ())}
+        return self._walk(n_calls, leave_out)
+
+    def _walk(self, n_calls: int, leave_out: set[int]) -> list[int]:
+        peaks = [0] * (n_calls + 1)
+        alive = 0
+        call = 0
+        for at, seq, delta in list(self._log):
+            if seq in leave_out:
+                continue
+            at = min(at, n_calls)
+            while call < at:  # the level carries into the gaps where nothing was made or died
+                call += 1
+                peaks[call] = max(peaks[call], alive)
+            alive += delta
+            peaks[call] = max(peaks[call], alive)
+        while call < n_calls:
+            call += 1
+            peaks[call] = max(peaks[call], alive)
+        return peaks
+
+    def close(self) -> None:
+        """Stop watching: the storages still alive need no finalizer from this step."""
+        for f in self._finalizers:
+            f.detach()
+        self._finalizers.clear()
+        self._live.clear()
