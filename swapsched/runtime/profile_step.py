@@ -58,6 +58,13 @@ class ProfileStep(StepExecution):
         # after the op names, left before them (modes leave in the reverse order)
         self.transients = TransientMeter(lambda: len(self.recorder.kinds)).__enter__() if since is None else None
         self.recorder = TraceRecorder(clock, ops=self.ops, modules=self.modules, transients=self.transients)
+        if self.transients is not None and frame.model is not None:
+            # a parameter's gradient is the state's bytes, not a transient, even where the state
+            # mover copies it to the host and lets it go (R13)
+            meter = self.transients
+            for p in frame.model.parameters():
+                if p.requires_grad:
+                    self.exits.callback(p.register_hook(lambda g, p=p: meter.gradient(g, p.grad is None)).remove)
         # trace id (order of first sight) -> the op call that made its storage, per module then
         # (OpNames.producers); in trace ids once the step is done
         self.producers: dict[int, tuple[tuple[str, Any, int], ...]] = {}

@@ -335,9 +335,15 @@ class TraceRecorder:
         if self.transients is not None and events:
             per_call = self.transients.per_call(n, saved=set(keep) | exclude, static=static_tensors)
             other = [0] * len(events)
-            for call, held in enumerate(per_call):  # a dropped call's gap merged into the next event's;
-                j = min(new_index[call], len(events) - 1)  # the tail's counts in the last gap's (R3)
+            for call, held in enumerate(per_call[:n]):  # a dropped call's gap merged into the next event's
+                j = min(new_index[call], len(events) - 1)  # (after the last event: the tail's, below)
                 other[j] = max(other[j], held)
+            # R3: the compute after the last event counts in the last gap, where the tensor that
+            # event unpacked is resident, and R2 frees it at that last unpack: the tail holds
+            # what it measured, less that tensor
+            last = events[-1]
+            credit = self.tensors[keep[last.tensor]].bytes if last.kind == "unpack" else 0
+            other[-1] = max(other[-1], per_call[n] - credit)
             events = [replace(e, other_bytes=o) for e, o in zip(events, other, strict=True)]
         def event_of(calls: dict[int, int] | None, old: int) -> int | None:
             # died in the gap before hook call r: held through the gap of the event r became

@@ -56,6 +56,7 @@ class TransientMeter(TorchDispatchMode):
         # copy thread (the CPU backend drops a source there), and a deque's append is atomic
         self._log: deque[tuple[int, int, int]] = deque()
         self._saved: dict[int, list[int]] = {}  # trace id in order of first sight -> seqs of its storages
+        self._grads: set[int] = set()  # seqs of storages autograd took as a parameter's gradient
         self._finalizers: list[weakref.finalize] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -96,13 +97,22 @@ class TransientMeter(TorchDispatchMode):
         if seq is not None:
             self._saved.setdefault(tid, []).append(seq)
 
+    def gradient(self, g: torch.Tensor, stolen: bool) -> None:
+        """``g`` arrives for a parameter's gradient: where autograd takes it as the gradient
+        (``stolen``: the parameter has none yet), its bytes are the state's (``static_bytes``, or
+        R13's gradient of its group), whatever becomes of it after the step; where it is added
+        into an existing gradient, it is a transient like any other."""
+        seq = self._live.get(g.untyped_storage()._cdata)
+        if stolen and seq is not None:
+            self._grads.add(seq)
+
     def per_call(self, n_calls: int, saved: Iterable[int], static: Iterable[torch.Tensor]) -> list[int]:
         """The most bytes alive in the gap before each hook call ``0..n_calls`` (the last: the
         compute after the last hook call), leaving out the storages of trace tensors ``saved`` and
         those of ``static`` tensors (counted in ``static_bytes``: parameters' gradients made in
         backward)."""
         static_keys = {t.untyped_storage()._cdata for t in static}
-        leave_out = {seq for key, seq in self._live.items() if key in static_keys}
+        leave_out = {seq for key, seq in self._live.items() if key in static_keys} | self._grads
         leave_out |= {seq for tid in saved for seq in self._saved.get(tid, ())}
         return self._walk(n_calls, leave_out)
 

@@ -76,7 +76,7 @@ def test_planning_with_a_crafted_checkpoint_runs_none_of_its_code(tmp_path, mode
     trace = tmp_path / "t.json"
     assert main(["profile", "mlp", "--size", "tiny", "--out", str(trace)]) == 0
     assert main(["plan", "--trace", str(trace), "--policy", f"{mode}:{crafted}", "--hardware", "h100-pcie5",
-                 "--budget", "70%", "--out", str(tmp_path / "plan.json")]) == 0
+                 "--budget", "90%", "--out", str(tmp_path / "plan.json")]) == 0
     assert not marker.exists()
 
 
@@ -85,7 +85,7 @@ def test_compare_with_a_crafted_checkpoint_runs_none_of_its_code(tmp_path):
     crafted = _craft(tmp_path, marker)
     trace = tmp_path / "t.json"
     assert main(["profile", "mlp", "--size", "tiny", "--out", str(trace)]) == 0
-    assert main(["compare", "--traces", str(trace), "--budgets", "70%", "--no-progress",
+    assert main(["compare", "--traces", str(trace), "--budgets", "90%", "--no-progress",
                  "--policies", f"min,learned-ppo:{crafted},learned:{crafted}"]) == 0
     assert not marker.exists()
 

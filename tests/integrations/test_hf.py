@@ -119,9 +119,9 @@ def test_a_byte_budget_below_the_static_bytes_moves_the_state_of_the_optimizer_t
     plain, swapped = _trainer(tmp_path, "plain"), _trainer(tmp_path, "swapped")
     ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
     trace = profile(_trainer(tmp_path, "probe").model, (ids,), lambda out: out.logits.float().square().mean(), state="adamw")
-    floor = trace.min_feasible_bytes - trace.static_bytes
-    budget = trace.static_bytes // 2 + 2 * floor
-    assert budget < trace.static_bytes
+    # a quarter of the static bytes below what a plan of the activations alone needs (R3's
+    # transients included: here the tied embedding's second gradient, as large as the weight)
+    budget = trace.min_feasible_bytes - trace.static_bytes // 4
     runtime = swap_trainer(swapped, budget=budget, policy="default", backend="cpu")
     plain.train()
     swapped.train()

@@ -33,8 +33,9 @@ def _fit(callbacks, accumulate=1, compile_with=None):
     """``Module`` trained 6 steps (with validation), or, given ``compile_with``, compiled with that
     backend and trained 4 steps without validation."""
     gen = torch.Generator().manual_seed(3)
-    x, y = torch.randn(64, 256, generator=gen), torch.randint(0, 10, (64,), generator=gen)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    # batches of 64: the activations outweigh the weights' gradients, which no budget moves (R3)
+    x, y = torch.randn(512, 256, generator=gen), torch.randint(0, 10, (512,), generator=gen)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=64)
     module = Module()
     validate = {} if compile_with else {"limit_val_batches": 2, "val_check_interval": 4}
     trainer = pl.Trainer(max_steps=4 if compile_with else 6, accelerator="cpu", devices=1, logger=False,
@@ -51,7 +52,9 @@ def _fit(callbacks, accumulate=1, compile_with=None):
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_one_callback_trains_bit_identically_and_swaps(accumulate):
-    swap = SwapCallback(budget="60%", policy="min", backend="cpu", min_bytes=0)
+    # every tensor swapped: with one batch a step, the step's fullest moment is AdamW's step inside
+    # Lightning's closure (its temporaries, R3), where nothing saved is left to move
+    swap = SwapCallback(budget="100%", policy="swap-all", backend="cpu", min_bytes=0)
     plain, swapped = _fit([], accumulate), _fit([swap], accumulate)
     rep = swap.runtime.report()
     assert rep.mode == "execute" and rep.evicted_bytes > 0 and rep.peak_device_bytes <= rep.budget_bytes
@@ -143,7 +146,7 @@ def test_a_byte_budget_below_the_static_bytes_moves_the_optimizer_it_creates(acc
 
     case = build_model("mlp", "small", seed=0)
     trace = profile(case.model, case.inputs, case.loss_fn, name="mlp-small", state="adamw")
-    budget = trace.static_bytes // 2 + (trace.min_feasible_bytes - trace.static_bytes)
+    budget = trace.min_feasible_bytes - trace.static_bytes // 4  # the state must move (as test_hf's)
     swap = SwapCallback(budget=budget, policy="default", backend="cpu")
     plain, swapped = _fit([], accumulate), _fit([swap], accumulate)
     rep = swap.runtime.report()

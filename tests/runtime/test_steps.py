@@ -5,12 +5,15 @@ tensors are known, with no PolicyRuntime in between.
 The step (``chain``): ``w`` is a parameter of N floats; ``b = sin(w * 2)`` saves ``a = w * 2``,
 ``c = cos(b)`` saves ``b``, ``d = exp(c)`` saves its result ``d``: three traced tensors of 4N
 bytes (T0, T1, T2), packed in that order and unpacked in the reverse; the parameter ``w`` is
-static. The trace's activation peak is all three (12 KiB); the smallest feasible budget two
-(8 KiB): when backward reads ``d`` and then ``b``, ``a`` may be away."""
+static. The saved tensors' peak is all three (12 KiB), and two (8 KiB) must be resident: when
+backward reads ``d`` and then ``b``, ``a`` may be away. Beyond them the step holds (R3, measured):
+``c`` until ``exp`` has made ``d`` and the expression ends; in backward each gradient of 4N bytes
+(and the loss and its gradient, 4 bytes each); cos's backward holds ``sin(b)``, its negation, ``b``'s
+gradient and ``c``'s at once (16 KiB), in the last gap, where ``a`` and ``b`` are resident too."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
@@ -104,13 +107,20 @@ def test_a_profiling_step_traces_each_saved_storage_once_and_not_the_parameter(p
     assert [(e.kind, e.tensor) for e in tr.events] == [("pack", 0), ("pack", 1), ("pack", 2),
                                                       ("unpack", 2), ("unpack", 1), ("unpack", 0)]
     assert profiled.first_sight == {0: 0, 1: 1, 2: 2}
-    assert tr.peak_bytes_no_swap == 3 * NBYTES and tr.min_feasible_bytes == 2 * NBYTES
+    assert [e.other_bytes for e in tr.events] == [0, 0, NBYTES, NBYTES, NBYTES + 8, 4 * NBYTES + 8]
+    assert tr.saved_bytes_peak == 3 * NBYTES and tr.must_resident_bytes.max() == 2 * NBYTES
+    assert tr.peak_bytes_no_swap == tr.min_feasible_bytes == 2 * NBYTES + 4 * NBYTES + 8  # the last gap
     rep = profiled.report(0.01)
     assert rep.mode == "profile" and rep.evicted_bytes == 3 * NBYTES  # every traced tensor went to the host
 
 
-def executing(profiled, plan_of, budget=None, **host_kwargs):
-    tr = profiled.trace
+def saved_only(tr):
+    """``tr`` without R3's other bytes: the saved tensors alone, whose peak a budget can cut here."""
+    return replace(tr, events=tuple(replace(e, other_bytes=None) for e in tr.events))
+
+
+def executing(profiled, plan_of, budget=None, trace=None, **host_kwargs):
+    tr = trace or profiled.trace
     layout = lay_out(tr, plan_of(tr), HW, budget or tr.peak_bytes_no_swap, first_sight=profiled.first_sight)
     host = Host(**host_kwargs)
     return ExecuteStep(frame(host, layout, step=2)), host
@@ -128,8 +138,8 @@ def test_an_executing_step_follows_its_plan_bit_identically(profiled, w):
 
 
 def test_the_guard_evicts_by_min_where_a_plan_leaves_no_room(profiled, w):
-    tr = profiled.trace
-    ex, host = executing(profiled, lambda tr: SwapPlan.of(tr, "keep", []), budget=tr.min_feasible_bytes)
+    tr = saved_only(profiled.trace)
+    ex, host = executing(profiled, lambda tr: SwapPlan.of(tr, "keep", []), budget=tr.min_feasible_bytes, trace=tr)
     grad = run(ex, host, w)
     rep = ex.report(0.01)
     assert torch.equal(grad, plain_grad(w))

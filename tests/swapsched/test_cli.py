@@ -125,7 +125,7 @@ def test_help_documents_every_option(cmd):
 
 def test_run_checks_losses_and_writes_json(tmp_path, capsys):
     js, png = tmp_path / "run.json", tmp_path / "run.png"
-    assert main(["run", "mlp", "--size", "tiny", "--budget", "60%", "--policy", "capuchin", "--steps", "5",
+    assert main(["run", "mlp", "--size", "tiny", "--budget", "85%", "--policy", "capuchin", "--steps", "5",
                  "--backend", "cpu", "--bandwidth", "2e9", "--compare", "--compare-policies", "min", "--rounds", "2",
                  "--json", str(js), "--plot", str(png), "--no-progress"]) == 0
     out = capsys.readouterr().out
@@ -198,7 +198,7 @@ def test_train_policy_writes_a_checkpoint_that_plans_and_resumes(tmp_path, capsy
     trace = tmp_path / "t.json"
     assert main(["profile", "mlp", "--size", "tiny", "--out", str(trace)]) == 0
     for pol in (str(out), f"learned-greedy:{out}", f"learned-ppo:{out}"):
-        assert main(["plan", "--trace", str(trace), "--policy", pol, "--hardware", "h100-pcie5", "--budget", "70%",
+        assert main(["plan", "--trace", str(trace), "--policy", pol, "--hardware", "h100-pcie5", "--budget", "90%",
                      "--out", str(tmp_path / "plan.json")]) == 0
     # --resume continues the step count
     out2 = tmp_path / "q.zip"
@@ -248,7 +248,7 @@ def test_a_corrupt_or_mismatched_checkpoint_is_one_clear_line(tmp_path):
     for policy, message in ((f"learned-ppo:{bad}", "cannot read checkpoint"), (str(bad), "has no plan editor"),
                             (f"learned-ppo:{cut}", "cannot read checkpoint"),
                             (f"learned-ppo:{other}", "is not a MaskablePPO checkpoint")):
-        r = run("plan", "--trace", str(trace), "--policy", policy, "--hardware", "h100-pcie5", "--budget", "70%",
+        r = run("plan", "--trace", str(trace), "--policy", policy, "--hardware", "h100-pcie5", "--budget", "90%",
                 "--out", str(tmp_path / "p.json"))
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert r.returncode == 2 and len(lines) == 1 and message in lines[0], r.stderr
@@ -257,7 +257,7 @@ def test_a_corrupt_or_mismatched_checkpoint_is_one_clear_line(tmp_path):
     old = tmp_path / "old.zip"
     shutil.copy(checkpoint_dir() / "default.zip", old)
     old.with_suffix(".json").write_text(json.dumps({"env_version": 0}))
-    r = run("plan", "--trace", str(trace), "--policy", str(old), "--hardware", "h100-pcie5", "--budget", "70%",
+    r = run("plan", "--trace", str(trace), "--policy", str(old), "--hardware", "h100-pcie5", "--budget", "90%",
             "--out", str(tmp_path / "p.json"))
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "SwapEnv version 0" in lines[0] and "retrain" in lines[0]
