@@ -56,7 +56,8 @@ class ProfileStep(StepExecution):
         self.ops = OpNames(self.modules).__enter__() if since is None else None
         # and measures what each gap holds beyond the saved tensors (R3's other bytes): entered
         # after the op names, left before them (modes leave in the reverse order)
-        self.transients = TransientMeter(lambda: len(self.recorder.kinds)).__enter__() if since is None else None
+        self.transients = (TransientMeter(lambda: len(self.recorder.kinds), workspace=clock == "cuda").__enter__()
+                           if since is None else None)
         self.recorder = TraceRecorder(clock, ops=self.ops, modules=self.modules, transients=self.transients)
         if self.transients is not None and frame.model is not None:
             # a parameter's gradient is the state's bytes, not a transient, even where the state

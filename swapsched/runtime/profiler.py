@@ -203,7 +203,7 @@ def profile(
     # structure pass: op names, FLOPs per gap, module paths
     snap = _snapshot(model) if dev.type != "meta" else None
     ops, flops = OpNames(), FlopCounterMode(display=False)
-    transients = TransientMeter(lambda: len(structure.kinds))  # R3's other bytes, per gap
+    transients = TransientMeter(lambda: len(structure.kinds), workspace=dev.type == "cuda")  # R3's other bytes, per gap
     with ExitStack() as stack:
         mp = stack.enter_context(ModulePath(model))
         stack.enter_context(flops)

@@ -14,9 +14,10 @@ call it happened before. At the end, the storages that became trace tensors (the
 trace's, R2) or are counted in ``static_bytes`` (parameters' gradients, buffers) are taken out, and
 what remains gives, for each hook call, the most bytes alive in the gap before it.
 
-What torch allocates inside a kernel without the dispatcher (cuDNN's workspace, oneDNN's
-scratchpads) is not seen here: on CUDA the caching allocator's counters see it (``device_extra``).
-The same measurement runs on ``meta``, where the storages have their sizes but no memory.
+What a kernel allocates without the dispatcher (cuDNN's workspace, oneDNN's scratchpads) is not
+an op's output. On CUDA (``workspace=True``) the caching allocator's counters around each op add
+it, as a spike in the op's gap; on the CPU it is not seen. The same measurement runs on ``meta``,
+where the storages have their sizes but no memory.
 """
 
 from __future__ import annotations
@@ -46,9 +47,13 @@ class TransientMeter(TorchDispatchMode):
     falls in). ``paused``: the runtime's own hooks are copying; their ops are not the step's.
     :meth:`saved` is told of each packed tensor and its id; :meth:`per_call` gives the result."""
 
-    def __init__(self, calls: Callable[[], int]) -> None:
+    def __init__(self, calls: Callable[[], int], *, workspace: bool = False) -> None:
         super().__init__()
         self.calls = calls
+        # on CUDA: each op's working memory beyond its outputs, from the caching allocator's
+        # counters around it (the counters' peak is reset per op: a profiled step's own peak is
+        # not the run's then)
+        self.workspace = workspace
         self.paused = False
         self._seq = 0
         self._live: dict[int, int] = {}  # storage key -> seq of the live storage made here
@@ -60,7 +65,17 @@ class TransientMeter(TorchDispatchMode):
         self._finalizers: list[weakref.finalize] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        if self.workspace and not self.paused:
+            torch.cuda.reset_peak_memory_stats()
+            out = func(*args, **(kwargs or {}))
+            # what the op held while it ran and gave back (cuDNN's workspace, a kernel's scratch)
+            held = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+            if held > 0:
+                self._seq += 1
+                at = self.calls()
+                self._log.extend(((at, self._seq, held), (at, self._seq, -held)))
+        else:
+            out = func(*args, **(kwargs or {}))
         if self.paused or getattr(HOST_ALLOCATING, "on", False):
             return out
         flat_out = tree_flatten(out)[0]
