@@ -55,7 +55,11 @@ class Segment:
 
     Selective checkpointing (R9, selective) rebuilds only ``cheap``, the members made by ops it
     does not save (:func:`rebuilt_selectively`), for ``cheap_forward_s``, the gaps before their
-    forward packs; the other members stay on the device, held by the checkpoint."""
+    forward packs; the other members stay on the device, held by the checkpoint.
+
+    ``transient_bytes``: what the block's forward holds beyond its members while it runs (R3's
+    other bytes over its forward gaps, above the least of them: outputs it does not save), which
+    its recompute holds again for a moment."""
 
     index: int
     name: str
@@ -68,3 +72,4 @@ class Segment:
     cheap: tuple[int, ...] = ()
     cheap_forward_s: float = 0.0
     cheap_bytes: int = 0
+    transient_bytes: int = 0

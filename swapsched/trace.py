@@ -189,13 +189,16 @@ class Trace:
         stand in for its members: each is packed only before ``at`` (nothing saves it again after
         backward starts on it), and the anchor is still needed at ``at`` (so a checkpoint holds it)."""
         out: list[Segment] = []
+        other = self.other_bytes
         for name, anchor, members, at, fwd, cheap, cheap_fwd in self._segment_structure:
             flops = [f for f in (self.events[i].flops for i in fwd) if f is not None]
+            held = other[min(fwd):max(fwd) + 1] if fwd else other[:0]
             out.append(Segment(len(out), name, anchor, members, at, float(sum(self.events[i].compute_s for i in fwd)),
                                int(sum(self.tensors[k].bytes for k in members)),
                                float(sum(flops)) if fwd and len(flops) == len(fwd) else None,
                                cheap, float(sum(self.events[i].compute_s for i in cheap_fwd)),
-                               int(sum(self.tensors[k].bytes for k in cheap))))
+                               int(sum(self.tensors[k].bytes for k in cheap)),
+                               int(held.max() - held.min()) if len(held) else 0))
         return tuple(out)
 
     @cached_property

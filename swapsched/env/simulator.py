@@ -304,12 +304,14 @@ class Simulation:
         rebuilt = [k for k in sg.members if loc[k] == DROPPED]
         forward_s = sg.cheap_forward_s if self.selective[s] else sg.forward_s
         need = sum(b[k] for k in rebuilt)
-        if not self._make_room(need, event, keep=sg.anchor):  # the recompute reads the anchor
+        # R3: while it runs, the forward also holds what it does not save (Segment.transient_bytes)
+        if not self._make_room(need + sg.transient_bytes, event, keep=sg.anchor):  # the recompute reads the anchor
             return False
         for k in rebuilt:
             loc[k] = RESIDENT
-        self.used += need
+        self.used += need + sg.transient_bytes
         self._note_mem()
+        self.used -= sg.transient_bytes
         if self.host_debt:
             self._pay_host()
         if self.record:

@@ -326,6 +326,8 @@ class PolicyRuntime(TwoStages):
             if self.blocks is not None and self.blocks.fell_short(trace, self.budget_bytes):
                 self._checkpoint_blocks(self.blocks.names, {})  # whole, and profiled again
                 return
+            if self._recompute_overran(trace):
+                return
             self._plan_from(trace)
             if self.layout is not None:  # else R9's first stage: the steps are profiled again, blocks checkpointed
                 self.plans.keep_sizes(profiled[:-1], self.layout)

@@ -10,14 +10,19 @@ this; the runtime supplies what it reads.
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
+from swapsched.budget import format_bytes
 from swapsched.errors import UserError, present
 from swapsched.plan import SwapPlan
+from swapsched.runtime.plans import without_small
 from swapsched.trace import Trace
 
 if TYPE_CHECKING:
     from swapsched.env.result import SimResult
+    from swapsched.hardware import Hardware
+    from swapsched.policy import Policy
     from swapsched.runtime.plans import ShapePlans
     from swapsched.runtime.recompute import BlockCheckpoints
     from swapsched.runtime.retime import ExecutedSteps
@@ -44,6 +49,21 @@ class TwoStages:
     _unwrapped_trace: Trace | None
     _unwrapped_first_sight: dict[int, int]
     _given: tuple[Trace, SwapPlan] | None
+    @property
+    def policy(self) -> Policy | None:
+        raise NotImplementedError
+
+    @property
+    def hardware(self) -> Hardware:
+        raise NotImplementedError
+
+    @property
+    def min_bytes(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def budget_bytes(self) -> int | None:
+        raise NotImplementedError
 
     def _planned_on(self, trace: Trace) -> Trace:
         raise NotImplementedError
@@ -90,6 +110,28 @@ class TwoStages:
         saved = self.blocks.selective_saves(trace, plan)
         self._rebuilt = self.blocks.rebuilt_bytes(trace, plan)
         self._checkpoint_blocks(blocks, saved)
+
+    def _recompute_overran(self, trace: Trace) -> bool:
+        """R9's second stage: the steps as they run with the policy's blocks checkpointed whole
+        (``trace``) hold more than the budget at their fullest (a recompute holds what its forward
+        does not save, R3, and the plan was made on an estimate of it). Then the blocks run their
+        own forward again, and the policy plans swaps alone on the steps as they ran before: the
+        run goes on under its budget, said once by a warning."""
+        blocks, unwrapped, budget = self.blocks, self._unwrapped_trace, self.budget_bytes
+        if (blocks is None or not blocks.names or unwrapped is None or budget is None or self.policy is None
+                or self._given is not None or trace.min_feasible_bytes_movable <= budget):
+            return False
+        warnings.warn(f"recomputing {', '.join(blocks.names)} needs {format_bytes(trace.min_feasible_bytes_movable)} "
+                      f"at least, above the budget of {format_bytes(budget)}: swapping instead", RuntimeWarning,
+                      stacklevel=4)
+        blocks.remove()
+        self.plans.clear()
+        self._executed.forget()
+        self.trace, self.first_sight = unwrapped, dict(self._unwrapped_first_sight)
+        plan = self.policy.plan(unwrapped.with_segments(lambda sg: False), budget, self.hardware)
+        self._policy_planned = True
+        self._adopt(without_small(plan, unwrapped, self.min_bytes))
+        return True
 
     def _checkpoint_blocks(self, names: tuple[str, ...], saved: dict[str, frozenset[Any]]) -> None:
         """Checkpoint the blocks ``names`` (``saved``: those selectively) from the next step on,
