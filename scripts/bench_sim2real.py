@@ -120,8 +120,12 @@ def measure_model(model: str, size: str, budgets: list[str], policies: list[str]
             print(f"skip {model}-{size} {budget}: {exc}", file=sys.stderr)
             continue
         for pol in policies:
+            plan = get_policy(pol).plan(trace, budget_bytes, hw)
+            if simulate(trace, plan, hw, budget_bytes).oom:  # a budget-blind plan (checkpoint-all) that cannot fit
+                print(f"skip {model}-{size} {budget} {pol}: its plan does not fit the budget", file=sys.stderr)
+                continue
             cases.append({"model": f"{model}-{size}", "budget": budget, "policy": pol, "budget_bytes": budget_bytes,
-                          "plan": get_policy(pol).plan(trace, budget_bytes, hw)})
+                          "plan": plan})
     everything = [reference, *cases]
     per_round = execute_in_rounds(rt, train_step, [(c["plan"], c["budget_bytes"]) for c in everything], rounds, steps, seed)
     rt.close()

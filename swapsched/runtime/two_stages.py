@@ -78,7 +78,9 @@ class TwoStages:
         if self.trace is None:
             raise UserError("use_plan() needs the profiled trace: run the profiling steps first")
         if budget is not None:
-            self.plans.budgets.respecify(budget, self.trace)  # a malformed budget fails here, not after profiling
+            # a malformed budget fails here, not after profiling; checked on the steps as they run with
+            # no block checkpointed, which every plan is made on
+            self.plans.budgets.respecify(budget, self._unwrapped_trace or self.trace)
         if plan.recompute or plan.selective:
             # R9's two stages for a plan given whole: its blocks are checkpointed, the steps are
             # profiled again, and its swaps are carried onto what they then save (carry_evictions)
