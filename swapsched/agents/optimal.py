@@ -86,6 +86,9 @@ class Optimal:
                  CheckpointSelective().plan(trace, budget, hardware),
                  LearnedPolicy("default", mode="search", seed=self.seed).plan(trace, budget, hardware),
                  SwapAdvisor(seed=self.seed, search_seconds=self.time_limit_s / 6).plan(trace, budget, hardware)]
+        # the search and the bound move activations only: a candidate's state placement is left
+        # out before it is compared, or a start that fits only by moving the state would not fit
+        cands = [SwapPlan.of(trace, c.policy, c.evictions, recompute=c.recompute, selective=c.selective) for c in cands]
         start, _ = best_plan(trace, budget, hardware, cands)
         left = self.time_limit_s - (time.perf_counter() - t0)
         plan, score, evals = improve(trace, budget, hardware, start, seconds=max(left, 0.0), seed=self.seed,

@@ -752,3 +752,18 @@ def test_a_list_of_evictions_with_blocks_is_checked_as_the_plan_it_stands_for(on
         simulate(one_block, [Eviction(1, 1, 4)], hw, 300, recompute=[0])
     whole = SwapPlan.of(one_block, "hand", [Eviction(0, 0, 4)], recompute=["blk.0"])
     assert simulate(one_block, [Eviction(0, 0, 4)], hw, 300, recompute=[0]) == simulate(one_block, whole, hw, 300)
+
+
+def test_a_recompute_holds_again_what_its_forward_does_not_save(hw):
+    # R9 with R3: one_block's shape, its forward holding 50 B it does not save in gap 1 (T1's
+    # producer's input, say) and backward 30 B of gradients in gap 4. The recompute at e4 holds
+    # T0, the rebuilt T1 and those 50 B again for a moment, beside the 30: 280 B, more than the
+    # forward's fullest gap (T0, T1 and 50 B: 250).
+    trace = make_trace([100, 100, 100], [("pack", 0, 1.0), ("pack", 1, 1.0), ("pack", 2, 1.0), ("unpack", 2, 1.0),
+                                         ("unpack", 1, 1.0), ("unpack", 0, 1.0)],
+                       modules=["blk.0.ln", "blk.0.fc", "head"], other=[0, 50, 0, 0, 30, 0])
+    assert [(sg.name, sg.transient_bytes) for sg in trace.segments] == [("blk.0", 50)]
+    plan = SwapPlan.of(trace, "hand", [], recompute=["blk.0"])
+    assert simulate(trace, plan, hw, 260).oom_event == 4
+    r = simulate(trace, plan, hw, 280)
+    assert not r.oom and r.peak_bytes == 280

@@ -89,14 +89,14 @@ def _recompute_worker(rank: int, world: int, port: int, out: str, policy: str, b
         grads.append({n: p.grad.clone() for n, p in base.named_parameters()})
     report = rt.report()
     assert report.mode == "execute" and report.recomputed_blocks and report.plan_followed
-    assert bool(report.selective_blocks) == (policy == "checkpoint-selective")
+    assert report.selective_blocks or policy != "checkpoint-selective"  # default may choose either kind
     torch.save(grads, f"{out}/rank{rank}.pt")
     rt.close()
     dist.barrier()
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(("policy", "budget"), [("default", "70%"), ("checkpoint-selective", "100%")])
+@pytest.mark.parametrize(("policy", "budget"), [("default", "90%"), ("checkpoint-selective", "100%")])
 def test_ddp_with_recomputed_blocks_matches_the_single_process_reference(tmp_path, policy, budget):
     from tests.runtime.test_recompute import Blocks, X
 

@@ -96,6 +96,32 @@ def test_the_steps_are_profiled_again_with_what_each_recompute_holds_after_its_i
         rt.close()
 
 
+def test_a_recompute_whose_steps_overrun_the_budget_falls_back_to_swaps():
+    """R9's second stage with R3: a budget the steps meet as they run, and the steps with every
+    block checkpointed do not (the recompute holds what it rebuilds beside backward's gradients).
+    The runtime warns, puts the blocks' own forward back, and trains within the budget on swaps."""
+    a = Blocks(seed=2)
+    with SwapRuntime(budget="100%", policy=CheckpointAll(), backend="cpu", model=a, profile_steps=1,
+                     retime_steps=0) as probe:
+        for i in range(3):
+            with probe.step():
+                _step(a, i)
+        plain, wrapped = probe._unwrapped_trace, probe.trace
+    budget = plain.min_feasible_bytes  # what the steps can meet as they run, 9% below the checkpointed steps here
+    assert budget < wrapped.min_feasible_bytes
+    a, b = Blocks(seed=2), Blocks(seed=2)
+    rt = SwapRuntime(budget=budget, policy=CheckpointAll(), backend="cpu", model=a, profile_steps=1, retime_steps=0)
+    try:
+        with pytest.warns(RuntimeWarning, match="swapping instead"):
+            reports = train_together(a, b, rt, 5, _step)
+        assert [r.mode for r in reports[:2]] == ["profile", "profile"]
+        assert reports[-1].mode == "execute" and reports[-1].recomputed_blocks == ()
+        assert all(r.peak_device_bytes <= budget for r in reports[2:])
+        assert all("forward" not in blk.__dict__ for blk in a.blocks)
+    finally:
+        rt.close()
+
+
 def test_the_joint_planner_recomputes_where_the_link_is_slow_and_swaps_where_it_is_fast():
     for bandwidth, recomputes in ((1e6, True), (1e10, False)):
         a, b = Blocks(seed=1), Blocks(seed=1)
