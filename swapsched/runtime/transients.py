@@ -11,7 +11,7 @@ overruns its budget.
 :class:`TransientMeter` is a dispatch mode entered for a whole profiled step. Every storage an op
 makes (not a view of an input's) is timed from the op to its death by a finalizer, with the hook
 call it happened before. At the end, the storages that became trace tensors (their bytes are the
-trace's, R2) or are counted in ``static_bytes`` (parameters' gradients, buffers) are taken out, and
+trace's, R2) or are counted in ``static_bytes`` (parameters' gradients) are taken out, and
 what remains gives, for each hook call, the most bytes alive in the gap before it.
 
 What a kernel allocates without the dispatcher (cuDNN's workspace, oneDNN's scratchpads) is not
