@@ -76,9 +76,10 @@ class ProfileStep(StepExecution):
         self.checkpoint_packs: dict[int, str] = {}
         self.recomputes: list[tuple[int, str]] = []
         blocks = frame.blocks
-        if blocks is not None and blocks.names and frame.model is not None:
-            # what each recompute really holds, measured from inside it (storages of ours and of
-            # the model's parameters and buffers are not new memory)
+        if self.transients is None and blocks is not None and blocks.names and frame.model is not None:
+            # a step handed over mid-step has no transient meter: what each recompute really holds
+            # is measured from inside it (storages of ours and of the model's parameters and
+            # buffers are not new memory)
             static = {storage_key(x) for x in (*frame.model.parameters(), *frame.model.buffers())}
             self.exits.enter_context(blocks.metering(lambda key: key in static or key in self.ids, measure=True))
         # since: an executing step handed its hooks over (a shape not planned for) at this host
@@ -162,7 +163,10 @@ class ProfileStep(StepExecution):
         return p
 
     def _sample(self) -> None:
-        """One entry of ``held`` per hook call the recorder took."""
+        """One entry of ``held`` per hook call the recorder took (a step handed over mid-step: a
+        whole step's transient meter sees what the checkpoints hold)."""
+        if self.transients is not None:
+            return
         blocks, held = self.frame.blocks, self.held
         while len(held) < len(self.recorder.kinds):
             held.append(blocks.held if blocks is not None else 0)

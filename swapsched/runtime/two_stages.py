@@ -92,11 +92,8 @@ class TwoStages:
             self._given = None
             if self.blocks is not None and self.blocks.names and self._unwrapped_trace is not None:
                 # a swap plan for the steps as they run with no block checkpointed (the plan before
-                # recomputed blocks): they run their own forward again, and that trace is back
-                self.blocks.remove()
-                self.plans.clear()  # laid out, and the steps kept re-timed, with blocks checkpointed
-                self._executed.forget()
-                self.trace, self.first_sight = self._unwrapped_trace, self._unwrapped_first_sight
+                # recomputed blocks)
+                self._unwrap()
             self._adopt(plan)
         self._policy_planned = False
 
@@ -126,14 +123,21 @@ class TwoStages:
         warnings.warn(f"recomputing {', '.join(blocks.names)} needs {format_bytes(trace.min_feasible_bytes_movable)} "
                       f"at least, above the budget of {format_bytes(budget)}: swapping instead", RuntimeWarning,
                       stacklevel=4)
-        blocks.remove()
-        self.plans.clear()
-        self._executed.forget()
-        self.trace, self.first_sight = unwrapped, dict(self._unwrapped_first_sight)
+        self._unwrap()
         plan = self.policy.plan(unwrapped.with_segments(lambda sg: False), budget, self.hardware)
         self._policy_planned = True
         self._adopt(without_small(plan, unwrapped, self.min_bytes))
         return True
+
+    def _unwrap(self) -> None:
+        """The checkpointed blocks run their own forward again, and the trace of the steps as they
+        ran with none checkpointed is back (what was laid out, and the steps kept re-timed, were
+        for blocks checkpointed)."""
+        present(self.blocks, "the model's blocks").remove()
+        self.plans.clear()
+        self._executed.forget()
+        self.trace = present(self._unwrapped_trace, "the trace with no block checkpointed")
+        self.first_sight = dict(self._unwrapped_first_sight)
 
     def _checkpoint_blocks(self, names: tuple[str, ...], saved: dict[str, frozenset[Any]]) -> None:
         """Checkpoint the blocks ``names`` (``saved``: those selectively) from the next step on,
