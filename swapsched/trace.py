@@ -192,13 +192,12 @@ class Trace:
         other = self.other_bytes
         for name, anchor, members, at, fwd, cheap, cheap_fwd in self._segment_structure:
             flops = [f for f in (self.events[i].flops for i in fwd) if f is not None]
-            held = other[min(fwd):max(fwd) + 1] if fwd else other[:0]
             out.append(Segment(len(out), name, anchor, members, at, float(sum(self.events[i].compute_s for i in fwd)),
                                int(sum(self.tensors[k].bytes for k in members)),
                                float(sum(flops)) if fwd and len(flops) == len(fwd) else None,
                                cheap, float(sum(self.events[i].compute_s for i in cheap_fwd)),
                                int(sum(self.tensors[k].bytes for k in cheap)),
-                               int(held.max() - held.min()) if len(held) else 0))
+                               int(np.ptp(other[min(fwd):max(fwd) + 1])) if fwd else 0))
         return tuple(out)
 
     @cached_property
