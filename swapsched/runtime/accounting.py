@@ -2,19 +2,20 @@
 
 The profiling and the executing steps (``profile_step.py``, ``execute_step.py``) share this base:
 the step's records, the accounting of saved bytes against the budget (R4), the stall and copy
-counters, and the independent audit meter (finalizers on the storages themselves).
+counters, and the independent audit meter (``transients.py``'s dispatch mode over an executing
+step: every storage alive, by finalizers on the storages themselves).
 """
 
 from __future__ import annotations
 
 import weakref
-from collections import deque
 from collections.abc import Callable
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 from swapsched.runtime.reports import Divergence, StepReport
 from swapsched.runtime.stash import Record
+from swapsched.runtime.transients import TransientMeter
 
 if TYPE_CHECKING:
     import torch
@@ -29,7 +30,7 @@ class StepExecution:
 
     # slots: the hooks read and write these at every saved-tensor event
     __slots__ = ("frame", "exits", "backend", "records", "static", "used", "peak", "stall_s", "evicted", "prefetched",
-                 "on_demand", "copies", "waits", "guard", "diverged", "divergence", "audit", "alive", "alive_peak", "dead_bytes",
+                 "on_demand", "copies", "waits", "guard", "diverged", "divergence", "audit", "meter",
                  "finalizers", "planning_s", "static_base", "alive_state")
 
     def __init__(self, frame: StepFrame):
@@ -51,14 +52,9 @@ class StepExecution:
         # every finalizer this step puts on a storage: detached when the step ends, so a storage
         # that outlives many steps (the caller's batch) does not collect one per step
         self.finalizers: list[weakref.finalize] = []
-        # the audit meter: bytes of the saved storages alive now, kept by finalizers on the storages
-        # themselves, so it sees what really holds memory whoever keeps it (never our accounting)
         self.audit = frame.audit and self.backend.emulated
-        self.alive = self.alive_peak = 0
+        self.meter: TransientMeter | None = None  # the audit meter, where a step opens it (_audit_meter)
         self.alive_state = 0  # the training state's device bytes beyond the resident part, read off its storages
-        # finalizers may run on a copy thread (the CPU backend drops a source there): they only
-        # append here, and the step's thread does the arithmetic
-        self.dead_bytes: deque[int] = deque()
         self.backend.reset_peak()
 
     def _account(self, delta: int) -> None:
@@ -66,20 +62,26 @@ class StepExecution:
         if self.static + self.used > self.peak:
             self.peak = self.static + self.used
 
-    def _watch(self, storage: Any, nbytes: int) -> None:
-        """Audit: count ``storage`` as alive until it dies."""
-        dead = self.dead_bytes
-        while dead:
-            self.alive -= dead.popleft()
-        self.alive += nbytes
-        if self.alive + self.alive_state > self.alive_peak:
-            self.alive_peak = self.alive + self.alive_state
-        self._on_death(storage, dead.append, nbytes)
+    def _audit_meter(self) -> None:
+        """Open the audit meter (emulated device; entered as a whole step begins, never inside a
+        hook): every storage an op makes in the step, and each saved storage made before it, alive
+        until it dies, whoever keeps it (never our accounting); what autograd takes as a
+        parameter's gradient is static already (R3: transients.py)."""
+        meter = self.meter = self.exits.enter_context(TransientMeter(lambda: 0))
+        model = self.frame.model
+        for p in model.parameters() if model is not None else ():
+            if p.requires_grad:
+                self.exits.callback(p.register_hook(lambda g, p=p: meter.gradient(g, p.grad is None)).remove)
+
+    def _watch(self, storage: Any) -> None:
+        """Audit: count ``storage`` as alive until it dies (if the meter did not see it made)."""
+        if self.meter is not None:
+            self.meter.watch(storage)
 
     def measured_peak(self) -> int | None:
         if not self.frame.audit:
             return None
-        return self.static_base + self.alive_peak if self.audit else self.backend.peak_bytes()
+        return self.static_base + self.meter.peak() if self.meter is not None else self.backend.peak_bytes()
 
     def state_bytes(self, delta: int) -> None:
         """The state mover's device bytes changed by ``delta`` (R14): they count with the static
@@ -88,12 +90,10 @@ class StepExecution:
         if self.static + self.used > self.peak:
             self.peak = self.static + self.used
         state = self.frame.state
-        if self.audit and state is not None:
-            self.alive_state = state.measured_device_bytes()
-            while self.dead_bytes:
-                self.alive -= self.dead_bytes.popleft()
-            if self.alive + self.alive_state > self.alive_peak:
-                self.alive_peak = self.alive + self.alive_state
+        if self.meter is not None and state is not None:
+            now = state.measured_device_bytes()  # resized storages: no op makes them, the meter is told
+            self.meter.shift(now - self.alive_state)
+            self.alive_state = now
 
     def pack(self, t: torch.Tensor) -> Any:
         """The saved-tensor pack hook: what autograd keeps for ``t``."""

@@ -103,7 +103,7 @@ class CopyingStep(StepExecution):
         st = rec.inn.dst.untyped_storage()
         self._on_death(st, self.deaths.append, rec.nbytes)
         if self.audit:
-            self._watch(st, rec.nbytes)
+            self._watch(st)
         self.copies += 1
         rec.state = IN
         self.ins.append(rec)

@@ -15,7 +15,7 @@ from swapsched.errors import present
 from swapsched.runtime.copies import CopyingStep
 from swapsched.runtime.layout import PlanLayout
 from swapsched.runtime.profile_step import ProfileStep
-from swapsched.runtime.recorder import is_parameter, storage_key
+from swapsched.runtime.recorder import is_parameter
 from swapsched.runtime.reports import Divergence, DivergenceError, StepReport
 from swapsched.runtime.stash import UNTRACKED, Packed, Record, rebuild
 
@@ -79,12 +79,8 @@ class ExecuteStep(CopyingStep):
         if frame.device_timed:
             self.marks_in = [None] * self.trace.n_events
             self.mark_start = self.backend.mark()
-        blocks = frame.blocks
-        if self.audit and blocks is not None and blocks.names and frame.model is not None:
-            # the audit meter also sees what recomputes make (R9): storages of ours, and the model's
-            # parameters and buffers, are counted already or are static
-            static = {storage_key(x) for x in (*frame.model.parameters(), *frame.model.buffers())}
-            self.exits.enter_context(blocks.metering(lambda key: key in self.keys or key in static, watch=self._watch))
+        if self.audit:
+            self._audit_meter()
 
     def _load(self, layout: PlanLayout) -> None:
         """Follow ``layout`` (at the step's start, or at its first saved tensor: another shape's)."""
@@ -183,7 +179,7 @@ class ExecuteStep(CopyingStep):
                 return Packed(None, t)
             nbytes = st.nbytes()
             if self.audit:
-                self._watch(st, nbytes)
+                self._watch(st)
             # ids in order of first sight, as the profiling step numbered them; a storage the
             # trace does not have (never unpacked there) is not tracked and just stays
             tid = self.first_sight.get(self.n_seen, -1)
@@ -354,6 +350,7 @@ class ExecuteStep(CopyingStep):
     def finish(self) -> None:
         if self.profile is not None:
             self.profile.finish()
+            self.exits.close()  # the audit meter, entered as the step began
             return
         if self.unhooked:  # nothing was watched after the first saved tensor: nothing to check
             self._settle()

@@ -81,7 +81,7 @@ class ProfileStep(StepExecution):
             # is measured from inside it (storages of ours and of the model's parameters and
             # buffers are not new memory)
             static = {storage_key(x) for x in (*frame.model.parameters(), *frame.model.buffers())}
-            self.exits.enter_context(blocks.metering(lambda key: key in static or key in self.ids, measure=True))
+            self.exits.enter_context(blocks.metering(lambda key: key in static or key in self.ids))
         # since: an executing step handed its hooks over (a shape not planned for) at this host
         # time, having seen this many storages first: the recording starts there
         self.recorder.start(since[0] if since else None)

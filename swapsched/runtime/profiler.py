@@ -31,7 +31,7 @@ from swapsched.errors import UserError, present
 from swapsched.hardware import DEFAULT_CPU_HARDWARE, DEFAULT_GPU_HARDWARE, Hardware, load_hardware
 from swapsched.precision import Precision, autocast_for
 from swapsched.runtime.recorder import ModulePath, OpNames, ProfileError, TraceRecorder, storage_key
-from swapsched.runtime.transients import TransientMeter
+from swapsched.runtime.transients import OTHER_MEASURED, TransientMeter
 from swapsched.state import StateGroup, group_name, optimizer_kind
 from swapsched.trace import Trace
 
@@ -238,7 +238,8 @@ def profile(
                    for m, s in zip(measured.events, structural.events, strict=False))
     trace = replace(
         measured, tensors=structural.tensors, events=events,
-        meta={**measured.meta, **step_meta, "tail_flops": structural.meta["tail_flops"]},
+        meta={**measured.meta, **step_meta, "tail_flops": structural.meta["tail_flops"],
+              OTHER_MEASURED: structural.meta.get(OTHER_MEASURED, False)},
     )
     if hardware is not None:
         trace = trace.retimed(load_hardware(hardware))

@@ -74,7 +74,7 @@ class _RecomputeMeter(TorchDispatchMode):
     """One recompute of block ``name``, seen from inside: every storage an op makes there is new
     memory (a view of a storage ``known`` already is not), alive until it dies. Its peak is what
     the recompute really holds, the members it rebuilds and its transients, which the owner keeps
-    per block (``rebuilt_peak``); ``watch`` (the audit meter) is told of each storage."""
+    per block (``rebuilt_peak``)."""
 
     def __init__(self, owner: BlockCheckpoints, name: str):
         super().__init__()
@@ -84,7 +84,7 @@ class _RecomputeMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        known, watch = self.owner.known, self.owner.watch
+        known = self.owner.known
         # a view of an input is no new memory, whoever owns the input: under FSDP2 the parameters
         # a block reads are storages FSDP all-gathered for backward, which nothing here counts
         inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0]
@@ -101,8 +101,6 @@ class _RecomputeMeter(TorchDispatchMode):
                 self.alive += n
                 self.peak = max(self.peak, self.alive)
                 weakref.finalize(st, self._died, n)
-                if watch is not None:
-                    watch(st, n)
         return out
 
     def _died(self, n: int) -> None:
@@ -123,8 +121,8 @@ class BlockCheckpoints:
     selectively; ``held`` the bytes of what those checkpoints hold now.
     ``metered``: inside :meth:`metering`, each recompute is watched from inside
     (:class:`_RecomputeMeter`): ``rebuilt_peak`` gets the most bytes each block's recompute held at
-    once, and ``watch``, when given, is told of every storage it made; ``known`` says which storages
-    are counted already. A step opens the meter and closes it as it ends."""
+    once; ``known`` says which storages are counted already. A profiling step opens the meter and
+    closes it as it ends."""
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -132,7 +130,6 @@ class BlockCheckpoints:
         self.entering: str | None = None
         self.metered = False
         self.rebuilt_peak: dict[str, int] = {}
-        self.watch: Callable[[Any, int], None] | None = None
         self.known: Callable[[int], bool] | None = None
         self.saved: dict[str, frozenset[OpCall]] = {}
         # the last whole profiling step with no block checkpointed: its structure, and which op call
@@ -146,17 +143,15 @@ class BlockCheckpoints:
         self._held_deaths: deque[int] = deque()
 
     @contextlib.contextmanager
-    def metering(self, known: Callable[[int], bool], *, watch: Callable[[Any, int], None] | None = None,
-                 measure: bool = False) -> Iterator[None]:
-        """Watch every recompute while open (see the class): ``known`` storages are not new memory,
-        ``watch`` (the audit meter) is told of each new one, ``measure`` starts ``rebuilt_peak`` afresh."""
-        self.metered, self.known, self.watch = True, known, watch
-        if measure:
-            self.rebuilt_peak = {}
+    def metering(self, known: Callable[[int], bool]) -> Iterator[None]:
+        """Watch every recompute while open, ``rebuilt_peak`` afresh (see the class): ``known``
+        storages are not new memory."""
+        self.metered, self.known = True, known
+        self.rebuilt_peak = {}
         try:
             yield
         finally:
-            self.metered, self.known, self.watch = False, None, None
+            self.metered, self.known = False, None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -307,7 +302,7 @@ class BlockCheckpoints:
 
     def _hold(self, out: Any) -> None:
         """The checkpoint's cache keeps ``out`` until the block's backward: count its storages
-        until they die, and tell the audit meter."""
+        until they die."""
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
@@ -319,8 +314,6 @@ class BlockCheckpoints:
             self.held_keys[key] = n
             self._held += n
             weakref.finalize(st, self._held_died, key, n)
-            if self.metered and self.watch is not None and not (self.known is not None and self.known(key)):
-                self.watch(st, n)
 
     def _held_died(self, key: int, n: int) -> None:
         self.held_keys.pop(key, None)

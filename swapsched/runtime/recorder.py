@@ -29,7 +29,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import FlopCounterMode
 
 from swapsched.errors import UserError
-from swapsched.runtime.transients import TransientMeter
+from swapsched.runtime.transients import OTHER_MEASURED, TransientMeter
 from swapsched.trace import Event, TensorInfo, Trace
 
 __all__ = ["ProfileError", "TraceRecorder", "OpNames", "ModulePath", "StorageIds", "is_parameter", "is_cached_cast",
@@ -360,7 +360,11 @@ class TraceRecorder:
         return Trace(
             name=name, timing=timing, device=device, static_bytes=int(static), tail_compute_s=float(tail + carry_s),
             tensors=tensors, events=tuple(events),
-            meta={"tail_flops": tail_flops, "hook_s_per_event": self.hook_s / max(n, 1), "dropped_never_unpacked": len(self.tensors) - len(unpacked)},
+            meta={"tail_flops": tail_flops, "hook_s_per_event": self.hook_s / max(n, 1), "dropped_never_unpacked": len(self.tensors) - len(unpacked),
+                  # R3: whether each gap's other bytes were measured (a whole step under the
+                  # transient meter) or only sampled (a step handed over mid-step): shapes.py
+                  # predicts other sizes' other bytes from measured traces only
+                  OTHER_MEASURED: self.transients is not None},
         )
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:

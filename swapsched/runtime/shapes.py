@@ -6,6 +6,11 @@ mostly linearly in the varying dimension, quadratically for attention scores, an
 compute gaps, roughly. :class:`FamilyFit` fits each tensor's bytes (and the static and other
 bytes) as a polynomial in ``s``, the bytes of the step's first saved tensor, over the family's
 profiled traces, and evaluates it at a new ``s``: the trace of a shape never profiled.
+Other bytes (R3) are fitted over the traces that measured them (whole profiled steps; a step
+handed over mid-step only samples them): through them where two or more did, and from a single
+one in proportion to ``s`` (they are activations' kin: outputs not saved, activations' gradients,
+an op's scratch; the weights' gradients are static bytes). A step profiled mid-step gets at least
+those bytes too (:func:`with_family_other`).
 Times are measured, so noisy: each gap (and the tail) is interpolated between the two timed
 sizes around ``s`` (profiled, or executed since: those are timed without the profiling's
 copies), or, beyond them, scaled from the nearest in proportion to ``s`` (compute grows with
@@ -18,12 +23,15 @@ leaves it where it is wrong, as it leaves any trace.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
+from swapsched.errors import present
+from swapsched.runtime.transients import OTHER_MEASURED
 from swapsched.trace import Trace
 
-__all__ = ["structure", "first_bytes", "FamilyFit", "predicted_trace"]
+__all__ = ["structure", "first_bytes", "FamilyFit", "predicted_trace", "with_family_other"]
 
 
 def structure(trace: Trace) -> tuple[tuple[bool, int], ...]:
@@ -79,6 +87,13 @@ class FamilyFit:
         self.traces = [t for _, t in sizes]
         self.xs = np.array([k for k, _ in sizes], dtype=np.float64)
         self.largest = int(self.xs[-1]) if len(sizes) else 0
+        measured = [(x, t) for x, t in zip(self.xs, self.traces, strict=True) if t.meta.get(OTHER_MEASURED)]
+        # what other bytes are fitted over: the measured traces, else (none measured) every one
+        fitted = measured or list(zip(self.xs, self.traces, strict=True))
+        self.other_xs = np.array([x for x, _ in fitted], dtype=np.float64)
+        self.others = np.array([t.other_bytes for _, t in fitted], dtype=np.float64)
+        if len(fitted) >= 2:
+            self.other_coef = _coef(self.other_xs, self.others, min(2, len(fitted) - 1))
         self.ok = len(sizes) >= 2
         if not self.ok:
             return
@@ -91,11 +106,19 @@ class FamilyFit:
             if np.abs(back - nbytes).max() > 0.5:
                 self.ok = False
                 return
-        self.other_coef = _coef(xs, np.array([t.other_bytes for t in traces], dtype=np.float64), degree)
         self.gaps = np.array([t.gaps for t in traces], dtype=np.float64)
         self.scalars = np.array([[t.tail_compute_s, t.static_bytes] for t in traces], dtype=np.float64)
         # size -> (gaps, tail) of the profiled traces: the times executed steps may replace
         self.times = {int(x): (gaps, float(sc[0])) for x, gaps, sc in zip(xs, self.gaps, self.scalars, strict=True)}
+
+    def other_at(self, s: int) -> np.ndarray | None:
+        """Each event's other bytes (R3) at size ``s`` (see the module docstring), or None where no
+        trace has them to say."""
+        if len(self.other_xs) == 0:
+            return None
+        one = len(self.other_xs) == 1
+        o = self.others[0] * (s / self.other_xs[0]) if one else _eval(self.other_coef, s)
+        return np.maximum(np.rint(o), 0).astype(np.int64)
 
     def at(self, s: int, executed: dict[int, tuple[np.ndarray, float]] | None = None) -> Trace | None:
         """The trace of the family's step whose first saved tensor has ``s`` bytes, or None where
@@ -122,7 +145,7 @@ class FamilyFit:
         around = at_sizes[above - 1:above + 1] if inside else at_sizes[[min(above, len(at_sizes) - 1)]]
         g = _timed(around, np.array([times[int(x)][0] for x in around]), s)
         tail = float(_timed(around, np.array([[times[int(x)][1]] for x in around]), s)[0])
-        o = np.maximum(np.rint(_eval(self.other_coef, s)), 0).astype(np.int64)
+        o = present(self.other_at(s), "a fitted family's other bytes")
         # static bytes through the nearest two sizes: exact where linear (the batch)
         (x0, x1), (y0, y1) = xs[near], self.scalars[near, 1]
         static = y0 + (y1 - y0) * (s - x0) / (x1 - x0)
@@ -130,10 +153,26 @@ class FamilyFit:
         other = [oi if (e.other_bytes is not None or oi) else None for e, oi in zip(template.events, o.tolist(), strict=True)]
         return template.resized(pred.tolist(), g.tolist(), other, tail_compute_s=max(float(tail), 0.0),
                                 static_bytes=max(int(round(static)), 0), name=f"{template.name}@{s}B",
-                                meta={**template.meta, "predicted_from": [t.name for t in traces], "first_bytes": s})
+                                meta={**template.meta, "predicted_from": [t.name for t in traces], "first_bytes": s,
+                                      OTHER_MEASURED: False})
 
 
 def predicted_trace(family: Sequence[Trace], s: int) -> Trace | None:
     """The family's trace at ``s`` from its profiled traces alone (see :meth:`FamilyFit.at`),
     fitted for this one call."""
     return FamilyFit(family).at(s)
+
+
+def with_family_other(trace: Trace, family: Sequence[Trace]) -> Trace:
+    """``trace`` (a step profiled mid-step, whose other bytes were sampled, not measured) with each
+    event's other bytes at least what its family's measured traces predict at its size (R3; see
+    the module docstring); ``trace`` itself where it measured them, or no member of ``family`` did."""
+    if trace.meta.get(OTHER_MEASURED):
+        return trace
+    measured = [t for t in family if t.meta.get(OTHER_MEASURED) and structure(t) == structure(trace)]
+    if not measured:
+        return trace
+    fit = FamilyFit(measured)
+    o = present(fit.other_at(first_bytes(trace)), "the measured traces' other bytes")
+    events = tuple(replace(e, other_bytes=max(e.other_bytes or 0, oi)) for e, oi in zip(trace.events, o.tolist(), strict=True))
+    return replace(trace, events=events, meta={**trace.meta, "other_from": [t.name for t in fit.traces]})

@@ -41,6 +41,7 @@ from swapsched.runtime.recompute import BlockCheckpoints
 from swapsched.runtime.recorder import storage_key
 from swapsched.runtime.reports import Divergence, DivergenceError, RunSummary, RunTally, StepReport
 from swapsched.runtime.retime import ExecutedSteps, median_trace
+from swapsched.runtime.shapes import with_family_other
 from swapsched.runtime.state_mover import StateMover
 from swapsched.runtime.state_plans import RuntimeState
 from swapsched.runtime.two_stages import TwoStages
@@ -339,6 +340,9 @@ class PolicyRuntime(TwoStages):
         if profiled.trace is None:
             return
         trace = self.state.with_state(profiled.trace)
+        kin = self.plans.kin(trace, self.first_sight)
+        # its other bytes were sampled, not measured (R3): at least what its family measured
+        trace = with_family_other(trace, [lay.trace for lay in kin])
         try:
             self.plans.budgets.of(trace)
         except BudgetError:
@@ -349,7 +353,6 @@ class PolicyRuntime(TwoStages):
             raise
         self._grads.drop()
         self._executed.forget()
-        kin = self.plans.kin(trace, self.first_sight)
         if not (kin and self.plans.background and self.policy is not None):
             self._plan_from(trace)
             return

@@ -32,7 +32,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["TransientMeter", "HOST_ALLOCATING"]
+__all__ = ["TransientMeter", "HOST_ALLOCATING", "OTHER_MEASURED"]
+
+#: The trace meta key that says whether its events' other bytes were measured by this meter (a
+#: whole step) or only sampled (a step handed over mid-step, which cannot enter a dispatch mode):
+#: ``shapes.py`` predicts a size's other bytes from measured traces only.
+OTHER_MEASURED = "other_measured"
 
 #: Set (``HOST_ALLOCATING.on = True``) around the host pool's allocations: every meter of device
 #: memory (this one, ``swapsched run --compare``'s) leaves host buffers out on the emulated device,
@@ -89,7 +94,11 @@ class TransientMeter(TorchDispatchMode):
         return out
 
     def _watch(self, t: torch.Tensor) -> int | None:
-        st = t.untyped_storage()
+        return self.watch(t.untyped_storage())
+
+    def watch(self, st: Any) -> int | None:
+        """Count storage ``st`` from now until it dies, unless it is counted already (the caller's
+        batch, made before the step, where the step saves it); its sequence number, or None."""
         key, n = st._cdata, st.nbytes()
         if key in self._live or n == 0:
             return None
@@ -120,6 +129,16 @@ class TransientMeter(TorchDispatchMode):
         seq = self._live.get(g.untyped_storage()._cdata)
         if stolen and seq is not None:
             self._grads.add(seq)
+
+    def shift(self, delta: int) -> None:
+        """Bytes the meter cannot see as storages changed by ``delta`` now (a storage resized in
+        place: the training state a mover fetches and lets go)."""
+        self._seq += 1
+        self._log.append((self.calls(), self._seq, delta))
+
+    def peak(self) -> int:
+        """The most bytes alive at once over the whole step, parameters' gradients left out."""
+        return self._walk(0, set(self._grads))[0]
 
     def per_call(self, n_calls: int, saved: Iterable[int], static: Iterable[torch.Tensor]) -> list[int]:
         """The most bytes alive in the gap before each hook call ``0..n_calls`` (the last: the

@@ -13,7 +13,8 @@ import torch.nn as nn
 
 from swapsched.budget import BudgetError
 from swapsched.deploy import SwapRuntime
-from swapsched.runtime.shapes import FamilyFit, first_bytes, predicted_trace, structure
+from swapsched.runtime.shapes import FamilyFit, first_bytes, predicted_trace, structure, with_family_other
+from swapsched.runtime.transients import OTHER_MEASURED
 from tests.conftest import make_trace, train_together
 
 
@@ -80,6 +81,43 @@ def test_three_sizes_predict_a_quadratic_tensor_exactly_and_refuse_what_they_can
     # four sizes of which one is no parabola of the others: no prediction
     odd = [*family, make_trace([4 * 40, 40 * 40 + 8, 64], [(e.kind, e.tensor, e.compute_s) for e in _at(40).events])]
     assert predicted_trace(odd, 4 * 24) is None
+
+
+def _lin(n: int, other: list[int] | None, measured: bool | None):
+    """The linear family at n (tensors 4n, 4n, 64 B; 1 s gaps) with these other bytes, marked
+    measured (a whole profiled step) or sampled (one handed over mid-step)."""
+    tr = make_trace([4 * n, 4 * n, 64], [("pack", 0, 1.0), ("pack", 1, 1.0), ("pack", 2, 1.0), ("unpack", 2, 1.0),
+                                         ("unpack", 1, 1.0), ("unpack", 0, 1.0)], other=other, name=f"n{n}")
+    return tr if measured is None else replace(tr, meta={OTHER_MEASURED: measured})
+
+
+def test_other_bytes_are_predicted_from_the_traces_that_measured_them():
+    # R3: n = 8 (s = 32) measured 10 B in every gap, 40 B at the last unpack; n = 16 (s = 64)
+    # measured 20 and 80. At s = 48 the line through them: 15 and 60.
+    a, b = _lin(8, [10] * 5 + [40], True), _lin(16, [20] * 5 + [80], True)
+    assert predicted_trace([a, b], 48).other_bytes.tolist() == [15] * 5 + [60]
+    # n = 16 only sampled them (handed over mid-step: 2 B seen): the fit leaves it out, and n = 8's
+    # alone scales in proportion to s: at s = 48, 15 and 60; at s = 16 (n = 4), 5 and 20
+    sampled = _lin(16, [2] * 6, False)
+    assert predicted_trace([a, sampled], 48).other_bytes.tolist() == [15] * 5 + [60]
+    assert predicted_trace([a, sampled], 16).other_bytes.tolist() == [5] * 5 + [20]
+    # a predicted trace's other bytes are fitted, not measured: it never enters a fit as measured
+    assert predicted_trace([a, b], 48).meta[OTHER_MEASURED] is False
+
+
+def test_a_step_profiled_mid_step_gets_at_least_its_familys_measured_other_bytes():
+    a = _lin(8, [10] * 5 + [40], True)
+    # n = 16 sampled 2 B in each gap and 100 B in its last (a checkpoint's recompute): the larger
+    # of those and n = 8's scaled by 64/32 (20, 80) in each gap
+    mid = _lin(16, [2] * 5 + [100], False)
+    filled = with_family_other(mid, [a, mid])
+    assert filled.other_bytes.tolist() == [20] * 5 + [100]
+    assert filled.tensor_bytes.tolist() == mid.tensor_bytes.tolist() and filled.gaps.tolist() == mid.gaps.tolist()
+    # a measured trace is its own; with no measured kin (or kin of another structure) nothing changes
+    assert with_family_other(a, [a, mid]) is a
+    assert with_family_other(mid, [mid]) is mid
+    other_structure = replace(a, events=a.events[:3] + (a.events[4], a.events[3], a.events[5]))
+    assert with_family_other(mid, [other_structure]) is mid
 
 
 class Net(nn.Module):
@@ -162,8 +200,10 @@ def test_a_length_no_plan_can_fit_is_refused_at_its_first_saved_tensor():
     a = Net()
     heads = []
     a.head.register_forward_hook(lambda *_: heads.append(1))
-    # a byte budget is the same bytes for every shape: the bytes 40% stands for at length 32
-    with SwapRuntime(budget="40%", policy="min", backend="cpu", model=Net()) as probe:
+    # a byte budget is the same bytes for every shape: the bytes 45% stands for at length 32 (34's
+    # other bytes, sampled as it is profiled mid-step, are 32's measured ones scaled by 34/32 (R3):
+    # at 40% the smallest budget 34 can meet is 3% more than 32's)
+    with SwapRuntime(budget="45%", policy="min", backend="cpu", model=Net()) as probe:
         for _ in range(3):
             with probe.step():
                 probe.model(xs[32]).backward()
