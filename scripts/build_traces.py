@@ -11,6 +11,12 @@ The ``generated`` split is ``GENERATED`` random architectures (``swapsched/gener
 profiled on meta with roofline timing for one of the training GPUs in turn: the far wider set the
 search's learned parts (move prior, plan editor, block chooser) train on beside the zoo's train
 split. ``--only`` rebuilds one part and keeps the other's rows of the index.
+
+Every roofline trace, zoo and generated, is built twice: in fp32 and in bf16 autocast over fp32
+weights (``Precision("bf16", amp=True)``, what ``swapsched profile`` does for a GPU by default),
+named ``...-bf16``, in the same split. bf16 halves what autograd saves of the matmuls' inputs,
+keeps the norms' and softmaxes' in fp32, and runs the matmuls at the bf16 peak: other ratios of
+bytes to compute, which the learned parts must see to plan for the precision users run.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from tqdm import tqdm
 
 from swapsched.generated import describe, random_architecture
 from swapsched.jsonfile import write_json
+from swapsched.precision import Precision
 from swapsched.runtime.profiler import profile
 from swapsched.trace_file import save_trace
 from swapsched.zoo import build_model
@@ -47,6 +54,8 @@ HELD_OUT_FAMILIES = {"unet"}
 HELD_OUT_SIZES = {("gpt", "1.3b"), ("bert", "base")}  # larger than anything trained on
 GENERATED = 32
 GENERATED_HARDWARE = ("a100-pcie4", "h100-pcie5", "rtx4090-pcie4", "v100-pcie3")
+#: the precisions every roofline trace is built in: None (as the model is: fp32) and bf16 autocast
+ROOFLINE_PRECISIONS = (None, "bf16")
 
 
 def main() -> int:
@@ -59,28 +68,32 @@ def main() -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     jobs: list[tuple] = []
     if args.only != "generated":
-        jobs += [(f, s, None, None, "cpu", None) for f, s in MEASURED]
-        jobs += [(f, s, b, t, "meta", hw) for f, s, b, t, hw in ROOFLINE]
+        jobs += [(f, s, None, None, "cpu", None, None) for f, s in MEASURED]
+        jobs += [(f, s, b, t, "meta", hw, None) for f, s, b, t, hw in ROOFLINE]
+        jobs += [(f, s, b, t, "meta", hw, "bf16") for f, s, b, t, hw in ROOFLINE]
     if args.only != "zoo":
-        jobs += [("generated", seed, None, None, "meta", GENERATED_HARDWARE[seed % len(GENERATED_HARDWARE)])
-                 for seed in range(GENERATED)]
+        jobs += [("generated", seed, None, None, "meta", GENERATED_HARDWARE[seed % len(GENERATED_HARDWARE)], dtype)
+                 for dtype in ROOFLINE_PRECISIONS for seed in range(GENERATED)]
     index = []
     if args.only and (out / "index.json").is_file():
         # the rows of the part not rebuilt stay
         index = [r for r in json.loads((out / "index.json").read_text())["traces"]
                  if (r["split"] == "generated") != (args.only == "generated")]
-    for family, size, batch, seq, device, hw in tqdm(jobs, desc="profiling", unit="model"):
+    for family, size, batch, seq, device, hw, dtype in tqdm(jobs, desc="profiling", unit="model"):
         if family == "generated":
             case, name, split = random_architecture(size), f"generated-{size}-{hw}", "generated"
         else:
             case = build_model(family, size, batch_size=batch, seq_len=seq, device=device)
             name = f"{family}-{size}-cpu" if device == "cpu" else f"{family}-{size}-b{batch}-{hw}"
             split = "test" if family in HELD_OUT_FAMILIES or (family, size) in HELD_OUT_SIZES else "train"
-        trace = profile(case.model, case.inputs, case.loss_fn, device=device, name=name, hardware=hw)
+        precision = Precision(dtype, amp=True) if dtype else None
+        name += f"-{dtype}" if dtype else ""
+        trace = profile(case.model, case.inputs, case.loss_fn, device=device, name=name, hardware=hw, precision=precision)
         file = f"{name}.json.gz"
         save_trace(trace, out / file)
         row = {"file": file, "name": name, "family": family, "size": size, "batch_size": batch, "timing": trace.timing,
-               "device": trace.device, "tensors": trace.n_tensors, "events": trace.n_events, "split": split}
+               "device": trace.device, "tensors": trace.n_tensors, "events": trace.n_events, "split": split,
+               "precision": dtype or "fp32"}
         if family == "generated":
             row.update(size=str(size), architecture=describe(size))
         index.append(row)
