@@ -106,10 +106,13 @@ class Simulation:
 
     # ------------------------------------------------------------------ plan input
     def schedule(self, tensor: int, swap_out_at: int, prefetch_at: int) -> None:
-        """Add an eviction (R7). Its swap-out must not be in the past of the simulation."""
+        """Add an eviction (R7). Its swap-out must not be in the past of the simulation. Within one
+        event, copies are issued by tensor id (R6), as a plan made with ``SwapPlan.of`` lays them
+        out (``by_event``), whatever order they are scheduled in: the environment decides tensors
+        in the order of their swap-outs, and the plan its episode becomes must simulate the same."""
         assert swap_out_at >= self.next_event, "eviction scheduled in the simulated past"
-        self.out_at[swap_out_at] += (tensor,)
-        self.prefetch_at[prefetch_at] += (tensor,)
+        self.out_at[swap_out_at] = tuple(sorted((*self.out_at[swap_out_at], tensor)))
+        self.prefetch_at[prefetch_at] = tuple(sorted((*self.prefetch_at[prefetch_at], tensor)))
 
     def schedule_recompute(self, segment: int, selective: bool = False) -> None:
         """Recompute block ``segment`` (an index into ``trace.segments``) instead of keeping its

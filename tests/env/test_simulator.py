@@ -411,6 +411,24 @@ def test_incremental_equals_whole(two_tensors, hw):
     assert oom.done and oom.oom_event == 1  # an OOM ends the step early
 
 
+def test_copies_scheduled_at_one_event_issue_by_tensor_as_the_plan_lays_them_out():
+    # T0, T1, T2 of 100 B, 1 s gaps, 1 s per copy. T0 and T1 go out after e1 and come back from
+    # e3, where both prefetches are issued: T0 first (by tensor id, as SwapPlan.of lays them out),
+    # back at 5 s for its unpack at e4 (5 s), T1 at 6 s for e5 (6 s): no stall. Scheduled T1
+    # first (the environment decides in its own order), T1 issued first would make e4 wait 1 s.
+    tr = make_trace([100] * 3, [("pack", 0, 1.0), ("pack", 1, 1.0), ("pack", 2, 1.0), ("unpack", 2, 1.0),
+                                ("unpack", 0, 1.0), ("unpack", 1, 1.0)])
+    hw = make_hw()
+    sim = Simulation(tr, hw, 300)
+    sim.run_until(1)
+    sim.schedule(1, 1, 3)
+    sim.schedule(0, 1, 3)
+    got = sim.finish()
+    assert got == simulate(tr, SwapPlan.of(tr, "p", [Eviction(1, 1, 3), Eviction(0, 1, 3)]), hw, 300)
+    assert got.stall_s == 0.0
+    assert simulate(tr, SwapPlan(tr.name, "p", (Eviction(1, 1, 3), Eviction(0, 1, 3))), hw, 300).stall_s == pytest.approx(1.0)
+
+
 def test_a_step_without_compute_has_no_overhead_and_a_trace_without_events_its_tail(hw):
     free = make_trace([100], [("pack", 0, 0.0), ("unpack", 0, 0.0)])
     r = simulate(free, [], hw, 100)
