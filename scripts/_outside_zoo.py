@@ -103,9 +103,12 @@ OUTSIDE_ZOO: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]
 }
 
 
-def outside_zoo_traces(names: list[str] | None = None) -> list[Trace]:
+def outside_zoo_traces(names: list[str] | None = None, precision: str | None = None) -> list[Trace]:
     """The ``OUTSIDE_ZOO`` models profiled on meta (roofline-timed for h100-pcie5, as the corpus's
-    meta traces are; each case retimes for its link only through the copies)."""
+    meta traces are; each case retimes for its link only through the copies). ``precision``:
+    ``"bf16"`` (or ``"fp16"``) profiles them in that autocast over fp32 weights, as ``swapsched
+    profile`` does for a GPU by default, and names them ``...-bf16``; None: in fp32."""
+    from swapsched.precision import Precision
     from swapsched.runtime.profiler import profile
 
     out = []
@@ -114,5 +117,7 @@ def outside_zoo_traces(names: list[str] | None = None) -> list[Trace]:
         torch.manual_seed(0)
         with torch.device("meta"):
             model, x = build(), inputs()
-        out.append(profile(model, (x,), lambda o: o.float().pow(2).mean(), device="meta", name=name))
+        out.append(profile(model, (x,), lambda o: o.float().pow(2).mean(), device="meta",
+                           name=f"{name}-{precision}" if precision else name,
+                           precision=Precision(precision, amp=True) if precision else None))
     return out

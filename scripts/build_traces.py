@@ -14,7 +14,7 @@ split. ``--only`` rebuilds one part and keeps the other's rows of the index.
 
 Every roofline trace, zoo and generated, is built twice: in fp32 and in bf16 autocast over fp32
 weights (``Precision("bf16", amp=True)``, what ``swapsched profile`` does for a GPU by default),
-named ``...-bf16``, in the same split. bf16 halves what autograd saves of the matmuls' inputs,
+named ``...-bf16``, in the same split (fp16 autocast, ``...-fp16``, on a GPU with no bf16 unit: a V100). bf16 halves what autograd saves of the matmuls' inputs,
 keeps the norms' and softmaxes' in fp32, and runs the matmuls at the bf16 peak: other ratios of
 bytes to compute, which the learned parts must see to plan for the precision users run.
 """
@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from swapsched.generated import describe, random_architecture
+from swapsched.hardware import load_hardware
 from swapsched.jsonfile import write_json
 from swapsched.precision import Precision
 from swapsched.runtime.profiler import profile
@@ -86,6 +87,8 @@ def main() -> int:
             case = build_model(family, size, batch_size=batch, seq_len=seq, device=device)
             name = f"{family}-{size}-cpu" if device == "cpu" else f"{family}-{size}-b{batch}-{hw}"
             split = "test" if family in HELD_OUT_FAMILIES or (family, size) in HELD_OUT_SIZES else "train"
+        if dtype and load_hardware(hw).bf16_peak_flops is None:
+            dtype = "fp16"  # what that GPU's users autocast to
         precision = Precision(dtype, amp=True) if dtype else None
         name += f"-{dtype}" if dtype else ""
         trace = profile(case.model, case.inputs, case.loss_fn, device=device, name=name, hardware=hw, precision=precision)

@@ -36,11 +36,12 @@ def searches(monkeypatch):
 
 
 def test_a_recompute_candidate_far_ahead_goes_straight_to_the_joint_search(searches):
-    budget = parse_budget("50%", TRACE)
-    assert joint_floor(TRACE, budget, HW) < analytic_floor(TRACE, budget, HW) / 3
+    # 60%: below it checkpoint-all does not fit, its recomputes' transients counted (R3, R9)
+    budget = parse_budget("60%", TRACE)
+    assert joint_floor(TRACE, budget, HW) < analytic_floor(TRACE, budget, HW) / 2
     ckpt = CheckpointAll().plan(TRACE, budget, HW)
     plan, _ = joint.joint_search(TRACE, budget, HW, seconds=0.5, proposals=lambda m: [ckpt])
-    assert [rc for _, rc, _ in searches] == [True]  # no swap search: the swaps are 3x behind
+    assert [rc for _, rc, _ in searches] == [True]  # no swap search: the swaps are 2.5x behind
     assert simulate(TRACE, plan, HW, budget).iteration_s <= simulate(TRACE, ckpt, HW, budget).iteration_s
 
 

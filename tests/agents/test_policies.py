@@ -108,15 +108,16 @@ def test_searching_planners_are_never_worse_than_min(case, seed):
 
 
 def test_local_search_improves_min_where_min_leaves_room():
-    """On unet-medium at 70% (h100-pcie5) min stalls on prefetches it placed too late; a few hundred
-    simulator-scored moves find a faster plan, deterministically for a number of evaluations."""
+    """On unet-medium at 60% (h100-pcie5) min stalls on prefetches it placed too late; a few hundred
+    simulator-scored moves find a faster plan (4% faster; 1.8% at 70% since the trace counts its
+    transients, R3), deterministically for a number of evaluations."""
     from swapsched.agents.heuristics import heuristic_plans
     from swapsched.agents.local_search import improve
     from swapsched.agents.scoring import best_plan
 
     tr = load_corpus(names=["unet-medium-b64-h100-pcie5"])[0]
     hw = load_hardware("h100-pcie5")
-    budget = tr.static_bytes + (tr.peak_bytes_no_swap - tr.static_bytes) * 7 // 10
+    budget = tr.static_bytes + (tr.peak_bytes_no_swap - tr.static_bytes) * 6 // 10
     start, s0 = best_plan(tr, budget, hw, heuristic_plans(tr, budget, hw))
     a, sa, _ = improve(tr, budget, hw, start, seconds=1e9, seed=1, max_evals=300)
     b, sb, _ = improve(tr, budget, hw, start, seconds=1e9, seed=1, max_evals=300)
