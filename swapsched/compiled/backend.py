@@ -59,6 +59,9 @@ INNER_COMPILERS = ("inductor", "aot_eager", "aot_eager_decomp")
 #: Above this many saved tensors a graph is planned by the backend's quick policy where it has one
 #: (``default``'s search grows past 0.9 s there, and a compile waits for it)
 QUICK_ABOVE = 500
+#: Rounds of rebasing saved views onto their bases (R10): pinning the bases can make the
+#: partitioner save other views, rebased in the next round
+REBASE_ROUNDS = 3
 
 
 def check_torch() -> None:
@@ -367,8 +370,13 @@ class _Partitioner(CustomPartitionerFn):
         t0 = time.perf_counter()
         fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         # R10: a saved view's storage is offloadable once the partition saves its base instead
-        rebase = rebasable_views(fw, n_out, forward)
-        if rebase:
+        rebase: dict[str, list[str]] = {}
+        for _ in range(REBASE_ROUNDS):  # a partition with bases pinned may save other views: rebase those too
+            more = rebasable_views(fw, n_out, forward)
+            if not more:
+                break
+            for base, chain in more.items():
+                rebase[base] = [*rebase.get(base, []), *(c for c in chain if c not in rebase.get(base, []))]
             rebase_views(joint, rebase, {n.name for n in saved_nodes(fw, n_out)}, forward)
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         gt = graph_trace(fw, bw, n_out, be.executed_hardware, static_input_names=static_names,

@@ -78,12 +78,34 @@ def saved_nodes(fw: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
     return [n for n in outs[num_fwd_outputs:] if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)]
 
 
-@functools.cache
-def _view_ops():
-    """torch's op classes (views among them), built once: every node of a graph asks."""
-    from torch._functorch.partitioners import get_default_op_list
+class _Views:
+    """Which nodes are views of another node's storage: torch's partitioner's view ops, and every
+    op whose schema says its output aliases its input (``transpose``, ``detach``: not on that
+    list, yet the partitioner saves them in place of their bases for backward), and a ``getitem``
+    of such an op's outputs (``split``, ``chunk``, ``unbind``). R10 holds a view (torch cannot
+    offload it) and rebases it onto its base where that base is offloadable."""
 
-    return get_default_op_list()
+    def __init__(self) -> None:
+        from torch._functorch.partitioners import get_default_op_list
+
+        self._torch = get_default_op_list()
+
+    def is_view(self, node: fx.Node) -> bool:
+        if node.op != "call_function":
+            return False
+        if self._torch.is_view(node):
+            return True
+        target = node.target
+        if target is operator.getitem:
+            src = node.args[0] if node.args else None
+            target = src.target if isinstance(src, fx.Node) and src.op == "call_function" else None
+        return isinstance(target, torch._ops.OpOverload) and target.is_view
+
+
+@functools.cache
+def _view_ops() -> _Views:
+    """Views, as :class:`_Views` tells them, built once: every node of a graph asks."""
+    return _Views()
 
 
 def _base(node: fx.Node, ops) -> fx.Node:

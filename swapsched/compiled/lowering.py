@@ -121,10 +121,15 @@ def rebase_views(joint: fx.GraphModule, rebase: dict[str, list[str]], saved: set
     re-decides untagged nodes."""
     views = {v for chain in rebase.values() for v in chain}
     for node in joint.graph.nodes:
-        if node.op != "call_function" or node.name not in forward_nodes:
+        if node.op != "call_function":
             continue
         if node.name in views:
+            # a view of the joint graph's backward that reads forward values only (a transpose
+            # for a matmul's gradient): the partitioner computes it in forward and may save it in
+            # place of its base unless it is told to rebuild it in backward too
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        elif node.name not in forward_nodes:
+            continue
         elif node.name in rebase or node.name in saved:
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
