@@ -31,7 +31,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from swapsched.budget import BudgetError, check_budget, format_bytes
-from swapsched.compiled.graph_trace import GraphTrace, graph_trace, rebasable_views, saved_nodes
+from swapsched.compiled.graph_trace import GraphTrace, graph_trace, rebasable_views, recomputable_held, saved_nodes
 from swapsched.compiled.lowering import Lowered, lowered_decisions, place_copies, rebase_views, tag_joint
 from swapsched.compiled.step_budget import (
     GraphMemory,
@@ -373,7 +373,9 @@ class _Partitioner(CustomPartitionerFn):
         rebase: dict[str, list[str]] = {}
         for _ in range(REBASE_ROUNDS):  # a partition with bases pinned may save other views: rebase those too
             more = rebasable_views(fw, n_out, forward)
-            if not more:
+            for base, chain in recomputable_held(fw, n_out, forward).items():
+                more[base] = [*more.get(base, []), *(c for c in chain if c not in more.get(base, []))]
+            if not more or all(set(chain) <= set(rebase.get(base, ())) and base in rebase for base, chain in more.items()):
                 break
             for base, chain in more.items():
                 rebase[base] = [*rebase.get(base, []), *(c for c in chain if c not in rebase.get(base, []))]

@@ -36,7 +36,7 @@ from torch.utils.flop_counter import flop_registry
 from swapsched.hardware import Hardware, HardwareError
 from swapsched.trace import Event, TensorInfo, Trace
 
-__all__ = ["GraphTrace", "graph_trace", "module_path", "offloadable", "rebasable_views", "saved_nodes"]
+__all__ = ["GraphTrace", "graph_trace", "module_path", "offloadable", "rebasable_views", "recomputable_held", "saved_nodes"]
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class _Views:
             return False
         if self._torch.is_view(node):
             return True
-        target = node.target
+        target: object = node.target
         if target is operator.getitem:
             src = node.args[0] if node.args else None
             target = src.target if isinstance(src, fx.Node) and src.op == "call_function" else None
@@ -375,4 +375,67 @@ def rebasable_views(fw: fx.GraphModule, num_fwd_outputs: int, taggable: frozense
             continue
         out.setdefault(base.name, [])
         out[base.name] += [c for c in chain if c not in out[base.name]]
+    return out
+
+
+#: Ops cheap enough to rebuild in backward rather than hold a tensor torch cannot offload: torch's
+#: pointwise ops and these copies and joins (memory-bound: a few microseconds a megabyte on a GPU,
+#: where the link takes a hundred), never a random one
+_CHEAP = frozenset({"clone", "cat", "_to_copy", "contiguous", "neg"})
+#: The most nodes rebuilt for one held tensor (rotary embeddings on q: about 20)
+_MAX_REBUILT = 32
+
+
+def _cheap(node: fx.Node) -> bool:
+    t = node.target
+    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+        return False
+    return ((torch.Tag.pointwise in t.tags or t.overloadpacket.__name__ in _CHEAP)
+            and torch.Tag.nondeterministic_seeded not in t.tags)
+
+
+def recomputable_held(fw: fx.GraphModule, num_fwd_outputs: int, taggable: frozenset[str]) -> dict[str, list[str]]:
+    """Saved tensors torch cannot offload because they are not contiguous (a pointwise op on a
+    permuted view: rotary embeddings on q and k, a clone of v for attention), rebuilt in backward
+    from offloadable bases instead (R10): base name -> the nodes to rebuild, as
+    :func:`rebasable_views` gives them. From such a tensor back through cheap ops (views and
+    :func:`_cheap` ones) of the joint graph's forward, each input ends at a graph input, a saved
+    tensor torch can offload, or a base: a contiguous forward op that is no cheap op and no model
+    output, saved (``MUST_SAVE``) in its place. A tensor whose inputs reach anything else (a
+    multi-output op's ``getitem``, a random op) or more than ``_MAX_REBUILT`` nodes stays held."""
+    ops = _view_ops()
+    outs = fw.graph.find_nodes(op="output")[0].args[0]
+    model_outputs = {n for n in outs[:num_fwd_outputs] if isinstance(n, fx.Node)}
+    saved = set(saved_nodes(fw, num_fwd_outputs))
+    out: dict[str, list[str]] = {}
+    for n in saved:
+        val = n.meta.get("val")
+        if (not isinstance(val, torch.Tensor) or val.is_contiguous() or ops.is_view(n) or not _cheap(n)
+                or n.name not in taggable or n in model_outputs):
+            continue
+        rebuilt: list[str] = []
+        bases: list[str] = []
+        stack, seen = [n], set()
+        while stack:
+            x = stack.pop()
+            if x in seen:
+                continue
+            seen.add(x)
+            if x is not n and (x.op == "placeholder" or (x in saved and offloadable(x, model_outputs, set(), ops, taggable) is None)):
+                continue  # read as it is: an input, or a saved tensor that is offloaded or kept as planned
+            movable = x.op == "call_function" and x.name in taggable and x not in model_outputs
+            xv = x.meta.get("val")
+            if (x is not n and movable and not ops.is_view(x) and not _cheap(x)
+                    and isinstance(xv, torch.Tensor) and xv.is_contiguous()):
+                bases.append(x.name)
+                continue
+            if not (movable and (ops.is_view(x) or _cheap(x))) or len(rebuilt) >= _MAX_REBUILT:
+                bases = []
+                break
+            rebuilt.append(x.name)
+            stack += x.all_input_nodes
+        if bases:
+            out.setdefault(bases[0], []).extend(r for r in rebuilt if r not in out[bases[0]])
+            for b in bases[1:]:
+                out.setdefault(b, [])
     return out

@@ -164,3 +164,28 @@ def test_a_saved_view_of_an_offloadable_base_is_rebased():
         assert by_name[chain[-1]].args[0] is by_name[base]
     # a base that is not a joint-graph node cannot be tagged: nothing to rebase
     assert rebasable_views(fw, n_out, frozenset()) == {}
+
+
+def test_a_non_contiguous_pointwise_tensor_is_rebuilt_from_an_offloadable_base():
+    """``u = sin(q)`` on a permuted view ``q`` of ``x @ w`` keeps q's strides, and so does
+    ``exp(u)``, which the partition saves beside q (it rebuilds u from q): torch cannot offload
+    it (non-contiguous). It is rebuilt in backward from ``x @ w`` (contiguous, offloadable): the
+    base to save, with exp, sin and the views between to rebuild (R10)."""
+    from swapsched.compiled.graph_trace import recomputable_held
+
+    class Rotated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 16))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q = (x @ self.w).view(8, 4, 4).transpose(0, 1)
+            u = torch.sin(q)
+            return (u * u.exp()).sum()
+
+    ((fw, bw, n_out, static),) = partition_of(Rotated(), torch.randn(8, 8))
+    forward = frozenset(n.name for n in fw.graph.nodes if n.op == "call_function")
+    gt = graph_trace(fw, bw, n_out, HW, static_input_names=static)
+    assert gt.held["exp"] == "non-contiguous" and gt.held["transpose"] == "a view"
+    got = recomputable_held(fw, n_out, forward)
+    assert set(got) == {"mm"} and {"exp", "sin", "transpose", "view"} <= set(got["mm"]) and "mm" not in got["mm"]
