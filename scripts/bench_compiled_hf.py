@@ -1,6 +1,7 @@
 """The compiled executor on the models users compile (issue 43): Hugging Face GPT-2, Llama and
 Mistral, small (2 layers, width 128, SDPA), batch 2 x 64 tokens, whole-model ``torch.compile``
-with ``inner="aot_eager"`` on this CPU, 3 AdamW steps, ``default`` planning for ``h100-pcie5``.
+with ``inner="aot_eager"`` on this CPU (``--inner aot_eager_decomp``: the graphs Inductor would
+partition, after its decompositions), 3 AdamW steps, ``default`` planning for ``h100-pcie5``.
 
 Per model and budget (30/50/70% of the step): whether it trains, the losses against
 ``torch.compile`` alone (exact equality), graphs per step, the step's predicted peak against its
@@ -10,7 +11,7 @@ runtime's answer for the same model and budget: its trace profiled on the CPU an
 the same hardware, ``default``'s plan, the predicted step over its ideal and its smallest
 feasible budget.
 
-    python scripts/bench_compiled_hf.py --out bench_results/compiled_hf.json
+    python scripts/bench_compiled_hf.py [--inner aot_eager] --out bench_results/compiled_hf.json
 """
 
 from __future__ import annotations
@@ -78,13 +79,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="gpt2,llama,mistral")
     ap.add_argument("--budgets", default="30%,50%,70%")
+    ap.add_argument("--inner", default="aot_eager", choices=["aot_eager", "aot_eager_decomp"],
+                    help="the compiler behind the partition, for swapsched's backend and the plain run alike")
     ap.add_argument("--out", default="bench_results/compiled_hf.json")
     args = ap.parse_args()
     rows, records = [], []
     for mt in args.models.split(","):
-        plain_losses, plain_first, _ = train(mt, "aot_eager")
+        # torch's own backend for the same graphs: aot_eager_decomp is Inductor's decompositions
+        # before the partition, as torch's aot_eager_decomp_partition runs them
+        plain_losses, plain_first, _ = train(mt, {"aot_eager_decomp": "aot_eager_decomp_partition"}.get(args.inner, args.inner))
         for budget in args.budgets.split(","):
-            be = swapsched.CompileBackend(budget, "default", HW, inner="aot_eager")
+            be = swapsched.CompileBackend(budget, "default", HW, inner=args.inner)
             losses, first, error = train(mt, be)
             rep = be.report()
             st = rep.step
@@ -114,7 +119,7 @@ def main() -> int:
                 print(f"{mt} at {budget}: {error}", file=sys.stderr)
     print(table(["model", "budget", "losses", "graphs run", "pred. peak / budget", "smallest step", "held",
                  "plans", "1st step / plain", "compiled pred.", "hooks pred.", "hooks smallest"], rows))
-    write(args.out, {"hardware": HW, "cases": records})
+    write(args.out, {"hardware": HW, "inner": args.inner, "cases": records})
     return 0
 
 
