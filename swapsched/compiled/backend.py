@@ -370,15 +370,13 @@ class _Partitioner(CustomPartitionerFn):
         t0 = time.perf_counter()
         fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         # R10: a saved view's storage is offloadable once the partition saves its base instead
+        # (and a non-contiguous one's, rebuilt from offloadable bases)
         rebase: dict[str, list[str]] = {}
         for _ in range(REBASE_ROUNDS):  # a partition with bases pinned may save other views: rebase those too
-            more = rebasable_views(fw, n_out, forward)
-            for base, chain in recomputable_held(fw, n_out, forward).items():
-                more[base] = [*more.get(base, []), *(c for c in chain if c not in more.get(base, []))]
-            if not more or all(set(chain) <= set(rebase.get(base, ())) and base in rebase for base, chain in more.items()):
+            found = rebasable_views(fw, n_out, forward)
+            _merge_chains(found, recomputable_held(fw, n_out, forward))
+            if not _merge_chains(rebase, found):
                 break
-            for base, chain in more.items():
-                rebase[base] = [*rebase.get(base, []), *(c for c in chain if c not in rebase.get(base, []))]
             rebase_views(joint, rebase, {n.name for n in saved_nodes(fw, n_out)}, forward)
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         gt = graph_trace(fw, bw, n_out, be.executed_hardware, static_input_names=static_names,
@@ -416,6 +414,21 @@ class _Partitioner(CustomPartitionerFn):
                               1 + (earlier is not None), lowered, plan, gt),
                   graph_memory(gt.trace, plan, sim.peak_bytes))
         return fw, bw
+
+
+def _merge_chains(into: dict[str, list[str]], more: dict[str, list[str]]) -> bool:
+    """Add ``more``'s bases and the nodes rebuilt from them to ``into``; whether any was new."""
+    new = False
+    for base, chain in more.items():
+        have = into.get(base)
+        if have is None:
+            have = into[base] = []
+            new = True
+        for c in chain:
+            if c not in have:
+                have.append(c)
+                new = True
+    return new
 
 
 def _same_structure(a: Trace, b: Trace) -> bool:

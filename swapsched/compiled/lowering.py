@@ -116,7 +116,9 @@ def tag_joint(joint: fx.GraphModule, gt: GraphTrace, plan: SwapPlan, forward_nod
 
 def rebase_views(joint: fx.GraphModule, rebase: dict[str, list[str]], saved: set[str], forward_nodes: frozenset[str]) -> None:
     """Tag ``joint`` so that its partition saves each base in ``rebase`` instead of the views of
-    it that were saved, and rebuilds those views in backward (``graph_trace.rebasable_views``).
+    it that were saved, and rebuilds those views in backward (``graph_trace.rebasable_views``;
+    also the cheap ops between a base and a non-contiguous saved tensor,
+    ``graph_trace.recomputable_held``).
     Every other saved tensor is pinned (``MUST_SAVE``): with any tag set the min-cut partitioner
     re-decides untagged nodes."""
     views = {v for chain in rebase.values() for v in chain}
