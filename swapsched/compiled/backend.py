@@ -31,7 +31,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from swapsched.budget import BudgetError, check_budget, format_bytes
-from swapsched.compiled.graph_trace import GraphTrace, graph_trace, rebasable_views, recomputable_held, saved_nodes
+from swapsched.compiled.graph_trace import GraphTrace, graph_trace, merge_chains, rebasable_views, recomputable_held, saved_nodes
 from swapsched.compiled.lowering import Lowered, lowered_decisions, place_copies, rebase_views, tag_joint
 from swapsched.compiled.step_budget import (
     GraphMemory,
@@ -374,8 +374,8 @@ class _Partitioner(CustomPartitionerFn):
         rebase: dict[str, list[str]] = {}
         for _ in range(REBASE_ROUNDS):  # a partition with bases pinned may save other views: rebase those too
             found = rebasable_views(fw, n_out, forward)
-            _merge_chains(found, recomputable_held(fw, n_out, forward))
-            if not _merge_chains(rebase, found):
+            merge_chains(found, recomputable_held(fw, n_out, forward))
+            if not merge_chains(rebase, found):
                 break
             rebase_views(joint, rebase, {n.name for n in saved_nodes(fw, n_out)}, forward)
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
@@ -414,21 +414,6 @@ class _Partitioner(CustomPartitionerFn):
                               1 + (earlier is not None), lowered, plan, gt),
                   graph_memory(gt.trace, plan, sim.peak_bytes))
         return fw, bw
-
-
-def _merge_chains(into: dict[str, list[str]], more: dict[str, list[str]]) -> bool:
-    """Add ``more``'s bases and the nodes rebuilt from them to ``into``; whether any was new."""
-    new = False
-    for base, chain in more.items():
-        have = into.get(base)
-        if have is None:
-            have = into[base] = []
-            new = True
-        for c in chain:
-            if c not in have:
-                have.append(c)
-                new = True
-    return new
 
 
 def _same_structure(a: Trace, b: Trace) -> bool:

@@ -36,7 +36,7 @@ from torch.utils.flop_counter import flop_registry
 from swapsched.hardware import Hardware, HardwareError
 from swapsched.trace import Event, TensorInfo, Trace
 
-__all__ = ["GraphTrace", "graph_trace", "module_path", "offloadable", "rebasable_views", "recomputable_held", "saved_nodes"]
+__all__ = ["GraphTrace", "graph_trace", "module_path", "offloadable", "rebasable_views", "recomputable_held", "saved_nodes", "model_output_nodes", "merge_chains"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,28 @@ def saved_nodes(fw: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
     """The forward graph's outputs that backward reads: past the model's outputs, tensors only."""
     outs = fw.graph.find_nodes(op="output")[0].args[0]
     return [n for n in outs[num_fwd_outputs:] if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)]
+
+
+def model_output_nodes(fw: fx.GraphModule, num_fwd_outputs: int) -> set[fx.Node]:
+    """The forward graph's outputs the model returns (torch cannot offload them)."""
+    outs = fw.graph.find_nodes(op="output")[0].args[0]
+    return {n for n in outs[:num_fwd_outputs] if isinstance(n, fx.Node)}
+
+
+def merge_chains(into: dict[str, list[str]], more: dict[str, list[str]]) -> bool:
+    """Add ``more``'s bases and the nodes rebuilt from them (as :func:`rebasable_views` gives
+    them) to ``into``; whether any was new."""
+    new = False
+    for base, chain in more.items():
+        have = into.get(base)
+        if have is None:
+            have = into[base] = []
+            new = True
+        for c in chain:
+            if c not in have:
+                have.append(c)
+                new = True
+    return new
 
 
 class _Views:
@@ -214,8 +236,7 @@ def graph_trace(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, ha
     ops = _view_ops()
     fw_nodes = list(fw.graph.nodes)
     pos = {n: i for i, n in enumerate(fw_nodes)}
-    outs = fw.graph.find_nodes(op="output")[0].args[0]
-    model_outputs = {n for n in outs[:num_fwd_outputs] if isinstance(n, fx.Node)}
+    model_outputs = model_output_nodes(fw, num_fwd_outputs)
     placeholders = [n for n in fw_nodes if n.op == "placeholder"]
     static = {n for n in placeholders if n.name in set(static_input_names)}
     saved = [n for n in saved_nodes(fw, num_fwd_outputs) if n not in static]
@@ -357,8 +378,7 @@ def rebasable_views(fw: fx.GraphModule, num_fwd_outputs: int, taggable: frozense
     base qualifies when it is a forward op of the joint graph (not an input, not a ``getitem``),
     contiguous, not a model output and not saved itself."""
     ops = _view_ops()
-    outs = fw.graph.find_nodes(op="output")[0].args[0]
-    model_outputs = {n for n in outs[:num_fwd_outputs] if isinstance(n, fx.Node)}
+    model_outputs = model_output_nodes(fw, num_fwd_outputs)
     saved = set(saved_nodes(fw, num_fwd_outputs))
     out: dict[str, list[str]] = {}
     for v in saved:
@@ -373,8 +393,7 @@ def rebasable_views(fw: fx.GraphModule, num_fwd_outputs: int, taggable: frozense
         if (base.op != "call_function" or base in saved or base in model_outputs or base.name not in taggable
                 or offloadable(base, model_outputs, set(), ops, taggable) is not None):
             continue
-        out.setdefault(base.name, [])
-        out[base.name] += [c for c in chain if c not in out[base.name]]
+        merge_chains(out, {base.name: chain})
     return out
 
 
@@ -404,8 +423,7 @@ def recomputable_held(fw: fx.GraphModule, num_fwd_outputs: int, taggable: frozen
     output, saved (``MUST_SAVE``) in its place. A tensor whose inputs reach anything else (a
     multi-output op's ``getitem``, a random op) or more than ``_MAX_REBUILT`` nodes stays held."""
     ops = _view_ops()
-    outs = fw.graph.find_nodes(op="output")[0].args[0]
-    model_outputs = {n for n in outs[:num_fwd_outputs] if isinstance(n, fx.Node)}
+    model_outputs = model_output_nodes(fw, num_fwd_outputs)
     saved = set(saved_nodes(fw, num_fwd_outputs))
     out: dict[str, list[str]] = {}
     for n in saved:
@@ -435,7 +453,5 @@ def recomputable_held(fw: fx.GraphModule, num_fwd_outputs: int, taggable: frozen
             rebuilt.append(x.name)
             stack += x.all_input_nodes
         if bases:
-            out.setdefault(bases[0], []).extend(r for r in rebuilt if r not in out[bases[0]])
-            for b in bases[1:]:
-                out.setdefault(b, [])
+            merge_chains(out, {bases[0]: rebuilt, **{b: [] for b in bases[1:]}})
     return out
