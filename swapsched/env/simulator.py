@@ -106,10 +106,8 @@ class Simulation:
 
     # ------------------------------------------------------------------ plan input
     def schedule(self, tensor: int, swap_out_at: int, prefetch_at: int) -> None:
-        """Add an eviction (R7). Its swap-out must not be in the past of the simulation. Within one
-        event, copies are issued by tensor id (R6), as a plan made with ``SwapPlan.of`` lays them
-        out (``by_event``), whatever order they are scheduled in: the environment decides tensors
-        in the order of their swap-outs, and the plan its episode becomes must simulate the same."""
+        """Add an eviction (R7), not in the simulated past. Copies of one event issue by tensor id
+        (R6), as ``SwapPlan.of`` lays a plan out: an episode simulates as the plan it becomes."""
         assert swap_out_at >= self.next_event, "eviction scheduled in the simulated past"
         self.out_at[swap_out_at] = tuple(sorted((*self.out_at[swap_out_at], tensor)))
         self.prefetch_at[prefetch_at] = tuple(sorted((*self.prefetch_at[prefetch_at], tensor)))
@@ -138,8 +136,8 @@ class Simulation:
         return self.stall_fwd + self.stall_bwd
 
     # ------------------------------------------------------------------ memory and copies
-    def _note_mem(self) -> None:
-        m = self.static + self.cur_other + self.used
+    def _note_mem(self, transient: int = 0) -> None:  # transient: bytes held this instant only (R3)
+        m = self.static + self.cur_other + self.used + transient
         if m > self.peak:
             self.peak = m
         if self.record:
@@ -312,9 +310,8 @@ class Simulation:
             return False
         for k in rebuilt:
             loc[k] = RESIDENT
-        self.used += need + sg.transient_bytes
-        self._note_mem()
-        self.used -= sg.transient_bytes
+        self.used += need
+        self._note_mem(sg.transient_bytes)
         if self.host_debt:
             self._pay_host()
         if self.record:
