@@ -56,6 +56,11 @@ class Hardware:
     # duplex); 1: both directions on one stream in issue order (R10: torch's ``ao.offload`` /
     # ``ao.reload`` ops issue every copy on one transfer stream). Set by for_executor, not in YAML.
     copy_streams: int = 2
+    # R6: how much later than latency + bytes / bandwidth a copy ends that finds its engine idle,
+    # as its waiter sees it: the engine's wake-up, a lone copy's late end, the waiter's wake-up
+    # (the emulated engines' threads: ~0.13 ms on a 2-core CPU). Queued copies pay only the
+    # latency. Optional in YAML (0: not measured); ``swapsched calibrate`` measures it.
+    copy_wake_s: float = 0.0
     # R11, host memory. The host's memory bandwidth, which every rank's copies on the node share
     # (YAML, optional: None = never the bottleneck), and how many ranks share it (a node's GPUs
     # under FSDP/DDP). Sharing it, each rank's copies run at most at host_memory_bytes_per_s /
@@ -155,7 +160,7 @@ class Hardware:
 
 
 _REQUIRED = ("d2h_bytes_per_s", "h2d_bytes_per_s", "copy_latency_s", "device_memory_bytes", "peak_flops", "memory_bytes_per_s")
-_OPTIONAL = ("host_memory_bytes_per_s", "bf16_peak_flops", "fp16_peak_flops", "host_optimizer_params_per_s")
+_OPTIONAL = ("host_memory_bytes_per_s", "bf16_peak_flops", "fp16_peak_flops", "host_optimizer_params_per_s", "copy_wake_s")
 #: R15: a node's CPU AdamW where a profile gives none. DeepSpeed's ZenFlow write-up: ZeRO-Offload
 #: stretches a Llama-2-7B step from 0.5 s to over 7 s, the CPU step being the difference: 6.7e9
 #: parameters in about 6.5 s, 1.0e9 parameters a second (fused, every core of a server node).

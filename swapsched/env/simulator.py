@@ -85,7 +85,7 @@ class Simulation:
         self.per_byte = hardware.copy_host_s_per_byte
         self.host_debt = 0.0
         self.host_s = 0.0
-        self.lat = hardware.copy_latency_s
+        self.lat, self.wake = hardware.copy_latency_s, hardware.copy_wake_s  # R6
         self.inv_d2h = 1.0 / hardware.link_bytes_per_s("d2h")  # R11: a rank's share of the host's bandwidth
         self.inv_h2d = 1.0 / hardware.link_bytes_per_s("h2d")
         # R11: host bytes held by swapped tensors (from the swap-out's issue to the step's end, as
@@ -169,19 +169,25 @@ class Simulation:
             self.st.retire(now)
             self.st.admit()
 
+    def copy_span(self, d2h: bool, at: float, nbytes: int) -> tuple[float, float]:
+        """R6: (start, end) of a copy ready at ``at``, FIFO behind its engine's queue (R10: one stream for
+        both), the engine then busy until its end; one that finds its engine idle ends ``copy_wake_s`` later."""
+        free = max(self.d2h_free, self.h2d_free) if self.one_stream else self.d2h_free if d2h else self.h2d_free
+        start = max(at, free)
+        end = start + self.lat + nbytes * (self.inv_d2h if d2h else self.inv_h2d) + (self.wake if start > free else 0.0)
+        if d2h or self.one_stream:
+            self.d2h_free = end
+        if not d2h or self.one_stream:
+            self.h2d_free = end
+        return start, end
+
     def _start_swapin(self, k: int, at: float) -> None:
         """Allocate ``k``'s bytes at ``at`` and queue its copy on the host->device engine (R6)."""
         b = self.tb.bytes[k]
         self.used += b
         self._note_mem()
         self.host_debt += self.issue + b * self.per_byte
-        start = max(at, self.h2d_free, self.out_done[k])
-        if self.one_stream and self.d2h_free > start:
-            start = self.d2h_free
-        end = start + self.lat + b * self.inv_h2d
-        self.h2d_free = end
-        if self.one_stream:
-            self.d2h_free = end
+        start, end = self.copy_span(False, max(at, self.out_done[k]), b)
         self.in_done[k] = end
         self.loc[k] = IN
         self.h2d_bytes += b
@@ -243,13 +249,7 @@ class Simulation:
         self.host_used += b  # R11: held on the host until the step ends
         if self.host_used > self.host_peak:
             self.host_peak = self.host_used
-        start = self.t if self.t > self.d2h_free else self.d2h_free
-        if self.one_stream and self.h2d_free > start:
-            start = self.h2d_free
-        end = start + self.lat + b * self.inv_d2h
-        self.d2h_free = end
-        if self.one_stream:
-            self.h2d_free = end
+        start, end = self.copy_span(True, self.t, b)
         self.out_done[k] = end
         self.loc[k] = OUT
         self.host_debt += self.issue + b * self.per_byte

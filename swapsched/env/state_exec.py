@@ -191,21 +191,13 @@ class StateExecution:
     def _copy(self, direction: str, nbytes: int, at: float, group: int = -1) -> float:
         """A state copy on the engine of ``direction`` (R6, FIFO behind what is queued); its end."""
         sim = self.sim
+        start, end = sim.copy_span(direction == "d2h", at, nbytes)
         if direction == "d2h":
-            start = max(at, sim.d2h_free, sim.h2d_free if sim.one_stream else 0.0)
-            end = start + sim.lat + nbytes * sim.inv_d2h
-            sim.d2h_free = end
             sim.d2h_bytes += nbytes
         else:
-            start = max(at, sim.h2d_free, sim.d2h_free if sim.one_stream else 0.0)
-            end = start + sim.lat + nbytes * sim.inv_h2d
-            sim.h2d_free = end
             sim.h2d_bytes += nbytes
-        if sim.one_stream:
-            sim.d2h_free = sim.h2d_free = end
         if sim.record:
-            (self.d2h_spans if direction == "d2h" else self.h2d_spans).append((end - sim.lat - nbytes * (
-                sim.inv_d2h if direction == "d2h" else sim.inv_h2d), end, group))
+            (self.d2h_spans if direction == "d2h" else self.h2d_spans).append((start, end, group))
         return end
 
     def _out(self, nbytes: int, group: int = -1) -> None:

@@ -34,11 +34,11 @@ import torch
 from swapsched.budget import parse_budget
 from swapsched.errors import UserError
 from swapsched.hardware import Hardware, default_hardware, load_hardware
-from swapsched.runtime.copy_engine import CopyEngine, CopyError, Ticket, sleep_overshoot
+from swapsched.runtime.copy_engine import CopyEngine, CopyError, Ticket
 from swapsched.runtime.transients import HOST_ALLOCATING
 
 __all__ = ["resolve_backend", "Ticket", "Backend", "CpuBackend", "CudaBackend", "HostPool", "CopyError", "make_backend",
-           "runtime_devices"]
+           "runtime_devices", "lone_copy_s"]
 
 
 
@@ -206,12 +206,17 @@ class CpuBackend(Backend):
         h2d_bytes_per_s = None if h2d_bytes_per_s in (None, float("inf")) else h2d_bytes_per_s
         self.pool = HostPool(pin=False)
         self.rates = (d2h_bytes_per_s, h2d_bytes_per_s, latency_s)
-        # how late a throttled engine's sleep ends, as measured here: a copy that is not queued
-        # behind another ends this much after its latency and bytes say (the engine's carry
-        # makes it up for copies back to back); plans made for the shipped profile count it
-        self.wake_s = sleep_overshoot() if d2h_bytes_per_s or h2d_bytes_per_s else 0.0
         self.copy_timeout_s = copy_timeout_s
         self._start_engines()
+        # R6's copy_wake_s of these engines, measured here: a copy that finds its engine idle
+        # ends this much after their latency and bytes say, as its waiter sees it (the engine
+        # thread's wake-up, its sleep's late end, the waiter's wake-up; queued copies keep the
+        # rate, see CopyEngine). Plans made for the shipped profile count it (runtime_devices).
+        self.wake_s = 0.0
+        if d2h_bytes_per_s and h2d_bytes_per_s:
+            n = 2**12
+            out_s, in_s = lone_copy_s(self, n)
+            self.wake_s = max(0.0, (out_s + in_s) / 2 - latency_s - n / 2 * (1 / d2h_bytes_per_s + 1 / h2d_bytes_per_s))
 
     def _start_engines(self) -> None:
         d2h, h2d, latency_s = self.rates
@@ -403,6 +408,36 @@ def resolve_backend(name: str | None) -> str:
     return name
 
 
+def lone_copy_s(backend: Backend, nbytes: int, samples: int = 5) -> tuple[float, float]:
+    """Median seconds from issuing a lone copy of ``nbytes`` (its engine idle: each waits 1 ms
+    after the last) to its waiter running again, out then in (R6's ``copy_wake_s`` is what they
+    take beyond latency and bytes). On the emulated device each is issued right after a matmul,
+    as the hooks issue copies right after an op: the op's worker threads still spin on the cores
+    the engine's thread wakes on, which adds a third to the wake-up on a 2-core machine."""
+    device = "cuda" if backend.name == "cuda" else "cpu"
+    src = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    op = torch.ones(256, 256) if backend.emulated else None
+    outs: list[float] = []
+    ins: list[float] = []
+
+    def lone(copy: Any, times: list[float]) -> Ticket:
+        backend.synchronize()
+        time.sleep(1e-3)
+        if op is not None:
+            torch.mm(op, op)
+        t0 = time.perf_counter()
+        t = copy()
+        backend.wait_host(t)
+        times.append(time.perf_counter() - t0)
+        return t
+
+    for _ in range(samples):
+        host = lone(lambda: backend.copy_out(src), outs).dst
+        lone(lambda: backend.copy_in(host, None), ins)  # noqa: B023  (called before host changes)
+        backend.pool.give(host)
+    return sorted(outs)[samples // 2], sorted(ins)[samples // 2]
+
+
 def make_backend(name: str | None, hardware: Any = None) -> Backend:
     """The backend ``resolve_backend(name)`` picks; the CPU backend's engines are throttled to
     ``hardware``'s link (unthrottled without one, or with an infinite bandwidth)."""
@@ -440,9 +475,9 @@ def runtime_devices(name: str, backend: Backend | None, hardware: Hardware | str
     else:
         out = make_backend(name, hw)
     if hardware is None and isinstance(out, CpuBackend) and out.wake_s:
-        # the shipped profile's latency is a nominal one: the emulated engine's copies really
-        # take its measured wake-up beside it (a calibrated profile has measured both together)
-        hw = replace(hw, copy_latency_s=hw.copy_latency_s + out.wake_s)
+        # the shipped profile's latency is the engines' throttle: what they add to a lone copy
+        # beyond it was measured as they started (a calibrated profile has measured its own)
+        hw = replace(hw, copy_wake_s=out.wake_s)
     pool = getattr(out, "pool", None)  # a backend given as an object may keep no pool
     if pool is not None:
         pool.limit = hw.host_budget_bytes

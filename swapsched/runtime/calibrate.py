@@ -5,7 +5,8 @@
   and timed from the host. A least-squares fit of ``time = latency + bytes / bandwidth`` per
   direction gives the two numbers the simulator uses (R6). The latency is what each queued copy
   costs beyond its bytes: the CPU engine's own loop and its sleep's overshoot, or CUDA's launch
-  and event latency.
+  and event latency. Then lone 64 KiB copies, each to an idle engine: what they take beyond the
+  fit is ``copy_wake_s`` (R6: the engine's and the waiter's wake-ups).
 - **Host costs** (``calibrate_host``): the runtime's own time inside its hooks per saved-tensor
   event, executing a no-eviction plan; the simulator adds it to every gap. PyTorch's cost of
   calling a Python hook at all is not in it: that lands between hooks, in the trace's gaps, both
@@ -33,7 +34,7 @@ import torch
 from swapsched.errors import UserError
 from swapsched.hardware import DEFAULT_GPU_HARDWARE, Hardware, load_hardware
 from swapsched.plan import Eviction, SwapPlan, on_demand_plan
-from swapsched.runtime.backends import Backend, CpuBackend, CudaBackend
+from swapsched.runtime.backends import Backend, CpuBackend, CudaBackend, lone_copy_s
 from swapsched.runtime.retime import nonnegative_fit
 from swapsched.runtime.swapper import PolicyRuntime
 from swapsched.trace import Trace
@@ -71,6 +72,8 @@ def _provenance(backend_name: str) -> dict[str, str]:
         "d2h_bytes_per_s": f"{src}: least-squares fit over {sizes}",
         "h2d_bytes_per_s": f"{src}: least-squares fit over {sizes}",
         "copy_latency_s": f"{src}: intercept of the fits, both directions averaged",
+        "copy_wake_s": f"{src}: lone {SIZES[0] // 2**10} KiB copies (engine idle) beyond the fits, median of 5, "
+                       "both directions averaged",
         "device_memory_bytes": "the emulated device's nominal size" if backend_name == "cpu" else "torch.cuda device properties",
         "peak_flops": "copied from the base profile (roofline retiming only)",
         "bf16_peak_flops": "copied from the base profile (roofline retiming only)",
@@ -120,8 +123,8 @@ def calibrate_link(backend: Backend, repeats: int = 5, batch: int = 4) -> tuple[
     """Time per copy of each size and direction, with ``batch`` copies queued back to back.
 
     Queued, as a plan's copies mostly are: the engine goes from one copy to the next, so the
-    latency fitted is what each copy costs in the queue (R6). The host's wake-up after waiting
-    for a copy is not in it; that is ``wait_resume_s`` (see calibrate_host)."""
+    latency fitted is what each copy costs in the queue (R6). What a lone copy adds, the
+    engine's and its waiter's wake-ups, is not in it: that is ``copy_wake_s`` (``lone_copy_s``)."""
     device = "cuda" if backend.name == "cuda" else "cpu"
     d2h, h2d = [], []
     for n in SIZES:
@@ -286,11 +289,14 @@ def calibrate(backend_name: str = "cpu", bandwidth: float | None = None, name: s
     backend = CpuBackend(bandwidth, bandwidth, 0.0) if backend_name == "cpu" else CudaBackend()
     try:
         d2h, h2d = calibrate_link(backend)
+        lat_d, bw_d = _fit(d2h)
+        lat_h, bw_h = _fit(h2d)
+        lone_out, lone_in = lone_copy_s(backend, SIZES[0])
         bar.update()
     finally:
         backend.shutdown()
-    lat_d, bw_d = _fit(d2h)
-    lat_h, bw_h = _fit(h2d)
+    # R6: what a copy that finds its engine idle takes beyond a queued one's latency and bytes
+    wake = max(0.0, (lone_out - lat_d - SIZES[0] / bw_d + lone_in - lat_h - SIZES[0] / bw_h) / 2)
     try:
         host = calibrate_host(backend_name, bandwidth, rounds, on_round=bar.update)
     finally:
@@ -298,7 +304,7 @@ def calibrate(backend_name: str = "cpu", bandwidth: float | None = None, name: s
     mem = torch.cuda.get_device_properties(0).total_memory if backend_name == "cuda" else ref.device_memory_bytes
     hw = Hardware(
         name=name or f"calibrated-{backend_name}", d2h_bytes_per_s=bw_d, h2d_bytes_per_s=bw_h,
-        copy_latency_s=(lat_d + lat_h) / 2, device_memory_bytes=int(mem), peak_flops=ref.peak_flops,
+        copy_latency_s=(lat_d + lat_h) / 2, copy_wake_s=wake, device_memory_bytes=int(mem), peak_flops=ref.peak_flops,
         memory_bytes_per_s=ref.memory_bytes_per_s, bf16_peak_flops=ref.bf16_peak_flops, fp16_peak_flops=ref.fp16_peak_flops,
         kind=ref.kind, hook_cost_s=host.hook_cost_s,
         copy_issue_s=host.copy_issue_s, wait_resume_s=host.wait_resume_s, copy_host_s_per_byte=host.copy_host_s_per_byte,

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CopyError", "Ticket", "CopyEngine", "sleep_overshoot"]
+__all__ = ["CopyError", "Ticket", "CopyEngine"]
 
 
 class CopyError(RuntimeError):
@@ -95,14 +95,3 @@ class CopyEngine(threading.Thread):
         with self.cv:
             self.stopped = True
             self.cv.notify()
-
-
-def sleep_overshoot(samples: int = 11, asked_s: float = 1e-4) -> float:
-    """The median of how much longer than ``asked_s`` a ``time.sleep(asked_s)`` takes here."""
-    late = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        time.sleep(asked_s)
-        late.append(time.perf_counter() - t0 - asked_s)
-    late.sort()
-    return max(0.0, late[len(late) // 2])

@@ -184,6 +184,20 @@ def test_copy_latency_is_paid_by_every_copy(hw):
     assert r.iteration_s == 11.0 and r.stall_s == 3.0
 
 
+def test_only_a_copy_that_finds_its_engine_idle_pays_the_wake_up():
+    # copy_wake_s 0.25 s, latency 0: T0 and T1 out together at e1 (t=2): the first finds the d2h
+    # engine idle, 2 -> 3.25; the second is queued behind it, 3.25 -> 4.25. Both back on demand,
+    # each to an idle h2d engine: T1 at e2 (t=7): 7 -> 8.25; T0 at e3 (t=9.25): 9.25 -> 10.5.
+    tr = make_trace([100, 100], [("pack", 0, 1), ("pack", 1, 1), ("unpack", 1, 5), ("unpack", 0, 1)])
+    r = simulate(tr, [Eviction(0, 1, 3), Eviction(1, 1, 2)], replace(make_hw(), copy_wake_s=0.25), 200, record=True)
+    assert [(a, b) for a, b, _ in r.timeline.d2h] == [(2.0, 3.25), (3.25, 4.25)]
+    assert [(a, b) for a, b, _ in r.timeline.h2d] == [(7.0, 8.25), (9.25, 10.5)]
+    assert r.iteration_s == 10.5 and r.stall_s == 2.5
+    # on one stream (R10) T1's swap-in at 7 finds the stream idle too: the same spans
+    one = simulate(tr, [Eviction(0, 1, 3), Eviction(1, 1, 2)], replace(make_hw(), copy_wake_s=0.25, copy_streams=1), 200)
+    assert one.iteration_s == 10.5
+
+
 def test_a_tensor_unpacked_twice_is_freed_at_its_last_unpack(hw):
     # T0, T1 of 100 B; T1 is unpacked at e2 and again at e3. Gaps 1, 1, 1, 1, 0. Budget 100.
     # T0 out at e0 (t=1): 1 -> 2; T1's gap waits for it (R4): 1 s forward stall, e1 at 3, e2 at 4.
