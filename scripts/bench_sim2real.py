@@ -16,6 +16,8 @@ rounds. Targets: median absolute error <= 10% of the step, worst <= 25%, same po
 case (measured order: per pair, the median over rounds of their difference within a round; see
 ``kendall_agree``).
 ``--quick``: one small model at two budgets; the last line is the median absolute error (fraction).
+``--fail-above 0.10``: exit 1 when the median absolute error is above it (either mode): the check
+that fails when fast steps are predicted worse than the target (run it alone; it is timed).
 
 ``--uncalibrated``: what a user sees with no calibration step. Four models outside the zoo (defined
 here: a BatchNorm CNN, a two-layer LSTM, a token-mixing MLP, and the MLP on a small batch, whose
@@ -260,6 +262,17 @@ def main_uncalibrated(args: argparse.Namespace) -> int:
     print(f"median |error| {100 * summary['median_abs_error']:.1f}% (target 10%), worst {100 * summary['worst_abs_error']:.1f}% "
           f"(target 20%) over {len(runs)} cases")
     write(args.out.replace("sim2real", "sim2real_uncalibrated"), {"summary": summary, "runs": runs})
+    return _verdict(summary["median_abs_error"], args.fail_above)
+
+
+def _verdict(median_error: float | None, fail_above: float | None) -> int:
+    """Exit status: 1 where ``--fail-above`` is given and the median error is above it (or none was measured)."""
+    if fail_above is None:
+        return 0
+    if median_error is None or median_error > fail_above:
+        print(f"FAIL: median |error| {'none' if median_error is None else f'{100 * median_error:.1f}%'} "
+              f"above {100 * fail_above:.1f}%", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -274,7 +287,11 @@ def main() -> int:
     ap.add_argument("--uncalibrated", action="store_true", help="no calibration: models outside the zoo (see above)")
     ap.add_argument("--case-steps", type=int, default=24, help="--uncalibrated: steps per case (the first 9 not measured)")
     ap.add_argument("--seed", type=int, default=0, help="--uncalibrated: order of the cases")
+    ap.add_argument("--fail-above", type=float, default=None, metavar="FRACTION",
+                    help="exit 1 when the median absolute error is above this fraction (e.g. 0.10)")
     args = ap.parse_args()
+    if args.fail_above is not None and not 0 < args.fail_above < 1:
+        ap.error(f"--fail-above is a fraction in (0, 1), like 0.10; got {args.fail_above}")
     if args.uncalibrated:
         if args.backend != "cpu":
             ap.error("--uncalibrated measures the CPU backend")
@@ -325,7 +342,7 @@ def main() -> int:
     write(args.out, {"backend": args.backend, "bandwidth": bw, "calibrated": cal.hardware.to_dict(),
                      "summary": summary, "runs": runs})
     print(f"{summary['median_abs_error']:.4f}")
-    return 0
+    return _verdict(summary["median_abs_error"], args.fail_above)
 
 
 if __name__ == "__main__":
