@@ -207,16 +207,20 @@ class CpuBackend(Backend):
         self.pool = HostPool(pin=False)
         self.rates = (d2h_bytes_per_s, h2d_bytes_per_s, latency_s)
         self.copy_timeout_s = copy_timeout_s
+        self.wake_s = 0.0  # measure_wake's figure, once measured
         self._start_engines()
-        # R6's copy_wake_s of these engines, measured here: a copy that finds its engine idle
-        # ends this much after their latency and bytes say, as its waiter sees it (the engine
-        # thread's wake-up, its sleep's late end, the waiter's wake-up; queued copies keep the
-        # rate, see CopyEngine). Plans made for the shipped profile count it (runtime_devices).
-        self.wake_s = 0.0
-        if d2h_bytes_per_s and h2d_bytes_per_s:
+
+    def measure_wake(self) -> float:
+        """R6's ``copy_wake_s`` of these engines, measured (and kept in ``wake_s``): how much later
+        than their latency and bytes say a copy that finds its engine idle ends, as its waiter
+        sees it (the engine thread's wake-up, its sleep's late end, the waiter's wake-up; queued
+        copies keep the rate, see CopyEngine). 0 for unthrottled engines. ~20 ms."""
+        d2h, h2d, latency_s = self.rates
+        if d2h and h2d:
             n = 2**12
             out_s, in_s = lone_copy_s(self, n)
-            self.wake_s = max(0.0, (out_s + in_s) / 2 - latency_s - n / 2 * (1 / d2h_bytes_per_s + 1 / h2d_bytes_per_s))
+            self.wake_s = max(0.0, (out_s + in_s) / 2 - latency_s - n / 2 * (1 / d2h + 1 / h2d))
+        return self.wake_s
 
     def _start_engines(self) -> None:
         d2h, h2d, latency_s = self.rates
@@ -474,10 +478,11 @@ def runtime_devices(name: str, backend: Backend | None, hardware: Hardware | str
         out = CpuBackend(bandwidth, bandwidth, 0.0)  # the link alone; its latency was measured
     else:
         out = make_backend(name, hw)
-    if hardware is None and isinstance(out, CpuBackend) and out.wake_s:
+    if hardware is None and backend is None and isinstance(out, CpuBackend):
         # the shipped profile's latency is the engines' throttle: what they add to a lone copy
-        # beyond it was measured as they started (a calibrated profile has measured its own)
-        hw = replace(hw, copy_wake_s=out.wake_s)
+        # beyond it is measured now (a calibrated profile has measured its own; a backend given
+        # as an object is the caller's to measure)
+        hw = replace(hw, copy_wake_s=out.measure_wake())
     pool = getattr(out, "pool", None)  # a backend given as an object may keep no pool
     if pool is not None:
         pool.limit = hw.host_budget_bytes
