@@ -424,20 +424,20 @@ def lone_copy_s(backend: Backend, nbytes: int, samples: int = 5) -> tuple[float,
     outs: list[float] = []
     ins: list[float] = []
 
-    def lone(copy: Any, times: list[float]) -> Ticket:
+    def lone(copy: Any, args: tuple[Any, ...], times: list[float]) -> Ticket:
         backend.synchronize()
         time.sleep(1e-3)
         if op is not None:
             torch.mm(op, op)
         t0 = time.perf_counter()
-        t = copy()
+        t = copy(*args)
         backend.wait_host(t)
         times.append(time.perf_counter() - t0)
         return t
 
     for _ in range(samples):
-        host = lone(lambda: backend.copy_out(src), outs).dst
-        lone(lambda: backend.copy_in(host, None), ins)  # noqa: B023  (called before host changes)
+        host = lone(backend.copy_out, (src,), outs).dst
+        lone(backend.copy_in, (host, None), ins)
         backend.pool.give(host)
     return sorted(outs)[samples // 2], sorted(ins)[samples // 2]
 
