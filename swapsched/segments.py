@@ -57,9 +57,9 @@ class Segment:
     does not save (:func:`rebuilt_selectively`), for ``cheap_forward_s``, the gaps before their
     forward packs; the other members stay on the device, held by the checkpoint.
 
-    ``transient_bytes``: what the block's forward holds beyond all its members at its fullest
-    (R3's other bytes of a forward gap above the least of them, with the members made by then:
-    outputs it does not save), which its recompute holds again for a moment (DESIGN R9)."""
+    ``transient_bytes``: what the block's forward holds beyond its members while it runs (R3's
+    other bytes over its forward gaps, above the least of them: outputs it does not save), which
+    its recompute holds again for a moment."""
 
     index: int
     name: str

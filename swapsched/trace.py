@@ -197,21 +197,8 @@ class Trace:
                                float(sum(flops)) if fwd and len(flops) == len(fwd) else None,
                                cheap, float(sum(self.events[i].compute_s for i in cheap_fwd)),
                                int(sum(self.tensors[k].bytes for k in cheap)),
-                               self._recompute_transient(members, fwd, other)))
+                               int(np.ptp(other[min(fwd):max(fwd) + 1])) if fwd else 0))
         return tuple(out)
-
-    def _recompute_transient(self, members: tuple[int, ...], fwd: list[int], other: np.ndarray) -> int:
-        """R3 for R9: what a block's recompute holds beyond all its members at its peak. In each
-        gap of its forward it holds the members made so far and its other bytes above the least
-        of them (outputs it does not save); a member is not yet made there before its first pack."""
-        if not fwd:
-            return 0
-        span = range(min(fwd), max(fwd) + 1)
-        base = int(other[span.start:span.stop].min())
-        made = {k: int(self.first_pack[k]) for k in members}
-        size = {k: self.tensors[k].bytes for k in members}
-        peak = max(int(other[j]) - base + sum(size[k] for k in members if made[k] <= j) for j in span)
-        return max(0, peak - sum(size.values()))
 
     @cached_property
     def _segment_structure(self) -> tuple[tuple[str, int, tuple[int, ...], int, list[int], tuple[int, ...], list[int]], ...]:
