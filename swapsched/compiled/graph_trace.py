@@ -72,16 +72,20 @@ def module_path(node: fx.Node) -> str:
     return path.strip(".")
 
 
+def _forward_outputs(fw: fx.GraphModule) -> Sequence[Any]:
+    """What the forward graph returns: the model's outputs, then what backward reads."""
+    return fw.graph.find_nodes(op="output")[0].args[0]
+
+
 def saved_nodes(fw: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
     """The forward graph's outputs that backward reads: past the model's outputs, tensors only."""
-    outs = fw.graph.find_nodes(op="output")[0].args[0]
+    outs = _forward_outputs(fw)
     return [n for n in outs[num_fwd_outputs:] if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)]
 
 
 def model_output_nodes(fw: fx.GraphModule, num_fwd_outputs: int) -> set[fx.Node]:
     """The forward graph's outputs the model returns (torch cannot offload them)."""
-    outs = fw.graph.find_nodes(op="output")[0].args[0]
-    return {n for n in outs[:num_fwd_outputs] if isinstance(n, fx.Node)}
+    return {n for n in _forward_outputs(fw)[:num_fwd_outputs] if isinstance(n, fx.Node)}
 
 
 def merge_chains(into: dict[str, list[str]], more: dict[str, list[str]]) -> bool:

@@ -38,7 +38,7 @@ from swapsched.runtime.copy_engine import CopyEngine, CopyError, Ticket
 from swapsched.runtime.transients import HOST_ALLOCATING
 
 __all__ = ["resolve_backend", "Ticket", "Backend", "CpuBackend", "CudaBackend", "HostPool", "CopyError", "make_backend",
-           "runtime_devices", "lone_copy_s"]
+           "runtime_devices", "lone_copy_s", "copy_wake_s"]
 
 
 
@@ -217,9 +217,7 @@ class CpuBackend(Backend):
         copies keep the rate, see CopyEngine). 0 for unthrottled engines. ~20 ms."""
         d2h, h2d, latency_s = self.rates
         if d2h and h2d:
-            n = 2**12
-            out_s, in_s = lone_copy_s(self, n)
-            self.wake_s = max(0.0, (out_s + in_s) / 2 - latency_s - n / 2 * (1 / d2h + 1 / h2d))
+            self.wake_s = copy_wake_s(self, 2**12, (latency_s, d2h), (latency_s, h2d))
         return self.wake_s
 
     def _start_engines(self) -> None:
@@ -412,14 +410,22 @@ def resolve_backend(name: str | None) -> str:
     return name
 
 
+def copy_wake_s(backend: Backend, nbytes: int, d2h: tuple[float, float], h2d: tuple[float, float]) -> float:
+    """R6's ``copy_wake_s`` of ``backend``'s engines: what lone copies of ``nbytes``
+    (``lone_copy_s``) take beyond ``latency + bytes / bandwidth`` of each direction (``d2h``,
+    ``h2d``: (latency s, bytes/s), a queued copy's), the two directions averaged."""
+    out_s, in_s = lone_copy_s(backend, nbytes)
+    beyond = [t - latency - nbytes / rate for t, (latency, rate) in ((out_s, d2h), (in_s, h2d))]
+    return max(0.0, sum(beyond) / 2)
+
+
 def lone_copy_s(backend: Backend, nbytes: int, samples: int = 5) -> tuple[float, float]:
     """Median seconds from issuing a lone copy of ``nbytes`` (its engine idle: each waits 1 ms
     after the last) to its waiter running again, out then in (R6's ``copy_wake_s`` is what they
     take beyond latency and bytes). On the emulated device each is issued right after a matmul,
     as the hooks issue copies right after an op: the op's worker threads still spin on the cores
     the engine's thread wakes on, which adds a third to the wake-up on a 2-core machine."""
-    device = "cuda" if backend.name == "cuda" else "cpu"
-    src = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    src = torch.zeros(nbytes, dtype=torch.uint8, device=backend.device_type)
     op = torch.ones(256, 256) if backend.emulated else None
     outs: list[float] = []
     ins: list[float] = []

@@ -34,7 +34,7 @@ import torch
 from swapsched.errors import UserError
 from swapsched.hardware import DEFAULT_GPU_HARDWARE, Hardware, load_hardware
 from swapsched.plan import Eviction, SwapPlan, on_demand_plan
-from swapsched.runtime.backends import Backend, CpuBackend, CudaBackend, lone_copy_s
+from swapsched.runtime.backends import Backend, CpuBackend, CudaBackend, copy_wake_s
 from swapsched.runtime.retime import nonnegative_fit
 from swapsched.runtime.swapper import PolicyRuntime
 from swapsched.trace import Trace
@@ -125,7 +125,7 @@ def calibrate_link(backend: Backend, repeats: int = 5, batch: int = 4) -> tuple[
     Queued, as a plan's copies mostly are: the engine goes from one copy to the next, so the
     latency fitted is what each copy costs in the queue (R6). What a lone copy adds, the
     engine's and its waiter's wake-ups, is not in it: that is ``copy_wake_s`` (``lone_copy_s``)."""
-    device = "cuda" if backend.name == "cuda" else "cpu"
+    device = backend.device_type
     d2h, h2d = [], []
     for n in SIZES:
         src = torch.empty(n, dtype=torch.uint8, device=device).fill_(7)
@@ -291,12 +291,11 @@ def calibrate(backend_name: str = "cpu", bandwidth: float | None = None, name: s
         d2h, h2d = calibrate_link(backend)
         lat_d, bw_d = _fit(d2h)
         lat_h, bw_h = _fit(h2d)
-        lone_out, lone_in = lone_copy_s(backend, SIZES[0])
+        # R6: what a copy that finds its engine idle takes beyond a queued one's latency and bytes
+        wake = copy_wake_s(backend, SIZES[0], (lat_d, bw_d), (lat_h, bw_h))
         bar.update()
     finally:
         backend.shutdown()
-    # R6: what a copy that finds its engine idle takes beyond a queued one's latency and bytes
-    wake = max(0.0, (lone_out - lat_d - SIZES[0] / bw_d + lone_in - lat_h - SIZES[0] / bw_h) / 2)
     try:
         host = calibrate_host(backend_name, bandwidth, rounds, on_round=bar.update)
     finally:
