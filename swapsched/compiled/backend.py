@@ -31,8 +31,16 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from swapsched.budget import BudgetError, check_budget, format_bytes
-from swapsched.compiled.graph_trace import GraphTrace, graph_trace, merge_chains, rebasable_views, recomputable_held, saved_nodes
-from swapsched.compiled.lowering import Lowered, lowered_decisions, place_copies, rebase_views, tag_joint
+from swapsched.compiled.graph_trace import (
+    GraphTrace,
+    cloneable_getitems,
+    graph_trace,
+    merge_chains,
+    rebasable_views,
+    recomputable_held,
+    saved_nodes,
+)
+from swapsched.compiled.lowering import Lowered, clone_getitems, lowered_decisions, place_copies, rebase_views, tag_joint
 from swapsched.compiled.step_budget import (
     GraphMemory,
     activation_budget,
@@ -371,13 +379,19 @@ class _Partitioner(CustomPartitionerFn):
         fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         # R10: a saved view's storage is offloadable once the partition saves its base instead
         # (and a non-contiguous one's, rebuilt from offloadable bases)
+        # (and a saved getitem's, once the partition saves a clone of it)
         rebase: dict[str, list[str]] = {}
         for _ in range(REBASE_ROUNDS):  # a partition with bases pinned may save other views: rebase those too
+            saved = {n.name for n in saved_nodes(fw, n_out)}
+            items = cloneable_getitems(fw, n_out, forward)
+            if items:
+                saved = (saved - set(items)) | set(clone_getitems(joint, items))
+                forward = _forward_names(joint)
             found = rebasable_views(fw, n_out, forward)
             merge_chains(found, recomputable_held(fw, n_out, forward))
-            if not merge_chains(rebase, found):
+            if not merge_chains(rebase, found) and not items:
                 break
-            rebase_views(joint, rebase, {n.name for n in saved_nodes(fw, n_out)}, forward)
+            rebase_views(joint, rebase, saved, forward)
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         gt = graph_trace(fw, bw, n_out, be.executed_hardware, static_input_names=static_names,
                          name=f"compiled-graph-{self.index}", taggable=forward)

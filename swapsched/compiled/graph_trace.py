@@ -36,7 +36,7 @@ from torch.utils.flop_counter import flop_registry
 from swapsched.hardware import Hardware, HardwareError
 from swapsched.trace import Event, TensorInfo, Trace
 
-__all__ = ["GraphTrace", "graph_trace", "module_path", "offloadable", "rebasable_views", "recomputable_held", "saved_nodes", "model_output_nodes", "merge_chains"]
+__all__ = ["GraphTrace", "graph_trace", "module_path", "offloadable", "rebasable_views", "recomputable_held", "cloneable_getitems", "saved_nodes", "model_output_nodes", "merge_chains"]
 
 
 @dataclass(frozen=True)
@@ -458,4 +458,24 @@ def recomputable_held(fw: fx.GraphModule, num_fwd_outputs: int, taggable: frozen
             stack += x.all_input_nodes
         if bases:
             merge_chains(out, {bases[0]: rebuilt, **{b: [] for b in bases[1:]}})
+    return out
+
+
+def cloneable_getitems(fw: fx.GraphModule, num_fwd_outputs: int, taggable: frozenset[str]) -> list[str]:
+    """``getitem``s of a multi-output op (dropout's output and mask, attention's output and
+    log-sum-exp, layer norm's output) that are saved, or are the base of a saved view, and that
+    torch would offload if the partition saved a clone of them instead (R10): contiguous tensors
+    of the joint graph's forward, no model outputs. Torch refuses a ``getitem`` because the op's
+    result tuple still reaches its storage, and a view of one cannot be rebased onto it; a clone
+    is a storage of its own, at the roofline cost of one copy in forward."""
+    ops = _view_ops()
+    model_outputs = model_output_nodes(fw, num_fwd_outputs)
+    out: list[str] = []
+    for n in saved_nodes(fw, num_fwd_outputs):
+        item = _base(n, ops)
+        val = item.meta.get("val")
+        if (item.op == "call_function" and item.target is operator.getitem and not ops.is_view(item)
+                and item.name in taggable and item not in model_outputs and item.name not in out
+                and isinstance(val, torch.Tensor) and val.is_contiguous()):
+            out.append(item.name)
     return out

@@ -24,6 +24,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -31,7 +32,7 @@ from swapsched.compiled.graph_trace import GraphTrace, module_path
 from swapsched.plan import SwapPlan
 from swapsched.segments import SELECTIVE_SAVE_OPS
 
-__all__ = ["Lowered", "rebase_views", "tag_joint", "place_copies", "lowered_decisions", "OFFLOAD_PREFIXES", "RELOAD_PREFIXES"]
+__all__ = ["Lowered", "rebase_views", "clone_getitems", "tag_joint", "place_copies", "lowered_decisions", "OFFLOAD_PREFIXES", "RELOAD_PREFIXES"]
 
 #: Names torch gives the nodes it inserts (torch/_functorch/_activation_offloading): the
 #: synchronous ``device_put`` lowering and the ``ao.offload`` / ``ao.reload`` one on a stream
@@ -136,6 +137,30 @@ def rebase_views(joint: fx.GraphModule, rebase: dict[str, list[str]], saved: set
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
+def clone_getitems(joint: fx.GraphModule, names: list[str]) -> list[str]:
+    """Put a clone after each named ``getitem`` of ``joint``'s forward and let every reader of the
+    ``getitem`` read the clone (``graph_trace.cloneable_getitems``), so the partition saves the
+    clone, which torch can offload. The clone is tagged ``MUST_SAVE`` (the partitioner would
+    otherwise rebuild it in backward from the ``getitem``, saving that again). Returns the
+    clones' names. A clone copies the values exactly: training is unchanged."""
+    by_name = {n.name: n for n in joint.graph.nodes}
+    made = []
+    for name in names:
+        item = by_name[name]
+        val = item.meta["val"]
+        with joint.graph.inserting_after(item):
+            clone = joint.graph.call_function(torch.ops.aten.clone.default, (item,))
+        item.replace_all_uses_with(clone, delete_user_cb=lambda user, clone=clone: user is not clone)
+        clone.meta.update({k: v for k, v in item.meta.items() if k not in ("val", "tensor_meta")})
+        with val.fake_mode:  # the partitioner sizes and places nodes by their fake tensors
+            clone.meta["val"] = torch.ops.aten.clone.default(val)
+        clone.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        made.append(clone.name)
+    joint.graph.lint()
+    joint.recompile()
+    return made
+
+
 def _by_suffix(graph: fx.Graph, prefixes: tuple[str, ...]) -> dict[str, fx.Node]:
     out = {}
     for n in graph.nodes:
@@ -154,6 +179,9 @@ def place_copies(fw: fx.GraphModule, bw: fx.GraphModule, gt: GraphTrace, plan: S
     fw_pos = {n: i for i, n in enumerate(fw.graph.nodes)}
     bw_pos = {n: i for i, n in enumerate(bw.graph.nodes)}
     trace = gt.trace
+    # as backward starts: before its first node of compute, found before any reload moves (the
+    # positions above are those of the graph as torch left it; a moved reload's is stale)
+    start = next((n for n in bw.graph.nodes if n.op != "placeholder" and n not in reloads.values() and not _is_wait(n)), None)
     for e in plan.evictions:
         name = gt.node_of[e.tensor]
         off = offloads.get(name)
@@ -168,8 +196,7 @@ def place_copies(fw: fx.GraphModule, bw: fx.GraphModule, gt: GraphTrace, plan: S
         if rel is not None and e.prefetch_at < int(trace.first_unpack[e.tensor]):
             # a prefetch planned in forward is issued as backward starts: the reload is the
             # backward graph's, which runs only then (R10)
-            target = (bw_by_name.get(gt.event_node[e.prefetch_at]) if e.prefetch_at >= trace.backward_start
-                      else next((n for n in bw.graph.nodes if n.op != "placeholder"), None))
+            target = bw_by_name.get(gt.event_node[e.prefetch_at]) if e.prefetch_at >= trace.backward_start else start
             # a reload reads only its placeholder: it may go anywhere after the placeholders, and
             # never after its first use (a recompute may read the tensor before the event's node)
             if target is not None and target.op != "placeholder" and bw_pos[target] < bw_pos[rel]:

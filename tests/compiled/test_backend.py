@@ -329,6 +329,38 @@ def test_a_non_contiguous_saved_tensor_is_rebuilt_from_its_base_and_trains_as_to
             assert torch.equal(x, y)
 
 
+class _Dropped(torch.nn.Module):
+    """Dropout between two matmuls: the second saves dropout's output for its weight's gradient,
+    and dropout's backward saves its mask, both ``getitem``s of ``native_dropout``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w2 = torch.nn.Parameter(torch.randn(16, 16)), torch.nn.Parameter(torch.randn(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (torch.nn.functional.dropout(torch.tanh(x @ self.w1), 0.3, training=True) @ self.w2).square().sum()
+
+
+def test_a_saved_getitem_is_saved_through_a_clone_offloaded_and_trains_as_torch_compile():
+    torch.manual_seed(0)
+    a = _Dropped()
+    b = copy.deepcopy(a)
+    xs = [torch.randn(8, 16) for _ in range(3)]
+    be = PlannedBackend("100%", Fixed(min_plan), H100, inner="aot_eager")
+    got = _train(a, xs.__getitem__, be, steps=3)
+    want = _train(b, xs.__getitem__, "aot_eager", steps=3)
+    (g,) = be.report().graphs
+    # dropout's output and mask were held as getitems; their clones are saved and offloaded
+    clones = {n for n in g.graph.node_of if n.startswith("clone")}
+    assert len(clones) == 2 and clones <= g.lowered.offloaded
+    # what stays held is the transpose of the caller's batch x (8 x 16 floats) for w1's gradient
+    assert "a getitem" not in g.graph.held.values() and g.held_bytes == 8 * 16 * 4
+    assert_holds_plan(g)
+    for (la, ga), (lb, gb) in zip(got, want, strict=True):
+        for x, y in zip([la, *ga], [lb, *gb], strict=True):
+            assert torch.equal(x, y)
+
+
 @pytest.mark.parametrize(("model_type", "budget"), [("gpt2", "60%"), pytest.param("llama", "50%", marks=pytest.mark.slow)])
 def test_hf_models_with_a_graph_break_train_as_torch_compile(model_type, budget):
     # GPT-2 compiles to two graphs (its loss apart, every saved tensor of it held); Llama to one,
@@ -360,12 +392,13 @@ def test_hf_models_with_a_graph_break_train_as_torch_compile(model_type, budget)
     assert report.step.predicted_peak_bytes <= report.step.budget_bytes
     if model_type == "gpt2":
         # R10: the transposes and detaches the partitioner saves for backward (views of the
-        # attention's softmax and of q, k, v) are rebased onto their bases: no detach is held,
-        # and what stays held (dropout's outputs and masks, getitems) is under 30% of the saved
-        # bytes (37% when they were held)
+        # attention's softmax and of q, k, v) are rebased onto their bases, and dropout's and
+        # layer norm's getitems are saved through clones: no detach and no getitem is held, and
+        # what stays held (views of the attention cache's cat, a model output) is under 10% of
+        # the saved bytes (37% when all of them were held, 27% with the getitems held)
         held = [n for g in report.graphs for n in g.graph.held]
-        assert not [n for n in held if n.startswith("detach")], held
-        assert report.held_bytes < 0.3 * sum(g.saved_bytes for g in report.graphs)
+        assert not [n for n in held if n.startswith(("detach", "getitem"))], held
+        assert report.held_bytes < 0.1 * sum(g.saved_bytes for g in report.graphs)
 
 
 def test_a_selective_block_keeps_what_a_saved_multi_output_op_returns():

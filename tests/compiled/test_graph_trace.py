@@ -189,3 +189,33 @@ def test_a_non_contiguous_pointwise_tensor_is_rebuilt_from_an_offloadable_base()
     assert gt.held["exp"] == "non-contiguous" and gt.held["transpose"] == "a view"
     got = recomputable_held(fw, n_out, forward)
     assert set(got) == {"mm"} and {"exp", "sin", "transpose", "view"} <= set(got["mm"]) and "mm" not in got["mm"]
+
+
+def test_saved_getitems_of_a_multi_output_op_are_to_be_cloned():
+    """Dropout's output (its transpose saved by the matmul after it) and its mask (saved by
+    dropout's backward) are ``getitem``s of ``native_dropout``: held, and named to be saved
+    through a clone. Layer
+    norm's mean and rstd likewise, and its output, the base of the saved ``split`` view the
+    matmul reads (a getitem of a view op is a view, rebased onto the clone once it exists)."""
+    from swapsched.compiled.graph_trace import cloneable_getitems
+
+    class Dropped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w, self.ln = nn.Parameter(torch.randn(8, 8)), nn.LayerNorm(8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            a, b = self.ln(x).split(4, dim=1)
+            d = torch.nn.functional.dropout(torch.tanh(a @ self.w[:4]), 0.3, training=True)
+            return (d @ self.w).square().sum() + b.exp().sum()
+
+    ((fw, bw, n_out, static),) = partition_of(Dropped(), torch.randn(8, 8))
+    forward = frozenset(n.name for n in fw.graph.nodes if n.op == "call_function")
+    gt = graph_trace(fw, bw, n_out, HW, static_input_names=static)
+    by_name = {n.name: n for n in fw.graph.nodes}
+    got = cloneable_getitems(fw, n_out, forward)
+    sources = sorted(str(by_name[n].args[0].target) for n in got)
+    assert sources == ["aten.native_dropout.default"] * 2 + ["aten.native_layer_norm.default"] * 3, sources
+    # the mask, mean and rstd are held themselves; the two outputs through the views saved of them
+    assert sum(gt.held.get(n) == "a getitem" for n in got) == 3
+    assert cloneable_getitems(fw, n_out, frozenset()) == []  # not joint-graph nodes: nothing to tag
