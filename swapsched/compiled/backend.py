@@ -40,7 +40,16 @@ from swapsched.compiled.graph_trace import (
     recomputable_held,
     saved_nodes,
 )
-from swapsched.compiled.lowering import Lowered, clone_getitems, lowered_decisions, place_copies, rebase_views, tag_joint
+from swapsched.compiled.lowering import (
+    Lowered,
+    clone_getitems,
+    kept_clones,
+    lowered_decisions,
+    place_copies,
+    rebase_views,
+    tag_joint,
+    unclone,
+)
 from swapsched.compiled.step_budget import (
     GraphMemory,
     activation_budget,
@@ -378,14 +387,17 @@ class _Partitioner(CustomPartitionerFn):
         t0 = time.perf_counter()
         fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         # R10: a saved view's storage is offloadable once the partition saves its base instead
-        # (and a non-contiguous one's, rebuilt from offloadable bases)
-        # (and a saved getitem's, once the partition saves a clone of it)
+        # (and a non-contiguous one's, rebuilt from offloadable bases; and a getitem's, once the
+        # partition saves a clone of it)
         rebase: dict[str, list[str]] = {}
+        clones: dict[str, str] = {}
         for _ in range(REBASE_ROUNDS):  # a partition with bases pinned may save other views: rebase those too
             saved = {n.name for n in saved_nodes(fw, n_out)}
             items = cloneable_getitems(fw, n_out, forward)
             if items:
-                saved = (saved - set(items)) | set(clone_getitems(joint, items))
+                made = clone_getitems(joint, items)
+                clones.update(made)
+                saved = (saved - set(items)) | set(made)
                 forward = _forward_names(joint)
             found = rebasable_views(fw, n_out, forward)
             merge_chains(found, recomputable_held(fw, n_out, forward))
@@ -412,6 +424,10 @@ class _Partitioner(CustomPartitionerFn):
             raise BudgetError(f"policy {be.policy.name!r} made a plan for compiled graph {self.index} that does not fit "
                               f"{format_bytes(budget)} (out of memory at event {sim.oom_event}); try a larger budget or "
                               f"policy 'default'")
+        kept = kept_clones(joint, gt, plan, clones)
+        if kept:  # a clone the plan keeps would cost a copy for nothing
+            unclone(joint, kept)
+            gt = replace(gt, uncloned=kept)
         tag_joint(joint, gt, plan, forward)
         stream = torch.cuda.is_available() and any(isinstance(v, torch.Tensor) and v.is_cuda for v in joint_inputs)
         with functorch_config.patch(enable_activation_offloading=bool(plan.evictions),

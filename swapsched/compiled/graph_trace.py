@@ -26,7 +26,7 @@ import math
 import operator
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -54,6 +54,9 @@ class GraphTrace:
     #: bases saved in place of the views of them torch's partition saved (R10): the partition
     #: this trace reads was made with those views tagged to be rebuilt in backward
     rebased: tuple[str, ...] = ()
+    #: clones of getitems (clone -> getitem) the plan keeps, taken out again before lowering
+    #: (R10): the lowered partition saves the getitem where this trace has the clone
+    uncloned: dict[str, str] = field(default_factory=dict)
 
 
 def module_path(node: fx.Node) -> str:

@@ -32,7 +32,7 @@ from swapsched.compiled.graph_trace import GraphTrace, module_path
 from swapsched.plan import SwapPlan
 from swapsched.segments import SELECTIVE_SAVE_OPS
 
-__all__ = ["Lowered", "rebase_views", "clone_getitems", "tag_joint", "place_copies", "lowered_decisions", "OFFLOAD_PREFIXES", "RELOAD_PREFIXES"]
+__all__ = ["Lowered", "rebase_views", "clone_getitems", "kept_clones", "unclone", "tag_joint", "place_copies", "lowered_decisions", "OFFLOAD_PREFIXES", "RELOAD_PREFIXES"]
 
 #: Names torch gives the nodes it inserts (torch/_functorch/_activation_offloading): the
 #: synchronous ``device_put`` lowering and the ``ao.offload`` / ``ao.reload`` one on a stream
@@ -85,7 +85,8 @@ def tag_joint(joint: fx.GraphModule, gt: GraphTrace, plan: SwapPlan, forward_nod
 
     # where the plan recomputes, the tags pin the rest of the partition too: with any tag set the
     # min-cut partitioner re-decides untagged nodes, and could then rebuild a tensor the plan swaps
-    keep = ({*gt.node_of, *gt.held} - set(members)) if members or gt.rebased else set()
+    keep = ({*gt.node_of, *gt.held} - set(members)) if members or gt.rebased or gt.uncloned else set()
+    keep = {gt.uncloned.get(n, n) for n in keep}  # a kept clone taken out: its getitem is saved
     n_off = n_rec = 0
     for node in joint.graph.nodes:
         if node.op == "placeholder" and node.name in evicted:  # an activation of the graph before
@@ -137,14 +138,14 @@ def rebase_views(joint: fx.GraphModule, rebase: dict[str, list[str]], saved: set
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
-def clone_getitems(joint: fx.GraphModule, names: list[str]) -> list[str]:
+def clone_getitems(joint: fx.GraphModule, names: list[str]) -> dict[str, str]:
     """Put a clone after each named ``getitem`` of ``joint``'s forward and let every reader of the
     ``getitem`` read the clone (``graph_trace.cloneable_getitems``), so the partition saves the
     clone, which torch can offload. The clone is tagged ``MUST_SAVE`` (the partitioner would
-    otherwise rebuild it in backward from the ``getitem``, saving that again). Returns the
-    clones' names. A clone copies the values exactly: training is unchanged."""
+    otherwise rebuild it in backward from the ``getitem``, saving that again). Returns each
+    clone's name -> its ``getitem``'s. A clone copies the values exactly: training is unchanged."""
     by_name = {n.name: n for n in joint.graph.nodes}
-    made = []
+    made = {}
     for name in names:
         item = by_name[name]
         val = item.meta["val"]
@@ -155,10 +156,41 @@ def clone_getitems(joint: fx.GraphModule, names: list[str]) -> list[str]:
         with val.fake_mode:  # the partitioner sizes and places nodes by their fake tensors
             clone.meta["val"] = torch.ops.aten.clone.default(val)
         clone.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-        made.append(clone.name)
+        made[clone.name] = name
     joint.graph.lint()
     joint.recompile()
     return made
+
+
+def kept_clones(joint: fx.GraphModule, gt: GraphTrace, plan: SwapPlan, clones: dict[str, str]) -> dict[str, str]:
+    """The clones of :func:`clone_getitems` (clone -> getitem) that ``plan`` keeps on the device:
+    not offloaded, and neither they nor their getitem in a block the plan recomputes (where the
+    multi-output op is rebuilt, its getitems with it, and the clone is what backward reads)."""
+    blocks = (*plan.recompute, *plan.selective)
+    moved = {gt.node_of[e.tensor] for e in plan.evictions} | {
+        gt.node_of[k] for s in gt.trace.segments if s.name in blocks for k in s.members}
+    by_name = {n.name: n for n in joint.graph.nodes}
+
+    def in_block(name: str) -> bool:
+        path = module_path(by_name[name])
+        return any(path == b or path.startswith(b + ".") for b in blocks)
+
+    return {c: item for c, item in clones.items() if c not in moved and not in_block(item) and not in_block(c)}
+
+
+def unclone(joint: fx.GraphModule, clones: dict[str, str]) -> None:
+    """Take out the named clones of :func:`clone_getitems` that a plan neither offloads nor
+    recomputes: their readers read the ``getitem`` again, which the partition saves
+    (``MUST_SAVE``). A kept clone would cost a copy in forward for nothing; its bytes are on the
+    device either way."""
+    by_name = {n.name: n for n in joint.graph.nodes}
+    for name, item_name in clones.items():
+        clone, item = by_name[name], by_name[item_name]
+        clone.replace_all_uses_with(item)
+        joint.graph.erase_node(clone)
+        item.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    joint.graph.lint()
+    joint.recompile()
 
 
 def _by_suffix(graph: fx.Graph, prefixes: tuple[str, ...]) -> dict[str, fx.Node]:

@@ -45,9 +45,11 @@ def assert_holds_plan(g: GraphReport) -> None:
     recomputed = {gt.node_of[k] for s in t.segments if s.name in plan.recompute for k in s.members}
     recomputed |= {gt.node_of[k] for s in t.segments if s.name in plan.selective for k in s.cheap}
     assert recomputed <= low.recomputed and not recomputed & low.saved
-    # every other tensor of the trace is saved, on the device or offloaded
+    # every other tensor of the trace is saved, on the device or offloaded (a kept clone of a
+    # getitem as the getitem, R10)
     for name in gt.node_of:
         if name not in recomputed:
+            name = gt.uncloned.get(name, name)
             assert name in low.saved or f"cpu_offload_{name}" in low.saved, name
     # the copies sit at the plan's events: a reload before the node of its prefetch event (or
     # at its first use where a recompute reads it earlier), an offload after its swap-out event
@@ -355,6 +357,25 @@ def test_a_saved_getitem_is_saved_through_a_clone_offloaded_and_trains_as_torch_
     assert len(clones) == 2 and clones <= g.lowered.offloaded
     # what stays held is the transpose of the caller's batch x (8 x 16 floats) for w1's gradient
     assert "a getitem" not in g.graph.held.values() and g.held_bytes == 8 * 16 * 4
+    assert_holds_plan(g)
+    for (la, ga), (lb, gb) in zip(got, want, strict=True):
+        for x, y in zip([la, *ga], [lb, *gb], strict=True):
+            assert torch.equal(x, y)
+
+
+def test_a_clone_the_plan_keeps_is_taken_out_and_trains_as_torch_compile():
+    # a plan that moves nothing: a clone of dropout's output or mask would be a copy for nothing,
+    # so the lowered graphs save the getitems themselves, as torch alone does
+    torch.manual_seed(0)
+    a = _Dropped()
+    b = copy.deepcopy(a)
+    xs = [torch.randn(8, 16) for _ in range(3)]
+    be = PlannedBackend("100%", Fixed(lambda t: SwapPlan.of(t, "keep", [])), H100, inner="aot_eager")
+    got = _train(a, xs.__getitem__, be, steps=3)
+    want = _train(b, xs.__getitem__, "aot_eager", steps=3)
+    (g,) = be.report().graphs
+    assert len(g.graph.uncloned) == 2 and set(g.graph.uncloned.values()) <= g.lowered.saved
+    assert not [n for n in g.lowered.saved if n.startswith("clone")]
     assert_holds_plan(g)
     for (la, ga), (lb, gb) in zip(got, want, strict=True):
         for x, y in zip([la, *ga], [lb, *gb], strict=True):

@@ -161,6 +161,26 @@ def test_use_plan_recomputes_the_given_blocks_and_swaps_what_they_still_save(how
         rt.close()
 
 
+def test_a_given_plan_whose_blocks_overrun_once_profiled_says_which_blocks():
+    # recomputing a whole block holds all its members at once, where swapping them needs one at
+    # a time: at the step's floor with no block checkpointed, checkpointing all three overruns.
+    # With no policy to fall back on, the refusal names the plan's blocks (it used to speak only
+    # of the step's smallest budget, as if the user's budget were wrong for the model)
+    from swapsched.budget import BudgetError
+
+    a, b = Blocks(seed=2), Blocks(seed=2)
+    rt = SwapRuntime(budget="100%", policy=None, backend="cpu", model=a, profile_steps=1, retime_steps=0)
+    try:
+        train_together(a, b, rt, 1, _step)
+        t = rt.trace
+        rt.use_plan(SwapPlan.of(t, "hand", [], recompute=[s.name for s in t.segments]), budget=int(t.min_feasible_bytes))
+        with pytest.raises(BudgetError, match=r"the plan given to use_plan recomputes blocks\.0, blocks\.1, blocks\.2.*"
+                                              r"recomputes other blocks, or a larger budget"):
+            train_together(a, b, rt, 2, lambda m, i: _step(m, i + 1))
+    finally:
+        rt.close()
+
+
 def test_runs_of_single_layers_are_planned_offline_but_not_recomputed_live():
     # a Sequential of single layers: its blocks are runs (checkpoint_sequential's cut), not one module each
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(32, 32), nn.Tanh())])
