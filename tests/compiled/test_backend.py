@@ -382,8 +382,12 @@ def test_a_clone_the_plan_keeps_is_taken_out_and_trains_as_torch_compile():
             assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize(("model_type", "budget"), [("gpt2", "60%"), pytest.param("llama", "50%", marks=pytest.mark.slow)])
-def test_hf_models_with_a_graph_break_train_as_torch_compile(model_type, budget):
+@pytest.mark.parametrize(("model_type", "budget", "inner"), [
+    ("gpt2", "60%", "aot_eager"),
+    pytest.param("llama", "50%", "aot_eager", marks=pytest.mark.slow),
+    pytest.param("gpt2", "50%", "inductor", marks=pytest.mark.slow),  # Inductor compiles the clones too
+])
+def test_hf_models_with_a_graph_break_train_as_torch_compile(model_type, budget, inner):
     # GPT-2 compiles to two graphs (its loss apart, every saved tensor of it held); Llama to one,
     # so a forward hook on its final norm breaks it there, as a user's own code would
     pytest.importorskip("transformers")
@@ -393,9 +397,9 @@ def test_hf_models_with_a_graph_break_train_as_torch_compile(model_type, budget)
     if model_type == "llama":
         for c in cases:
             c.model.hf.model.norm.register_forward_hook(lambda *_: torch._dynamo.graph_break())
-    be = swapsched.CompileBackend(budget, "min", "h100-pcie5", inner="aot_eager")  # min: plans in milliseconds
+    be = swapsched.CompileBackend(budget, "min", "h100-pcie5", inner=inner)  # min: plans in milliseconds
     losses = []
-    for c, backend in zip(cases, (be, "aot_eager"), strict=True):
+    for c, backend in zip(cases, (be, inner), strict=True):
         torch._dynamo.reset()
         step = torch.compile(c.model, backend=backend)
         opt = torch.optim.AdamW(c.model.parameters())
