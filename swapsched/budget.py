@@ -48,9 +48,11 @@ def parse_budget(spec: str | int | float, trace: Trace | None = None, *, check_f
             host = sum(g.bytes for g in trace.state)
             raise BudgetError(
                 f"budget {spec!r} = {format_bytes(out)} is below what any plan can meet for {trace.name!r}, even moving "
-                f"its parameters, gradients and optimizer state: the smallest feasible budget is "
+                f"its parameters, gradients and optimizer state: no plan meets less than "
                 f"{format_bytes(trace.min_feasible_bytes_movable)} ({trace.min_feasible_bytes_movable} bytes) with "
-                f"{format_bytes(host)} of host memory for the state; {format_bytes(need)} with the state kept"
+                f"{format_bytes(host)} of host memory for the state (a bound: fetching a group ahead of its use needs "
+                f"more, and a budget above it that no placement fits is refused with the smallest one does); "
+                f"the smallest feasible budget with the state kept is {format_bytes(need)}"
             )
         raise BudgetError(
             f"budget {spec!r} = {format_bytes(out)} is below what any plan can meet for {trace.name!r}: "

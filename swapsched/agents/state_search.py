@@ -37,7 +37,7 @@ from swapsched.policy import Policy
 from swapsched.state import OPTIMIZERS
 from swapsched.trace import Event, Trace
 
-__all__ = ["activation_view", "plan_state", "StatePeer", "PEERS", "state_floor", "candidate_placements"]
+__all__ = ["activation_view", "plan_state", "smallest_state_budget", "StatePeer", "PEERS", "state_floor", "candidate_placements"]
 
 #: Shares of the groups (largest first) a one-placement candidate moves
 SHARES = (1 / 8, 1 / 4, 3 / 8, 1 / 2, 5 / 8, 3 / 4, 7 / 8, 1.0)
@@ -109,9 +109,11 @@ def _with_state(trace: Trace, act: SwapPlan, placement: dict[str, str], name: st
                        **options, **act.meta)
 
 
-def plan_state(trace: Trace, budget: int, hardware: Hardware, *, inner: Policy, screen: Policy, name: str) -> SwapPlan:
-    """``default``'s joint plan of the state and the activations (module docstring). Raises
-    :class:`BudgetError` where no candidate fits, naming the smallest feasible budget."""
+def _screened(trace: Trace, budget: int, hardware: Hardware, screen: Policy, name: str, *,
+              first: bool = False) -> list[tuple[float, int, dict[str, str], int, int]]:
+    """Each candidate placement (and stream variant) whose screened plan fits ``budget`` in
+    simulation: (step, candidate, placement, stream room, activation budget). ``first``: stop
+    at the first that fits."""
     scored: list[tuple[float, int, dict[str, str], int, int]] = []
     for c, placement in enumerate(candidate_placements(trace)):
         streams = any(w in ("stream", "stream-full") for w in placement.values())
@@ -124,14 +126,45 @@ def plan_state(trace: Trace, budget: int, hardware: Hardware, *, inner: Policy, 
             r = simulate(trace, plan, hardware, budget, validate=False)
             if not r.oom:
                 scored.append((r.iteration_s, c, placement, room, act_budget))
+                if first:
+                    return scored
+    return scored
+
+
+def smallest_state_budget(trace: Trace, hardware: Hardware, screen: Policy, *, above: int,
+                          tolerance: float = 0.01) -> int | None:
+    """The smallest budget, within ``tolerance``, at which a placement :func:`plan_state` screens
+    fits in simulation, bisected from ``above`` (a budget that did not fit) up to the smallest
+    feasible budget with the state kept; None if none fits there either. The trace's own floor
+    with the state movable is a bound that leaves no room to fetch a group ahead of its use (R17),
+    so a user refused needs this figure instead."""
+    lo, hi = above, max(trace.min_feasible_bytes, above + 1)
+    if not _screened(trace, hi, hardware, screen, "probe", first=True):
+        return None
+    while hi - lo > max(tolerance * hi, 1):
+        mid = (lo + hi) // 2
+        if _screened(trace, mid, hardware, screen, "probe", first=True):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def plan_state(trace: Trace, budget: int, hardware: Hardware, *, inner: Policy, screen: Policy, name: str) -> SwapPlan:
+    """``default``'s joint plan of the state and the activations (module docstring). Raises
+    :class:`BudgetError` where no candidate fits, naming the smallest budget at which one does."""
+    scored = _screened(trace, budget, hardware, screen, name)
     if not scored:
         host = hardware.host_budget_bytes
         why = ("" if host is None else
                f"; the host budget, {format_bytes(host)}, keeps on the device every group whose host part does not fit "
                f"in it (R11): the whole state needs {format_bytes(sum(g.bytes for g in trace.state))} of host memory")
-        raise BudgetError(f"no placement of {trace.name!r}'s state fits {format_bytes(budget)}: the smallest feasible "
-                          f"budget with the state movable is {format_bytes(trace.min_feasible_bytes_movable)}, and a plan "
-                          f"also needs room to fetch a group ahead of its use{why}; try a larger budget"
+        least = smallest_state_budget(trace, hardware, screen, above=budget)
+        found = ("" if least is None else
+                 f"the smallest budget at which a placement fits is {format_bytes(least)} ({least} bytes), to within 1%; ")
+        raise BudgetError(f"no placement of {trace.name!r}'s state fits {format_bytes(budget)}: {found}no plan can meet "
+                          f"less than {format_bytes(trace.min_feasible_bytes_movable)} with the state movable, a bound "
+                          f"that leaves no room to fetch a group ahead of its use{why}; try a larger budget"
                           + ("" if host is None else " or host budget"))
     scored.sort()
     best: tuple[float, SwapPlan] | None = None

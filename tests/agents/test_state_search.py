@@ -70,6 +70,21 @@ def test_a_budget_below_any_placement_is_refused_naming_the_host_memory():
     assert parse_budget(t.min_feasible_bytes_movable, t) == t.min_feasible_bytes_movable
 
 
+def test_a_budget_no_placement_fits_is_refused_with_the_smallest_that_one_does():
+    # the trace's floor with the state movable (200 B) is a bound: fetching a group ahead of its
+    # use (R17) needs more. The refusal bisects the smallest budget a screened placement fits
+    # (300 B here, in simulation: 297 B is refused, and a plan at 300 B fits)
+    t = two_groups()
+    default = get_policy("default")
+    with pytest.raises(BudgetError, match=r"smallest budget at which a placement fits is 300 B \(300 bytes\).*no plan can "
+                                          r"meet less than 200 B"):
+        default.plan(t, t.min_feasible_bytes_movable, HW)
+    r = simulate(t, default.plan(t, 300, HW), HW, 300)
+    assert not r.oom and r.peak_bytes <= 300
+    with pytest.raises(BudgetError):
+        default.plan(t, 297, HW)
+
+
 def test_candidates_cover_every_placement():
     t = two_groups()
     seen = {w for c in candidate_placements(t) for w in c.values()}
