@@ -47,3 +47,27 @@ def test_run_with_adamw_under_a_byte_budget_below_the_static_bytes_moves_the_sta
     res = run_runtime("gpt", "default", str(budget), 7, size="tiny", backend="cpu", optimizer="adamw")
     assert res.loss_matches and res.plan_followed
     assert res.peak_device_bytes <= budget
+
+
+def test_compare_times_a_moving_state_without_the_audit_meter_and_meters_it_once(monkeypatch):
+    # the audit meter's dispatch mode slows every op: a runtime row is timed without it and
+    # audited only in its metered step (it was on in the timed rounds, putting default at 4.5x
+    # plain where it ran at 1.9x)
+    from swapsched import run as run_mod
+
+    seen: list[tuple[str, bool, bool]] = []
+    step = run_mod._Method.step
+
+    def spy(self, meter=None):
+        if self.runtime is not None:
+            seen.append((self.name, meter is not None, self.runtime.audit))
+        return step(self, meter)
+
+    monkeypatch.setattr(run_mod._Method, "step", spy)
+    cmp = run_mod.compare_live("gpt", "2000000", ["default"], size="tiny", backend="cpu", rounds=2, round_steps=1,
+                               optimizer="adamw")
+    assert seen and all(audit == metered for _, metered, audit in seen)
+    assert {name for name, metered, _ in seen if metered} == {r.method for r in cmp.rows} - {"plain", "checkpoint",
+                                                                                          "selective-checkpoint"}
+    default = next(r for r in cmp.rows if r.method == "default")
+    assert "audit meter" in default.note and default.fits and default.loss_matches
