@@ -454,12 +454,8 @@ class PolicyRuntime(TwoStages):
         try:
             self._take_trace(trace, retimed)
         except BudgetError as exc:
-            if self._policy_planned or self.blocks is None or not self.blocks.names:
-                raise
-            # use_plan's blocks, now checkpointed: the plan was made on an estimate of what they hold (R9)
-            raise BudgetError(f"the plan given to use_plan recomputes {', '.join(self.blocks.names)}: profiled with them "
-                              f"checkpointed, the step cannot meet its budget ({exc}); give use_plan a plan that "
-                              "recomputes other blocks, or a larger budget") from exc
+            self._refuse_given_blocks(exc)
+            raise
         planned_on = self._planned_on(trace)
         if self._given is not None:  # use_plan's plan, its blocks now checkpointed: its swaps carried over
             before, given = self._given

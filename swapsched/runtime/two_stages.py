@@ -13,7 +13,7 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from swapsched.budget import format_bytes
+from swapsched.budget import BudgetError, format_bytes
 from swapsched.errors import UserError, present
 from swapsched.plan import SwapPlan
 from swapsched.runtime.plans import without_small
@@ -109,6 +109,16 @@ class TwoStages:
         saved = self.blocks.selective_saves(trace, plan)
         self._rebuilt = self.blocks.rebuilt_bytes(trace, plan)
         self._checkpoint_blocks(blocks, saved)
+
+    def _refuse_given_blocks(self, refusal: BudgetError) -> None:
+        """Where the budget is refused on the steps as they run with use_plan's blocks
+        checkpointed (its plan was made on an estimate of what they hold, R9), refuse it naming
+        them; nothing where the policy's own plan checkpointed them, or none are."""
+        if self._policy_planned or self.blocks is None or not self.blocks.names:
+            return
+        raise BudgetError(f"the plan given to use_plan recomputes {', '.join(self.blocks.names)}: profiled with them "
+                          f"checkpointed, the step cannot meet its budget ({refusal}); give use_plan a plan that "
+                          "recomputes other blocks, or a larger budget") from refusal
 
     def _recompute_overran(self, trace: Trace) -> bool:
         """R9's second stage: the steps as they run with the policy's blocks checkpointed whole
