@@ -196,7 +196,7 @@ class DeviceMeter:
     """Peak device bytes of one training step, whatever the method: on CUDA torch's
     ``max_memory_allocated``; on the CPU the bytes of every storage an op makes on the main thread
     while it lives (a ``TorchDispatchMode`` with a finalizer per storage), leaving out the host
-    pool's buffers (``transients.HOST_ALLOCATING``: on the emulated device host and device are both
+    pool's buffers (``transients.RUNTIME_ALLOCATING``: on the emulated device host and device are both
     the CPU), plus what was live before the step: parameters, buffers, gradients, optimizer state.
     Copies made on other threads (the emulated copy engines) write into buffers made here."""
 
@@ -229,7 +229,7 @@ class DeviceMeter:
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils._pytree import tree_flatten
 
-        from swapsched.runtime.transients import HOST_ALLOCATING
+        from swapsched.runtime.transients import RUNTIME_ALLOCATING
 
         base = self._resident()
         state = {"live": 0, "peak": 0}
@@ -242,7 +242,7 @@ class DeviceMeter:
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
                 out = func(*args, **(kwargs or {}))
-                if getattr(HOST_ALLOCATING, "on", False):
+                if getattr(RUNTIME_ALLOCATING, "on", False):
                     return out
                 # an output on an input's storage is a view or an in-place result: no new bytes
                 # (a weight's transpose is the weight's storage, made before the step)

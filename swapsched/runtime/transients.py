@@ -32,17 +32,19 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["TransientMeter", "HOST_ALLOCATING", "OTHER_MEASURED"]
+__all__ = ["TransientMeter", "RUNTIME_ALLOCATING", "OTHER_MEASURED"]
 
 #: The trace meta key that says whether its events' other bytes were measured by this meter (a
 #: whole step) or only sampled (a step handed over mid-step, which cannot enter a dispatch mode):
 #: ``shapes.py`` predicts a size's other bytes from measured traces only.
 OTHER_MEASURED = "other_measured"
 
-#: Set (``HOST_ALLOCATING.on = True``) around the host pool's allocations: every meter of device
-#: memory (this one, ``swapsched run --compare``'s) leaves host buffers out on the emulated device,
-#: where host and "device" are both the CPU.
-HOST_ALLOCATING = threading.local()
+#: Set (``RUNTIME_ALLOCATING.on = True``) around the runtime's own allocations, which no meter of the
+#: step counts (this one, ``swapsched run --compare``'s): the host pool's buffers (on the emulated
+#: device host and "device" are both the CPU), and the device storage a state mover makes for a
+#: parameter it fetches (R17: a profiled trace counts the state by its placement, not in its
+#: other bytes; the audit meter adds the mover's bytes through :meth:`TransientMeter.shift`).
+RUNTIME_ALLOCATING = threading.local()
 
 
 class TransientMeter(TorchDispatchMode):
@@ -81,7 +83,7 @@ class TransientMeter(TorchDispatchMode):
                 self._log.extend(((at, self._seq, held), (at, self._seq, -held)))
         else:
             out = func(*args, **(kwargs or {}))
-        if self.paused or getattr(HOST_ALLOCATING, "on", False):
+        if self.paused or getattr(RUNTIME_ALLOCATING, "on", False):
             return out
         flat_out = tree_flatten(out)[0]
         if not any(isinstance(t, torch.Tensor) for t in flat_out):

@@ -103,3 +103,28 @@ def test_without_the_optimizer_the_budget_covers_what_it_did() -> None:
                 with rt.step():
                     a.loss().backward()
         assert rt.mover is None
+
+
+def test_a_step_profiled_with_the_state_on_the_host_measures_the_same_other_bytes(floors: dict[str, int]) -> None:
+    # R3/R17: the parameters a mover fetches onto the device during profiling are the state's,
+    # counted by its placement. The device storage it made for each was measured as the step's
+    # own bytes (other bytes) as well, from its first fetch to the step's end: every backward gap
+    # then read all the parameters' bytes high, counted twice by the planner
+    traces = []
+    for budget in ("100%", floors["static"] // 2 + 2 * floors["floor"]):
+        a, _, opt, _ = _pair()
+        with SwapRuntime(budget=budget, policy="min", model=a.model, optimizer=opt, backend="cpu") as rt:
+            with rt.step():
+                a.loss().backward()
+            opt.step()
+            opt.zero_grad()
+            moving = rt.mover is not None
+            for _ in range(rt.profile_steps - 1):
+                with rt.step():
+                    a.loss().backward()
+                opt.step()
+                opt.zero_grad()
+            traces.append((moving, rt.trace))
+    (kept, t_kept), (moved, t_moved) = traces
+    assert not kept and moved and t_moved.state
+    assert t_kept.other_bytes.tolist() == t_moved.other_bytes.tolist()

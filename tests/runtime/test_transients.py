@@ -10,7 +10,7 @@ import torch.nn as nn
 from swapsched.deploy import SwapRuntime
 from swapsched.run import DeviceMeter
 from swapsched.runtime.profiler import profile
-from swapsched.runtime.transients import HOST_ALLOCATING, TransientMeter
+from swapsched.runtime.transients import RUNTIME_ALLOCATING, TransientMeter
 
 KB = 4000  # bytes of torch.ones(1000) in float32
 
@@ -59,11 +59,11 @@ def test_paused_ops_and_host_buffers_are_not_the_steps() -> None:
         meter.paused = True
         a = torch.ones(1000)
         meter.paused = False
-        HOST_ALLOCATING.on = True
+        RUNTIME_ALLOCATING.on = True
         try:
             b = torch.empty(1000)
         finally:
-            HOST_ALLOCATING.on = False
+            RUNTIME_ALLOCATING.on = False
         c = torch.ones(250)
     assert meter.per_call(0, saved=set(), static=[]) == [1000]
     del a, b, c
