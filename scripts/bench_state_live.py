@@ -13,11 +13,13 @@ copy of the model from one seed, stepped in shuffled interleaved rounds:
   and torchao CPUOffloadOptimizer's placements (agents/state_search.PEERS), executed by the
   runtime: their own code offloads from a CUDA device and does not run on this machine.
 
-Every runtime runs with ``audit=True``. Per method: the median iteration (forward, backward,
-clipping and ``optimizer.step()``) over plain's in the same rounds (median, low and high round),
-the largest peak under the runtime's accounting and under the audit meter against the budget on
-executed steps, whether every loss, parameter and AdamW moment equals plain's bit for bit, and
-the simulator's predicted step against the measured iteration.
+Rounds alternate: in the even ones every runtime runs with its audit meter on (``audit=True``),
+which measures what the device holds, in the odd ones with it off, and only those are timed (the
+meter's dispatch mode slows every op). Per method: the median iteration (forward, backward,
+clipping and ``optimizer.step()``) over plain's in the same timed rounds (median, low and high
+round), the largest peak under the runtime's accounting on executed steps and under the audit
+meter on the audited ones, against the budget, whether every loss, parameter and AdamW moment
+equals plain's bit for bit, and the simulator's predicted step against the measured iteration.
 
     python scripts/bench_state_live.py --out bench_results/state_live.json
 """
@@ -49,10 +51,12 @@ class Method:
     def __init__(self, name: str, case: ModelCase, runtime: SwapRuntime | None, opt: torch.optim.Optimizer):
         self.name, self.case, self.runtime, self.opt = name, case, runtime, opt
         self.losses: list[float] = []
-        self.times: list[list[float]] = []
-        self.reports: list[Any] = []
+        self.times: list[list[float]] = []  # the timed rounds' (audit meter off)
+        self.reports: list[tuple[bool, Any]] = []  # (audited, report) per step
 
-    def step(self) -> float:
+    def step(self, audit: bool) -> float:
+        if self.runtime is not None:
+            self.runtime.audit = audit
         t0 = time.perf_counter()
         if self.runtime is not None:
             with self.runtime.step():
@@ -67,14 +71,14 @@ class Method:
         dt = time.perf_counter() - t0
         self.losses.append(loss.item())
         if self.runtime is not None:
-            self.reports.append(self.runtime.report())
+            self.reports.append((audit, self.runtime.report()))
         return dt
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="100m", help="zoo GPT size (default 100m)")
-    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=10, help="rounds, every other one audited and the rest timed (default 10)")
     ap.add_argument("--round-steps", type=int, default=5, help="steps per method per round (default 5: 50 steps in all)")
     ap.add_argument("--bandwidth", type=float, default=None, help="throttle the emulated link, bytes/s (default: unthrottled)")
     ap.add_argument("--backend", choices=["cpu", "cuda"], default="cpu", help="cuda: real copies, peaks by the runtime and torch")
@@ -96,7 +100,7 @@ def main() -> None:
         case = build_model("gpt", args.size, seed=args.seed, device=device)
         opt = torch.optim.AdamW(case.model.parameters(), lr=1e-4)
         rt = None if policy is None else SwapRuntime(budget=budget, policy=policy, model=case.model, optimizer=opt,
-                                                     backend=args.backend, bandwidth=args.bandwidth, audit=True)
+                                                     backend=args.backend, bandwidth=args.bandwidth)
         return Method(name, case, rt, opt)
 
     methods = [method("plain", None), method("default", "default"), *(method(p, p) for p in PEERS)]
@@ -105,10 +109,14 @@ def main() -> None:
         for r in range(args.rounds):
             order = list(methods)
             rng.shuffle(order)
+            audited = r % 2 == 0  # the first round, audited, holds the profiling steps: never timed
             for m in order:
-                m.times.append([m.step() for _ in range(args.round_steps)])
-            print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{m.name} {statistics.median(m.times[-1]):.2f} s"
-                                                                for m in methods), file=sys.stderr)
+                times = [m.step(audited) for _ in range(args.round_steps)]
+                if not audited:
+                    m.times.append(times)
+            print(f"round {r + 1}/{args.rounds}{' (audited)' if audited else ''}: "
+                  + ("" if audited else ", ".join(f"{m.name} {statistics.median(m.times[-1]):.2f} s" for m in methods)),
+                  file=sys.stderr)
         # what a user reads after training: parameters and AdamW's moments, the state back on the device
         finals = {}
         for m in methods:
@@ -124,17 +132,20 @@ def main() -> None:
     rows, out_rows = [], []
     for m in methods:
         ratios = [statistics.median(a) / statistics.median(b) for a, b in zip(m.times, plain.times, strict=True)]
-        executed = [r for r in m.reports if r.mode == "execute"]
+        executed = [r for _, r in m.reports if r.mode == "execute"]
+        audited = [r for a, r in m.reports if a and r.mode == "execute"]
         same = m.losses == plain.losses and all(torch.equal(a, b) for a, b in zip(finals[m.name][0], finals["plain"][0], strict=True)) \
             and all(torch.equal(a, b) for a, b in zip(finals[m.name][1], finals["plain"][1], strict=True))
         peak = max((r.peak_device_bytes or 0) for r in executed) if executed else None
-        measured = max((r.measured_peak_bytes or 0) for r in executed) if executed else None
-        within = all((r.peak_device_bytes or 0) <= budget and (r.measured_peak_bytes or 0) <= budget for r in executed) if executed else None
-        iters = [t for ts in m.times[1:] for t in ts]  # the first round holds the profiling steps
+        measured = max((r.measured_peak_bytes or 0) for r in audited) if audited else None
+        within = (all((r.peak_device_bytes or 0) <= budget for r in executed)
+                  and all((r.measured_peak_bytes or 0) <= budget for r in audited)) if executed else None
+        iters = [t for ts in m.times for t in ts]
         pred = executed[-1].predicted_step_s if executed else None
         last = executed[-1].state if executed else None
         rec = {"method": m.name, "ratio": statistics.median(ratios), "ratio_low": min(ratios), "ratio_high": max(ratios),
                "iteration_s": statistics.median(iters), "bit_identical": same, "executed_steps": len(executed),
+               "audited_steps": len(audited),
                "peak_bytes": peak, "measured_peak_bytes": measured, "within_budget_every_step": within,
                "predicted_s": pred, "placements": list(last.placements) if last else None,
                "host_stepped": len(last.host_stepped) if last else None}
