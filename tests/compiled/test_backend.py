@@ -115,6 +115,21 @@ def _train(model: torch.nn.Module, make_x: Any, backend: Any, steps: int = 5) ->
     return out
 
 
+def _equal_to_torch_compile(model: torch.nn.Module, xs: list[torch.Tensor], make_plan: Any) -> GraphReport:
+    """``model`` trained on ``xs`` with the plan ``make_plan`` makes of its one graph, and a copy
+    of it under ``aot_eager`` alone: every loss and gradient equal, bit for bit (the plan's copies
+    and rebuilt views move bits). The graph's report."""
+    ref = copy.deepcopy(model)
+    be = PlannedBackend("100%", Fixed(make_plan), H100, inner="aot_eager")
+    got = _train(model, xs.__getitem__, be, steps=len(xs))
+    want = _train(ref, xs.__getitem__, "aot_eager", steps=len(xs))
+    for (la, ga), (lb, gb) in zip(got, want, strict=True):
+        for x, y in zip([la, *ga], [lb, *gb], strict=True):
+            assert torch.equal(x, y)
+    (g,) = be.report().graphs
+    return g
+
+
 @pytest.mark.parametrize(("policy", "budget"), [("min", "85%"), ("default", "85%"), ("checkpoint-all", "100%")])
 def test_training_equals_torch_compile(policy, budget):
     # exact equality: the plan's offloads copy bits, and a recompute under aot_eager reruns the
@@ -316,19 +331,10 @@ class _Rotated(torch.nn.Module):
 
 def test_a_non_contiguous_saved_tensor_is_rebuilt_from_its_base_and_trains_as_torch_compile():
     torch.manual_seed(0)
-    a = _Rotated()
-    b = copy.deepcopy(a)
-    xs = [torch.randn(8, 8) for _ in range(3)]
-    be = PlannedBackend("100%", Fixed(min_plan), H100, inner="aot_eager")
-    got = _train(a, xs.__getitem__, be, steps=3)
-    want = _train(b, xs.__getitem__, "aot_eager", steps=3)
-    (g,) = be.report().graphs
+    g = _equal_to_torch_compile(_Rotated(), [torch.randn(8, 8) for _ in range(3)], min_plan)
     # exp (non-contiguous) and q (a view) rebuilt from x @ w, which is saved and offloaded; what
     # stays held is the transpose of the caller's batch x for w's gradient
     assert set(g.graph.held) == {"t"} and g.graph.rebased == ("mm",) and g.graph.node_of == ("mm",)
-    for (la, ga), (lb, gb) in zip(got, want, strict=True):
-        for x, y in zip([la, *ga], [lb, *gb], strict=True):
-            assert torch.equal(x, y)
 
 
 class _Dropped(torch.nn.Module):
@@ -345,41 +351,23 @@ class _Dropped(torch.nn.Module):
 
 def test_a_saved_getitem_is_saved_through_a_clone_offloaded_and_trains_as_torch_compile():
     torch.manual_seed(0)
-    a = _Dropped()
-    b = copy.deepcopy(a)
-    xs = [torch.randn(8, 16) for _ in range(3)]
-    be = PlannedBackend("100%", Fixed(min_plan), H100, inner="aot_eager")
-    got = _train(a, xs.__getitem__, be, steps=3)
-    want = _train(b, xs.__getitem__, "aot_eager", steps=3)
-    (g,) = be.report().graphs
+    g = _equal_to_torch_compile(_Dropped(), [torch.randn(8, 16) for _ in range(3)], min_plan)
     # dropout's output and mask were held as getitems; their clones are saved and offloaded
     clones = {n for n in g.graph.node_of if n.startswith("clone")}
     assert len(clones) == 2 and clones <= g.lowered.offloaded
     # what stays held is the transpose of the caller's batch x (8 x 16 floats) for w1's gradient
     assert "a getitem" not in g.graph.held.values() and g.held_bytes == 8 * 16 * 4
     assert_holds_plan(g)
-    for (la, ga), (lb, gb) in zip(got, want, strict=True):
-        for x, y in zip([la, *ga], [lb, *gb], strict=True):
-            assert torch.equal(x, y)
 
 
 def test_a_clone_the_plan_keeps_is_taken_out_and_trains_as_torch_compile():
     # a plan that moves nothing: a clone of dropout's output or mask would be a copy for nothing,
     # so the lowered graphs save the getitems themselves, as torch alone does
     torch.manual_seed(0)
-    a = _Dropped()
-    b = copy.deepcopy(a)
-    xs = [torch.randn(8, 16) for _ in range(3)]
-    be = PlannedBackend("100%", Fixed(lambda t: SwapPlan.of(t, "keep", [])), H100, inner="aot_eager")
-    got = _train(a, xs.__getitem__, be, steps=3)
-    want = _train(b, xs.__getitem__, "aot_eager", steps=3)
-    (g,) = be.report().graphs
+    g = _equal_to_torch_compile(_Dropped(), [torch.randn(8, 16) for _ in range(3)], lambda t: SwapPlan.of(t, "keep", []))
     assert len(g.graph.uncloned) == 2 and set(g.graph.uncloned.values()) <= g.lowered.saved
     assert not [n for n in g.lowered.saved if n.startswith("clone")]
     assert_holds_plan(g)
-    for (la, ga), (lb, gb) in zip(got, want, strict=True):
-        for x, y in zip([la, *ga], [lb, *gb], strict=True):
-            assert torch.equal(x, y)
 
 
 @pytest.mark.parametrize(("model_type", "budget", "inner"), [
