@@ -62,26 +62,31 @@ def _stripped(name: str, prefixes: tuple[str, ...]) -> str | None:
     return None
 
 
+def _recomputed_members(gt: GraphTrace, plan: SwapPlan) -> dict[str, str]:
+    """The forward nodes of the tensors ``plan``'s recomputed blocks (whole or selective) hold:
+    node name -> block name."""
+    names = {*plan.recompute, *plan.selective}
+    return {gt.node_of[k]: s.name for s in gt.trace.segments if s.name in names for k in s.members}
+
+
+def _block_of(node: fx.Node, members: dict[str, str], blocks: tuple[str, ...]) -> str | None:
+    """The recomputed block (of ``blocks``) ``node`` is in: its tensor's (``members``), else the
+    one whose module runs it, by the node's module path."""
+    if node.name in members:
+        return members[node.name]
+    path = module_path(node)
+    return next((b for b in blocks if path == b or path.startswith(b + ".")), None)
+
+
 def tag_joint(joint: fx.GraphModule, gt: GraphTrace, plan: SwapPlan, forward_nodes: frozenset[str]) -> tuple[int, int]:
     """Tag ``joint`` with ``plan``'s decisions (module docstring). Returns (offload tags,
     recompute tags)."""
     evicted = {gt.node_of[e.tensor] for e in plan.evictions}
-    trace = gt.trace
-    blocks = {s.name: s for s in trace.segments}
-    whole = [blocks[b] for b in plan.recompute]
-    selective = [blocks[b] for b in plan.selective]
-    anchors = {gt.node_of[s.anchor] for s in (*whole, *selective)}
-    members = {gt.node_of[k]: s.name for s in (*whole, *selective) for k in s.members}
-    sel_names = {s.name for s in selective}
-
-    def block_of(node: fx.Node) -> str | None:
-        if node.name in members:
-            return members[node.name]
-        path = module_path(node)
-        for s in (*whole, *selective):
-            if path == s.name or path.startswith(s.name + "."):
-                return s.name
-        return None
+    by_name = {s.name: s for s in gt.trace.segments}
+    blocks = (*plan.recompute, *plan.selective)
+    anchors = {gt.node_of[by_name[b].anchor] for b in blocks}
+    members = _recomputed_members(gt, plan)
+    sel_names = set(plan.selective)
 
     # where the plan recomputes, the tags pin the rest of the partition too: with any tag set the
     # min-cut partitioner re-decides untagged nodes, and could then rebuild a tensor the plan swaps
@@ -101,7 +106,7 @@ def tag_joint(joint: fx.GraphModule, gt: GraphTrace, plan: SwapPlan, forward_nod
         if node.name in anchors or node.name in keep:
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
             continue
-        block = block_of(node)
+        block = _block_of(node, members, blocks)
         if block is None:
             continue
         op = getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
@@ -167,15 +172,11 @@ def kept_clones(joint: fx.GraphModule, gt: GraphTrace, plan: SwapPlan, clones: d
     not offloaded, and neither they nor their getitem in a block the plan recomputes (where the
     multi-output op is rebuilt, its getitems with it, and the clone is what backward reads)."""
     blocks = (*plan.recompute, *plan.selective)
-    moved = {gt.node_of[e.tensor] for e in plan.evictions} | {
-        gt.node_of[k] for s in gt.trace.segments if s.name in blocks for k in s.members}
+    evicted = {gt.node_of[e.tensor] for e in plan.evictions}
+    members = _recomputed_members(gt, plan)
     by_name = {n.name: n for n in joint.graph.nodes}
-
-    def in_block(name: str) -> bool:
-        path = module_path(by_name[name])
-        return any(path == b or path.startswith(b + ".") for b in blocks)
-
-    return {c: item for c, item in clones.items() if c not in moved and not in_block(item) and not in_block(c)}
+    return {c: item for c, item in clones.items() if c not in evicted
+            and _block_of(by_name[c], members, blocks) is None and _block_of(by_name[item], members, blocks) is None}
 
 
 def unclone(joint: fx.GraphModule, clones: dict[str, str]) -> None:
