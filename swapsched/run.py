@@ -195,9 +195,9 @@ def _checkpoint_blocks(model: nn.Module) -> int:
 class DeviceMeter:
     """Peak device bytes of one training step, whatever the method: on CUDA torch's
     ``max_memory_allocated``; on the CPU the bytes of every storage an op makes on the main thread
-    while it lives (a ``TorchDispatchMode`` with a finalizer per storage), leaving out the host
-    pool's buffers (``transients.RUNTIME_ALLOCATING``: on the emulated device host and device are both
-    the CPU), plus what was live before the step: parameters, buffers, gradients, optimizer state.
+    while it lives (a ``TorchDispatchMode`` with a finalizer per storage), leaving out the runtime's
+    own allocations (``transients.RUNTIME_ALLOCATING``: the host pool's buffers, since on the emulated
+    device host and device are both the CPU), plus what was live before the step: parameters, buffers, gradients, optimizer state.
     Copies made on other threads (the emulated copy engines) write into buffers made here."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: str):

@@ -35,7 +35,7 @@ from swapsched.budget import parse_budget
 from swapsched.errors import UserError
 from swapsched.hardware import Hardware, default_hardware, load_hardware
 from swapsched.runtime.copy_engine import CopyEngine, CopyError, Ticket
-from swapsched.runtime.transients import RUNTIME_ALLOCATING
+from swapsched.runtime.transients import runtime_allocation
 
 __all__ = ["resolve_backend", "Ticket", "Backend", "CpuBackend", "CudaBackend", "HostPool", "CopyError", "make_backend",
            "runtime_devices", "lone_copy_s", "copy_wake_s"]
@@ -69,11 +69,8 @@ class HostPool:
                     while self.free[size] and self.allocated_bytes + need > self.limit:
                         self.allocated_bytes -= self.held_bytes(self.free[size].pop().numel())
             self.allocated_bytes += need
-        RUNTIME_ALLOCATING.on = True
-        try:
+        with runtime_allocation():
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
-        finally:
-            RUNTIME_ALLOCATING.on = False
 
     def held_bytes(self, nbytes: int) -> int:
         """What a buffer of ``nbytes`` really holds: PyTorch's pinned (CachingHostAllocator) blocks

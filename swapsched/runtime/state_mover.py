@@ -61,7 +61,7 @@ from swapsched.runtime.state_rest import (
     present_host,
     present_out,
 )
-from swapsched.runtime.transients import RUNTIME_ALLOCATING
+from swapsched.runtime.transients import runtime_allocation
 from swapsched.state import PLACEMENTS, StateGroup, group_name
 
 __all__ = ["StateMover", "HOST_PLACEMENTS"]
@@ -183,11 +183,8 @@ class StateMover(StateAtRest):
     def _device_copy(self, host: torch.Tensor | None) -> torch.Tensor:
         """An uninitialized device tensor shaped as ``host`` (the copy into it follows)."""
         assert host is not None, "a parameter fetched from the host has its host master"
-        RUNTIME_ALLOCATING.on = True  # the state's bytes: counted by its placement, not as the step's
-        try:
+        with runtime_allocation():  # the state's bytes: counted by its placement, not as the step's
             return torch.empty(host.shape, dtype=host.dtype, device=self.device)
-        finally:
-            RUNTIME_ALLOCATING.on = False
 
     def _release(self, mp: _Param) -> None:
         """Let ``mp``'s device bytes go (a copy still reading them: once it lands)."""

@@ -22,17 +22,18 @@ where the storages have their sizes but no memory.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["TransientMeter", "RUNTIME_ALLOCATING", "OTHER_MEASURED"]
+__all__ = ["TransientMeter", "RUNTIME_ALLOCATING", "runtime_allocation", "OTHER_MEASURED"]
 
 #: The trace meta key that says whether its events' other bytes were measured by this meter (a
 #: whole step) or only sampled (a step handed over mid-step, which cannot enter a dispatch mode):
@@ -45,6 +46,16 @@ OTHER_MEASURED = "other_measured"
 #: parameter it fetches (R17: a profiled trace counts the state by its placement, not in its
 #: other bytes; the audit meter adds the mover's bytes through :meth:`TransientMeter.shift`).
 RUNTIME_ALLOCATING = threading.local()
+
+
+@contextlib.contextmanager
+def runtime_allocation() -> Iterator[None]:
+    """What is allocated inside is the runtime's own (:data:`RUNTIME_ALLOCATING`)."""
+    RUNTIME_ALLOCATING.on = True
+    try:
+        yield
+    finally:
+        RUNTIME_ALLOCATING.on = False
 
 
 class TransientMeter(TorchDispatchMode):
