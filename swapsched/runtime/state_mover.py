@@ -50,6 +50,7 @@ import torch.nn as nn
 
 from swapsched.errors import UserError
 from swapsched.runtime.backends import Backend, Ticket
+from swapsched.runtime.replicas import reducing_replica
 from swapsched.runtime.state_rest import (
     _RELEASED,
     HOST_PLACEMENTS,
@@ -99,6 +100,11 @@ class StateMover(StateAtRest):
         self._streamed: dict[int, torch.Tensor] = {}  # a streamed-in state tensor's id -> its host tensor
         self._backward = False
         self._next_backward = 0  # index in backward_order of the next group backward reaches
+        # DDP all-reduces this step's gradients as backward ends (replicas.py): host-placed ones
+        # are held on the device until then, and the reduced ones go out as the step comes to rest
+        self._reduced = False
+        self._rest_after_reducer = False  # _backward_ends queued again, after DDP's finalize
+        self._held: dict[int, _Param] = {}
         # parameters per group (each once, in the group of the module that registers it first, as
         # profiler.state_groups counts it), and which groups' modules use each (a tied weight)
         owner: dict[int, str] = {}
@@ -151,6 +157,7 @@ class StateMover(StateAtRest):
         return self.backend.pool.take(nbytes).view(like.dtype).view(like.shape)
 
     def _install_hooks(self) -> None:
+        self._handles.append(self.model.register_forward_pre_hook(lambda m, a: self._forward_starts()))
         for g in self.users:
             mod = self.model.get_submodule(g) if g else self.model
             self._handles.append(mod.register_forward_pre_hook(lambda m, a, g=g: self._enter(g)))
@@ -267,9 +274,30 @@ class StateMover(StateAtRest):
         self._waiting.clear()
         self._backward = False
         self._next_backward = 0
+        self._reduced = False
         self.peak_transient = self.transient
         self.copied = 0
         self._issue_next(self.forward_order, None)
+
+    def _forward_starts(self) -> None:
+        """The model's forward pre-hook: whether DDP all-reduces this forward's gradients."""
+        if not self.in_step:
+            return
+        ddp = reducing_replica(self.model)
+        if ddp is None:
+            return
+        if ddp.gradient_as_bucket_view and any(mp.placement in HOST_PLACEMENTS for mp in self.params.values()):
+            # each p.grad is a view of DDP's buckets, which stay on the device: moving it frees nothing
+            raise UserError("DistributedDataParallel(gradient_as_bucket_view=True) keeps every gradient in its "
+                            "buckets on the device, so gradients cannot leave it: wrap the model with "
+                            "gradient_as_bucket_view=False, or give a budget the state meets on the device")
+        self._reduced = True
+
+    def _hold(self, mp: _Param) -> None:
+        """``mp``'s gradient stays on the device until backward ends (DDP reduces it there)."""
+        if id(mp.p) not in self._held:
+            self._held[id(mp.p)] = mp
+            self._bytes(mp.nbytes)
 
     def _take_grad(self, mp: _Param) -> None:
         """Before autograd accumulates ``mp``'s first gradient of the step (a hook on the
@@ -288,6 +316,17 @@ class StateMover(StateAtRest):
                 mp.hgrad.copy_(g)
         mp.p.grad = None
         mp.taken = True
+        if self._reduced:
+            # DDP reduces p.grad as this backward leaves it: the sum of the steps accumulated on
+            # the host under no_sync() goes back on it, for autograd to add this backward's to
+            # (as DDP alone: g1 + g2, then the mean of that over the ranks)
+            self._hold(mp)
+            if mp.hgrad is not None:
+                with runtime_allocation():  # counted by _hold as the state's bytes
+                    dev = torch.empty(mp.hgrad.shape, dtype=mp.hgrad.dtype, device=self.device)
+                self.backend.wait_for_use(self.backend.copy_in_into(mp.hgrad, dev))
+                self.copied += mp.nbytes
+                mp.p.grad = dev
 
     def _issue_next(self, order: list[str], after: str | None) -> None:
         """R14: the group after ``after`` in ``order`` whose parameters leave the device between
@@ -390,6 +429,13 @@ class StateMover(StateAtRest):
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
 
     def _backward_ends(self) -> None:
+        if self._reduced and not self._rest_after_reducer:
+            # DDP queues its finalize_backward (the mean into p.grad) at its last bucket, after
+            # this callback; one queued from a callback runs after every one queued before it
+            self._rest_after_reducer = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
+            return
+        self._rest_after_reducer = False
         self._backward = False
         self._next_backward = 0
         self._to_rest()
@@ -400,7 +446,9 @@ class StateMover(StateAtRest):
             return
         if not self._backward:
             self._backward_starts()
-        if mp.placement in HOST_PLACEMENTS:
+        if mp.placement in HOST_PLACEMENTS and self._reduced:
+            self._hold(mp)  # DDP's reducer reads p.grad after this hook, and writes the mean there
+        elif mp.placement in HOST_PLACEMENTS:
             g = mp.p.grad
             if g is not None and g is not mp.hgrad:  # (a second backward in one step adds to it in place)
                 self._bytes(mp.nbytes)
@@ -442,6 +490,7 @@ class StateMover(StateAtRest):
         the step (Lightning's training batch), before it does. The gradients taken off ``p.grad``
         as the step began go back once (a ``zero_grad()`` after the step inside it stays)."""
         self._collect_grads(wait=True)
+        self._reduced_out()
         for mp in self.params.values():
             if mp.fetch is not None:
                 self.backend.wait_host(mp.fetch)
@@ -463,6 +512,20 @@ class StateMover(StateAtRest):
                     mp.taken = False
                 if mp.placement == "host-step":
                     mp.dev_version = mp.p._version
+
+    def _reduced_out(self) -> None:
+        """The gradients held for DDP (after its finalize: the mean over the ranks) to the host,
+        as the gradient kept there (it held the sum so far, which the mean includes)."""
+        held, self._held = self._held, {}
+        for mp in held.values():
+            g = mp.p.grad
+            if g is not None and g is not mp.hgrad:
+                if mp.hgrad is None:
+                    mp.hgrad = self._host_buffer(g)
+                self.backend.wait_host(self.backend.copy_out_into(g.detach(), mp.hgrad))
+                self.copied += mp.nbytes
+                mp.p.grad = None  # the device gradient goes; p.grad is the host's as it comes to rest
+            self._bytes(-mp.nbytes)
 
     def settle(self) -> None:
         """Wait for every copy in flight (before reading what they write, and at the end)."""

@@ -19,6 +19,7 @@ from swapsched.plan import SwapPlan
 from swapsched.runtime.backends import Backend
 from swapsched.runtime.budgets import ShapeBudgets
 from swapsched.runtime.profiler import optimizer_state_kind, state_groups, static_bytes_of
+from swapsched.runtime.replicas import gradients_complete_at_backward_end, replica
 from swapsched.runtime.state_mover import StateMover
 from swapsched.runtime.state_rest import to_device
 from swapsched.state import group_name
@@ -34,6 +35,13 @@ class RuntimeState:
                  budgets: ShapeBudgets) -> None:
         self.model, self.optimizer, self.backend, self.budgets = model, optimizer, backend, budgets
         self.mover: StateMover | None = None
+        # whether a DDP ran the model's forward (replicas.py): its gradients complete as backward ends
+        self.data_parallel = False
+        self._forward_hook = None if model is None else model.register_forward_pre_hook(self._note_replica)
+
+    def _note_replica(self, module: torch.nn.Module, args: object) -> None:
+        if not self.data_parallel and replica(module) is not None:
+            self.data_parallel = True
 
     def attach(self, optimizer: torch.optim.Optimizer, planned: bool) -> int:
         """``PolicyRuntime.attach_optimizer``: the optimizer, and the static bytes it makes."""
@@ -69,12 +77,13 @@ class RuntimeState:
         under a byte budget that no plan of the activations alone meets
         (``Trace.min_feasible_bytes``). The state's bytes are in the static bytes already."""
         if trace.state or not self._byte_budget():
-            return trace
+            return gradients_complete_at_backward_end(trace) if self.data_parallel else trace
         if parse_budget(self.budgets.spec, trace, check_feasible=False) >= trace.min_feasible_bytes:
             return trace
         model, optimizer = present(self.model, "the model"), present(self.optimizer, "the optimizer")
         kind = optimizer_state_kind(optimizer)
-        return replace(trace, state=state_groups(model, trace, kind), meta={**trace.meta, "optimizer": kind})
+        trace = replace(trace, state=state_groups(model, trace, kind), meta={**trace.meta, "optimizer": kind})
+        return gradients_complete_at_backward_end(trace) if self.data_parallel else trace
 
     def place(self, plan: SwapPlan, trace: Trace) -> None:
         """The mover for ``plan``'s placement: made, kept, or taken off. A change of placement
@@ -99,6 +108,9 @@ class RuntimeState:
     def close(self) -> None:
         """The state back on the device where the device has room for it (on CUDA, one that does
         not fit stays on the host, as ``p.data``, with a warning)."""
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
         mover, self.mover = self.mover, None
         if mover is None:
             return
