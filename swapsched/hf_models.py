@@ -1,7 +1,12 @@
-"""Hugging Face architectures as training steps: ``hf:MODEL_TYPE``, built from the library's config.
+"""Hugging Face architectures as training steps: ``hf:MODEL_TYPE``, built from the library's
+config, or ``hf:PATH/config.json`` / ``hf:ORG/NAME``, built from the config of the model a user
+trains (:func:`hf_config`).
 
-Nothing is downloaded: :func:`build_hf` makes ``transformers``' default configuration for a
-``model_type`` (``size="full"``, the library's default model, e.g. a 7B Llama), or a small one
+No weights are downloaded: :func:`build_hf` makes ``transformers``' default configuration for a
+``model_type`` (``size="full"``, the library's default model, e.g. a 7B Llama), or reads the
+user's ``config.json`` (a file, a folder holding one, or a hub name whose config transformers
+fetches when online; built at its own size unless ``size="small"``), with ``overrides`` set on it
+(``{"num_hidden_layers": "4"}``, each an existing field), or a small one
 (``size="small"``: 2 layers, width 128) shrunk *consistently*: attention heads with their key/value
 heads and head size, feed-forward and expert widths, expert counts, the vocabulary with every
 special token id inside it, and sub-configurations (an encoder's, a decoder's) alike.
@@ -18,7 +23,10 @@ training head) raises :class:`HFModelError` with one line saying why and what to
 from __future__ import annotations
 
 import contextlib
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,7 +34,7 @@ import torch.nn as nn
 
 from swapsched.errors import UserError
 
-__all__ = ["HFModelError", "HFTrainingStep", "HFCase", "build_hf", "one_line", "SMALL"]
+__all__ = ["HFModelError", "HFTrainingStep", "HFCase", "build_hf", "hf_config", "is_config_source", "one_line", "SMALL"]
 
 
 class HFModelError(UserError):
@@ -210,23 +218,87 @@ def _batch(task: str, config: Any, b: int, t: int, gen: torch.Generator, float_d
     return ("input_ids",), (ids(t),)
 
 
-def build_hf(model_type: str, size: str | None, batch_size: int | None, seq_len: int | None, device: str,
-             seed: int, *, param_dtype: torch.dtype = torch.float32, attention: str | None = None) -> HFCase:
-    """One training step of ``model_type`` (module docstring) on ``device``. ``param_dtype``: the
-    parameters' (and float inputs') dtype; ``attention``: ``"eager"`` builds the model's own
-    attention code, anything else SDPA (which swapsched/attention.py then runs as that kernel)."""
+def is_config_source(spec: str) -> bool:
+    """A config of the user's (a path, or a hub name ORG/NAME), not a bare ``model_type``."""
+    return "/" in spec or spec.endswith(".json") or Path(spec).exists()
+
+
+def _parse_value(text: str) -> Any:
+    """An override's value as JSON where it reads as JSON (4, 1e-5, true, [1, 2]), else the text."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def hf_config(spec: str, overrides: Mapping[str, str] | None = None) -> tuple[Any, str, bool]:
+    """The ``transformers`` config ``hf:SPEC`` names (module docstring), with ``overrides`` set:
+    ``(config, short name, whether it is the user's own)``. Every failure is one line naming the
+    file, the hub name or the field at fault."""
     try:
         import transformers
     except ImportError:
         raise HFModelError("hf: models need the optional extra: pip install 'swapsched[hf]'") from None
-    try:
-        config = transformers.AutoConfig.for_model(model_type)
-    except (ValueError, KeyError):
-        raise HFModelError(f"transformers {transformers.__version__} has no model_type {model_type!r}") from None
-    if size in (None, "small"):
+    own = is_config_source(spec)
+    if not own:
+        try:
+            config = transformers.AutoConfig.for_model(spec)
+        except (ValueError, KeyError):
+            raise HFModelError(f"transformers {transformers.__version__} has no model_type {spec!r}") from None
+        name = spec
+    elif Path(spec).exists() or spec.endswith(".json"):
+        path = Path(spec)
+        file = path / "config.json" if path.is_dir() else path
+        if not file.is_file():
+            raise HFModelError(f"hf:{spec}: no such file {str(file)!r}")
+        try:
+            fields = json.loads(file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise HFModelError(f"hf:{spec}: {file} is not a JSON config ({one_line(exc)})") from None
+        if not isinstance(fields, dict) or not isinstance(fields.get("model_type"), str):
+            raise HFModelError(f"hf:{spec}: {file} has no 'model_type' field naming its architecture")
+        model_type = fields.pop("model_type")
+        try:
+            config = transformers.AutoConfig.for_model(model_type, **fields)
+        except (ValueError, KeyError):
+            raise HFModelError(f"hf:{spec}: transformers {transformers.__version__} has no model_type {model_type!r}") from None
+        except Exception as exc:
+            raise HFModelError(f"hf:{spec}: transformers cannot read {file} ({one_line(exc)})") from None
+        name = file.parent.name if file.name == "config.json" and file.parent.name else file.stem
+    else:  # a hub name: its config.json alone, fetched by transformers (no weights)
+        try:
+            config = transformers.AutoConfig.from_pretrained(spec)
+        except Exception as exc:
+            raise HFModelError(f"hf:{spec}: cannot fetch its config.json ({one_line(exc)}); offline, download the "
+                               "config.json and give hf:PATH/config.json") from None
+        name = spec.rsplit("/", 1)[-1]
+    for key, text in (overrides or {}).items():
+        if key not in config.to_dict():
+            raise HFModelError(f"--override {key}=...: the {config.model_type} config has no field {key!r}")
+        try:
+            setattr(config, key, _parse_value(text))
+        except Exception as exc:
+            raise HFModelError(f"--override {key}={text}: {one_line(exc)}") from None
+    return config, name, own
+
+
+def build_hf(source: str, size: str | None, batch_size: int | None, seq_len: int | None, device: str,
+             seed: int, *, param_dtype: torch.dtype = torch.float32, attention: str | None = None,
+             overrides: Mapping[str, str] | None = None) -> HFCase:
+    """One training step of ``hf:SOURCE`` (module docstring) on ``device``. ``param_dtype``: the
+    parameters' (and float inputs') dtype; ``attention``: ``"eager"`` builds the model's own
+    attention code, anything else SDPA (which swapsched/attention.py then runs as that kernel)."""
+    import transformers
+
+    config, label, own = hf_config(source, overrides)
+    model_type = config.model_type
+    if size is None:
+        size = "full" if own else "small"  # the user's own config: at its own size
+    if size == "small":
         _shrink(config)
     elif size != "full":
-        raise HFModelError(f"hf: models come in sizes 'small' (2 layers, width 128) or 'full' (the library default), not {size!r}")
+        raise HFModelError(f"hf: models come in sizes 'small' (2 layers, width 128) or 'full' (the library default, "
+                           f"or the given config as it is), not {size!r}")
     task = _task(model_type)
     if task == "multimodal":
         raise HFModelError(f"hf:{model_type}: a multimodal model (its batch mixes text and images); profile a factory "
@@ -270,7 +342,8 @@ def build_hf(model_type: str, size: str | None, batch_size: int | None, seq_len:
     gen = torch.Generator().manual_seed(seed)
     names, tensors = _batch(task, config, b, t, gen, param_dtype)
     inputs = tuple(x.to(device) for x in tensors)
-    return HFCase(name=f"hf-{model_type}-{size or 'small'}", model=HFTrainingStep(hf, names), inputs=inputs)
+    name = f"hf-{label}" + ("-small" if own and size == "small" else "" if own else f"-{size}")
+    return HFCase(name=name, model=HFTrainingStep(hf, names), inputs=inputs)
 
 
 #: transformers' name for :func:`_flash_attention` (its AttentionInterface)

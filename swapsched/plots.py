@@ -11,7 +11,7 @@ from swapsched._paths import atomic_path
 if TYPE_CHECKING:
     from swapsched.agents.evaluate import CaseResult
 
-__all__ = ["plot_timelines", "plot_compare", "plot_runs"]
+__all__ = ["plot_timelines", "plot_compare", "plot_runs", "plot_fit"]
 
 
 def _pyplot() -> Any:
@@ -168,4 +168,28 @@ def plot_runs(results: Sequence[Any], path: str | Path, title: str = "", budget_
     ax_m.set_ylabel(f"peak device memory ({unit})")
     for ax in (ax_t, ax_m):
         ax.tick_params(axis="x", rotation=45)
+    return _save(plt, fig, path, title)
+
+
+def plot_fit(curves: dict[str, list[tuple[int, float | None]]], device_memory: int, path: str | Path,
+             title: str = "") -> Path:
+    """``swapsched fit --plot``: each option's step against the device memory it is given (one
+    line per option; a point is missing where it does not fit), the hardware's memory marked."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    top = max((b for pts in curves.values() for b, _ in pts), default=device_memory)
+    div, unit = _bytes_unit(max(top, device_memory))
+    for option, points in curves.items():
+        xs = [b / div for b, s in points if s is not None]
+        ys = [s for _, s in points if s is not None]
+        if xs:
+            ax.plot(xs, ys, marker="o", label=option)
+        else:
+            ax.plot([], [], label=f"{option} (fits nowhere here)")
+    ax.axvline(device_memory / div, color="grey", linestyle="--", label="this device")
+    ax.set_xlabel(f"device memory ({unit})")
+    ax.set_ylabel("step (s)")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
     return _save(plt, fig, path, title)

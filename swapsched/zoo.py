@@ -19,7 +19,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -302,18 +302,23 @@ def build_model(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     attention: str | None = None,
+    overrides: Mapping[str, str] | None = None,
 ) -> ModelCase:
     """Build a zoo model (random weights, synthetic batch) on ``device`` (``meta`` allocates nothing),
     its parameters and float inputs in ``dtype``. ``attention="eager"`` builds a ``hf:`` model's own
-    attention code instead of SDPA (see swapsched/hf_models.py)."""
+    attention code instead of SDPA; ``overrides`` set a ``hf:`` model's config fields (see
+    swapsched/hf_models.py)."""
     if batch_size is not None and batch_size <= 0:
         raise ZooError(f"batch size must be positive, got {batch_size}")
     if seq_len is not None and seq_len <= 0:
         raise ZooError(f"sequence length must be positive, got {seq_len}")
     device = str(device)
+    if overrides and not name.startswith("hf:"):
+        raise ZooError(f"--override sets a hf: model's config fields; {name!r} is not a hf: model")
     if name.startswith("hf:"):
         try:
-            hf = build_hf(name[3:], size, batch_size, seq_len, device, seed, param_dtype=dtype, attention=attention)
+            hf = build_hf(name[3:], size, batch_size, seq_len, device, seed, param_dtype=dtype, attention=attention,
+                          overrides=overrides)
         except HFModelError as exc:
             raise ZooError(str(exc)) from None
         return ModelCase(name=hf.name, model=hf.model, inputs=hf.inputs, loss_fn=_the_loss)

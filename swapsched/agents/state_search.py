@@ -11,8 +11,10 @@ and steps, jointly with the activations' plan; the peers users run for it; and t
   ``stream`` + ``param``, ``host-step`` + ``full``, ``stream`` + ``stream-full``,
   ``stream-full`` + ``full``); each is screened with a fast activation
   planner on its view (a placement that streams: also keeping room for a stream-in, and planned
-  for 3/4 of the budget, ``STREAM_VARIANTS``) and scored on the simulator with the state (:mod:`env.state_exec`); the
-  best is planned again by the full activation planner, and the better of the two plans is the plan.
+  for 3/4 of the budget, ``STREAM_VARIANTS``; where that plan does not fit, every block
+  checkpointed, the peers' plan, so that ``default`` fits wherever a peer's placement does) and
+  scored on the simulator with the state (:mod:`env.state_exec`); the best is planned again by
+  the full activation planner, and the best of the three plans is the plan.
 - :class:`StatePeer`: ZeRO-Offload, FSDP2's ``CPUOffloadPolicy`` and torchao's
   ``CPUOffloadOptimizer``, each a fixed rule over every group, with the activation plan their
   users run (every block checkpointed).
@@ -124,6 +126,9 @@ def _screened(trace: Trace, budget: int, hardware: Hardware, screen: Policy, nam
                 continue
             plan = _with_state(trace, screen.plan(view, act_budget, hardware), placement, name)
             r = simulate(trace, plan, hardware, budget, validate=False)
+            if r.oom:  # the peers' activation plan, every block checkpointed, fits where the screen's may not
+                plan = _with_state(trace, CheckpointAll().plan(view, act_budget, hardware), placement, name)
+                r = simulate(trace, plan, hardware, budget, validate=False)
             if not r.oom:
                 scored.append((r.iteration_s, c, placement, room, act_budget))
                 if first:
@@ -170,7 +175,7 @@ def plan_state(trace: Trace, budget: int, hardware: Hardware, *, inner: Policy, 
     best: tuple[float, SwapPlan] | None = None
     for _, _, placement, room, act_budget in scored[:FINALISTS]:
         view = activation_view(trace, placement, room)
-        for pol in (inner, screen):
+        for pol in (inner, screen, CheckpointAll()):
             plan = _with_state(trace, pol.plan(view, act_budget, hardware), placement, name)
             r = simulate(trace, plan, hardware, budget, validate=False)
             if not r.oom and (best is None or r.iteration_s < best[0]):

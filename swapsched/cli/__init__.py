@@ -20,6 +20,7 @@ from swapsched.cli.arguments import (
     in_file,
     out_dir,
     out_file,
+    override,
     policy_list,
     positive_float,
     positive_int,
@@ -34,6 +35,7 @@ from swapsched.cli.commands import (
     cmd_train_policy,
     default_train_config,
 )
+from swapsched.cli.fit import cmd_fit
 from swapsched.cli.profile import cmd_inspect, cmd_profile
 from swapsched.errors import UserError
 from swapsched.hardware import DEFAULT_GPU_HARDWARE, EXECUTORS
@@ -70,8 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
         return sp
 
     sp = add("profile", cmd_profile, "Profile one training step of a zoo model into a trace.")
-    sp.add_argument("model", help="zoo family (mlp, vgg, resnet, gpt, bert, unet), hf:MODEL_TYPE, or package.module:function")
-    sp.add_argument("--size", help="size from configs/models/FAMILY.yaml (default: small)")
+    sp.add_argument("model", help="zoo family (mlp, vgg, resnet, gpt, bert, unet), hf:MODEL_TYPE, hf:PATH/config.json, "
+                    "hf:ORG/NAME (its config only), or package.module:function")
+    sp.add_argument("--size", help="size from configs/models/FAMILY.yaml (default: small; a hf: config of your own: "
+                    "as it is)")
     sp.add_argument("--batch-size", type=positive_int, help="batch size (default: the size's own)")
     sp.add_argument("--seq-len", type=positive_int, help="sequence length (gpt, bert, hf:)")
     sp.add_argument("--device", choices=["cpu", "cuda", "meta"], default="cpu",
@@ -92,7 +96,30 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--state", action=argparse.BooleanOptionalAction, default=True,
                     help="record parameters, gradients and optimizer state per group, movable by a plan (default); "
                          "--no-state: all of it static, as traces of format 1")
+    sp.add_argument("--override", type=override, action="append", metavar="KEY=VALUE",
+                    help="set a hf: model's config field, e.g. num_hidden_layers=4 (repeatable)")
     sp.add_argument("--out", type=out_file, help="output trace (.json or .json.gz; default MODEL-SIZE.json.gz)")
+
+    sp = add("fit", cmd_fit, "Will a model's training step fit this hardware, and how fast? One table: plain, every block "
+             "checkpointed, the state offloaders and default, each simulated at the model's real size (profiled on meta).")
+    sp.add_argument("model", help="hf:PATH/config.json, hf:ORG/NAME (its config only), hf:MODEL_TYPE, a zoo family, "
+                    "or package.module:function")
+    sp.add_argument("--size", help="hf: configs: as given (default); zoo families: a size from configs/models/FAMILY.yaml")
+    sp.add_argument("--override", type=override, action="append", metavar="KEY=VALUE",
+                    help="set a hf: model's config field, e.g. num_hidden_layers=40 (repeatable)")
+    sp.add_argument("--hardware", type=csv_list, default=[DEFAULT_GPU_HARDWARE],
+                    help=f"comma list of names or YAML paths, a table row per option on each (default {DEFAULT_GPU_HARDWARE})")
+    sp.add_argument("--host-memory", type=host_budget, metavar="BYTES",
+                    help="host memory for the state and swapped activations, like 64GiB (default: unlimited)")
+    sp.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (hf: default 4096)")
+    sp.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step (hf: default 1)")
+    sp.add_argument("--optimizer", choices=["adamw", "sgd", "adafactor"], default="adamw", help="default adamw")
+    sp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="what the step computes in (default bf16)")
+    sp.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True,
+                    help="autocast over fp32 weights, grads and optimizer state (default); --no-amp: all in --dtype")
+    sp.add_argument("--json", metavar="OUT", type=out_file, help="write the table as JSON")
+    sp.add_argument("--plot", metavar="PNG", type=out_file, help="step against device memory for each option (first hardware)")
+    sp.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     sp = add("inspect", cmd_inspect, "Summarize a trace.")
     sp.add_argument("trace")

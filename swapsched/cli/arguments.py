@@ -11,7 +11,7 @@ from typing import Any
 from swapsched.errors import UserError
 
 __all__ = ["Parser", "csv_list", "budgets", "host_budget", "ranks", "budget", "out_file", "out_dir", "in_file",
-           "policy_list", "positive", "positive_int", "positive_float"]
+           "policy_list", "positive", "positive_int", "positive_float", "override"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -51,6 +51,14 @@ def host_budget(value: str) -> int:
         return parse_budget(value)
     except BudgetError as exc:
         raise argparse.ArgumentTypeError(str(exc).replace("budget", "host budget", 1)) from None
+
+
+def override(value: str) -> tuple[str, str]:
+    """A ``hf:`` config field to set, ``KEY=VALUE`` (the field is checked once the config is read)."""
+    key, sep, val = value.partition("=")
+    if not sep or not key.strip() or not val.strip():
+        raise argparse.ArgumentTypeError(f"override {value!r}: give KEY=VALUE, like num_hidden_layers=4")
+    return key.strip(), val.strip()
 
 
 def ranks(value: str) -> list[int]:

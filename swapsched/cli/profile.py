@@ -10,12 +10,15 @@ from typing import Any
 
 from swapsched.errors import UserError
 
-__all__ = ["cmd_profile", "cmd_inspect", "print_summary", "say_if_shrunk"]
+__all__ = ["cmd_profile", "cmd_inspect", "print_summary", "profile_case", "say_if_shrunk"]
 
 
 def say_if_shrunk(model: str, size: str | None) -> None:
-    """hf: models are built small unless asked for the library's full configuration: say so."""
-    if model.startswith("hf:") and size in (None, "small"):
+    """hf: model types are built small unless asked for the library's full configuration: say so
+    (a config of the user's own is built as it is)."""
+    from swapsched.hf_models import is_config_source
+
+    if model.startswith("hf:") and (size == "small" or size is None and not is_config_source(model[3:])):
         print(f"{model}: built small (2 layers, width 128, vocabulary 1024); --size full builds the library's "
               "default configuration", file=sys.stderr)
 
@@ -38,7 +41,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     target.peak_flops_for(precision.compute_dtype)  # a dtype the hardware lacks: one line, before any work
     # the CPU's own measured step runs SDPA as it is; for a GPU, as the GPU's kernel would
     attention = args.attention or ("auto" if for_gpu else None)
-    trace = _profile_case(args, device, precision, attention, target.name if for_gpu else None)
+    trace, _ = profile_case(args, device, precision, attention, target.name if for_gpu else None)
     out = args.out or f"{trace.name}.json.gz"
     save_trace(trace, out)
     print_summary(trace.summary())
@@ -58,8 +61,9 @@ def _kernels_used(meta: dict[str, Any]) -> str:
 _READS_VALUES = ("cannot be called on meta tensors", "Cannot copy out of meta tensor", "data-dependent")
 
 
-def _profile_case(args: argparse.Namespace, device: str, precision: Any, attention: str | None, target: str | None) -> Any:
-    """Build and profile the case; an ``hf:`` model whose forward reads tensor values (which meta
+def profile_case(args: argparse.Namespace, device: str, precision: Any, attention: str | None,
+                 target: str | None) -> tuple[Any, Any]:
+    """Build and profile the case: ``(trace, case)``. An ``hf:`` model whose forward reads tensor values (which meta
     cannot run) is profiled on the CPU instead where its size fits there, timed by roofline for the
     target; any other failure of a ``hf:`` model's step is one line (exit 2)."""
     import torch
@@ -70,10 +74,10 @@ def _profile_case(args: argparse.Namespace, device: str, precision: Any, attenti
 
     def run_on(dev: str) -> Any:
         case = build_model(args.model, args.size, batch_size=args.batch_size, seq_len=args.seq_len, device=dev,
-                           dtype=precision.param_dtype, attention=attention)
+                           dtype=precision.param_dtype, attention=attention, overrides=dict(args.override or ()))
         optimizer = None if args.state else _optimizer(args.optimizer, case.model)
         return profile(case.model, case.inputs, case.loss_fn, optimizer, device=dev, name=case.name, hardware=target,
-                       precision=precision, attention=attention, state=args.optimizer if args.state else None)
+                       precision=precision, attention=attention, state=args.optimizer if args.state else None), case
 
     if not args.model.startswith("hf:"):
         return run_on(device)

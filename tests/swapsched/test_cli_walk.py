@@ -43,6 +43,7 @@ def _base(cmd: str, f: dict[str, str], out: str) -> list[str]:
                 "--json", out],
         "calibrate": ["calibrate", "--backend", "cpu", "--out", out],
         "train-policy": ["train-policy", "--out", out, "--timesteps", "64", "--no-progress"],
+        "fit": ["fit", "mlp", "--size", "tiny", "--no-progress", "--json", out],
     }[cmd]
 
 
@@ -72,6 +73,18 @@ CASES = [
     ("profile", "--attention", "fast", "invalid choice"),
     ("profile", "--optimizer", "lion", "invalid choice"),
     ("profile", "--out", UNWRITABLE, "cannot write"),
+    ("profile", "--override", "n_layer", "give KEY=VALUE"),
+    ("fit", "1", "lstm", "unknown model 'lstm'"),
+    ("fit", "--size", "huge", "huge"),
+    ("fit", "--override", "n_layer=2", "is not a hf: model"),
+    ("fit", "--hardware", "abacus", "unknown hardware 'abacus'"),
+    ("fit", "--host-memory", "50%", "give bytes"),
+    ("fit", "--seq-len", "0", "positive integer"),
+    ("fit", "--batch-size", "x", "positive integer"),
+    ("fit", "--optimizer", "lion", "invalid choice"),
+    ("fit", "--dtype", "int8", "invalid choice"),
+    ("fit", "--json", UNWRITABLE, "cannot write"),
+    ("fit", "--plot", UNWRITABLE, "cannot write"),
     ("inspect", "1", MISSING, "no such file"),
     ("simulate", "--trace", MISSING, "no such file"),
     ("simulate", "--plan", MISSING, "no such file"),

@@ -4,7 +4,11 @@ in their dtype and with their attention kernel, or say why in one line."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,3 +143,94 @@ def test_pure_bf16_and_eager_attention_change_what_is_saved(tmp_path):
     assert trace.static_bytes == 8 * n + buffers  # bf16 weights, gradients and Adam states
     data = json.loads(out.read_text())
     assert data["meta"]["attention_requested"] == "eager"
+
+
+# --------------------------------------------------------------------- a config of the user's own
+
+#: A Llama-3-shaped config at a size meta builds in a moment, every architecture field set apart
+#: from its library default (grouped-query attention, an FFN width no rule derives, a vocabulary
+#: of its own, tied embeddings)
+_OWN = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 384, "intermediate_size": 1000,
+        "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 2, "vocab_size": 5003,
+        "max_position_embeddings": 4096, "rope_theta": 500000.0, "tie_word_embeddings": True, "bos_token_id": 1,
+        "eos_token_id": 2}
+
+
+def _llama_params(c: dict) -> int:
+    """Llama's parameter count from its config: embeddings (once, tied), per layer q and o (h x h),
+    k and v (h x kv heads x head dim), gate, up and down (h x ffn), two RMSNorm weights, and the
+    final norm."""
+    h, f, heads, kv = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    d = h // heads
+    layer = 2 * h * h + 2 * h * kv * d + 3 * h * f + 2 * h
+    head = 0 if c["tie_word_embeddings"] else c["vocab_size"] * h
+    return c["vocab_size"] * h + c["num_hidden_layers"] * layer + h + head
+
+
+def test_a_config_file_is_built_at_its_own_size_with_every_field(tmp_path):
+    from swapsched.zoo import build_model
+
+    _known("llama")
+    path = tmp_path / "mine" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(_OWN))
+    case = build_model(f"hf:{path}", device="meta", seq_len=32, batch_size=2)
+    hf = case.model.hf
+    cfg = hf.config
+    assert case.name == "hf-mine"  # the folder's name
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size) == (3, 384, 1000)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size) == (6, 2, 5003)
+    assert len(hf.model.layers) == 3
+    attn = hf.model.layers[0].self_attn
+    assert attn.k_proj.weight.shape == (2 * 64, 384) and attn.q_proj.weight.shape == (384, 384)
+    assert hf.model.layers[0].mlp.up_proj.weight.shape == (1000, 384)
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight  # tied
+    assert sum(p.numel() for p in hf.parameters()) == _llama_params(_OWN)
+    assert case.inputs[0].shape == (2, 32)
+    # the folder names the file too; an override sets a field, untied embeddings add the head
+    untied = build_model(f"hf:{path.parent}", device="meta", seq_len=8,
+                         overrides={"num_hidden_layers": "5", "tie_word_embeddings": "false"})
+    assert sum(p.numel() for p in untied.model.parameters()) == _llama_params(
+        {**_OWN, "num_hidden_layers": 5, "tie_word_embeddings": False})
+
+
+def test_the_published_llama3_8b_config_counts_its_parameters():
+    from swapsched.zoo import build_model
+
+    _known("llama")
+    c = json.loads((Path(__file__).parent / "data" / "llama3-8b.json").read_text())
+    case = build_model(f"hf:{Path(__file__).parent / 'data' / 'llama3-8b.json'}", device="meta", seq_len=8)
+    n = sum(p.numel() for p in case.model.parameters())
+    assert n == _llama_params(c) and round(n / 1e9, 2) == 8.03
+
+
+@pytest.mark.parametrize(("make", "args", "message"), [
+    (None, ["hf:{d}/missing.json"], "no such file"),
+    ("{", ["hf:{d}/config.json"], "is not a JSON config"),
+    ('{"hidden_size": 8}', ["hf:{d}/config.json"], "has no 'model_type' field"),
+    ('{"model_type": "no-such-arch"}', ["hf:{d}/config.json"], "has no model_type 'no-such-arch'"),
+    (json.dumps(_OWN), ["hf:{d}/config.json", "--override", "num_hiden_layers=2"], "has no field 'num_hiden_layers'"),
+    (None, ["hf:{d}/config.json", "--override", "num_hidden_layers"], "give KEY=VALUE"),
+    (None, ["gpt", "--override", "n_layer=2"], "is not a hf: model"),
+])
+def test_a_bad_config_is_one_line_and_exit_2(make, args, message, tmp_path, capsys):
+    _known("llama")
+    if make is not None:
+        (tmp_path / "config.json").write_text(make)
+    args = [a.replace("{d}", str(tmp_path)) for a in args]
+    for command in (["profile", *args, "--device", "meta", "--out", str(tmp_path / "t.json")], ["fit", *args]):
+        try:
+            code = main(command)
+        except SystemExit as exc:  # argparse's own refusal of a malformed argument
+            code = exc.code
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert code == 2, lines
+        assert len(lines) == 1 and message in lines[0] and lines[0].startswith(f"swapsched {command[0]}: error"), lines
+
+
+def test_a_hub_name_without_network_is_one_line_and_exit_2():
+    # a process of its own: huggingface_hub reads HF_HUB_OFFLINE as it is imported
+    done = subprocess.run([sys.executable, "-m", "swapsched.cli", "fit", "hf:swapsched-test-org/no-such-model"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "cannot fetch its config.json" in lines[0], done.stderr

@@ -1,0 +1,51 @@
+"""``swapsched fit``: a model at its real size, profiled on meta, and each way of fitting it on the
+given hardware in one table (``swapsched/fit.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["cmd_fit"]
+
+
+def cmd_fit(args: argparse.Namespace) -> int:
+    from swapsched._paths import atomic_path
+    from swapsched.cli.profile import profile_case
+    from swapsched.fit import FIT_OPTIONS, fit, fit_curves, format_fit
+    from swapsched.hardware import load_hardware
+    from swapsched.precision import Precision
+
+    args.state = True  # the state is what may move
+    if args.model.startswith("hf:"):  # a fine-tune's step: one sequence of 4k tokens unless told
+        args.seq_len = args.seq_len or 4096
+        args.batch_size = args.batch_size or 1
+    hws = [load_hardware(h) for h in args.hardware]
+    precision = Precision(args.dtype, amp=args.amp)
+    for hw in hws:
+        hw.peak_flops_for(precision.compute_dtype)  # a dtype the hardware lacks: one line, before any work
+    talk = not args.no_progress and sys.stderr.isatty()
+    if talk:
+        print(f"profiling {args.model} on meta...", end="\r", file=sys.stderr, flush=True)
+    trace, case = profile_case(args, "meta", precision, "auto", hws[0].name)
+    ids = case.inputs[0] if case.inputs else None
+    # a token model's first input is its ids (batch x sequence); anything else counts samples
+    if ids is not None and not ids.dtype.is_floating_point and ids.dim() >= 2:
+        tokens, unit = ids.numel(), "tokens"
+    else:
+        tokens, unit = (int(ids.shape[0]) if ids is not None and ids.dim() else 1), "samples"
+    report = fit(trace, hws, tokens, unit, host_memory=args.host_memory, progress=not args.no_progress)
+    print(format_fit(report))
+    if args.json:
+        with atomic_path(args.json) as tmp:
+            tmp.write_text(json.dumps(report.to_dict(), indent=2))
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        from swapsched.plots import plot_fit
+
+        hw = hws[0].with_host(host_budget_bytes=args.host_memory) if args.host_memory else hws[0]
+        curves = fit_curves(trace, hw, list(FIT_OPTIONS), progress=not args.no_progress)
+        plot_fit(curves, hws[0].device_memory_bytes, args.plot, title=f"{trace.name} on {hws[0].name}")
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0

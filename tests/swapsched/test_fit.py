@@ -1,0 +1,100 @@
+"""swapsched/fit.py and `swapsched fit`: each option's row is what planning and simulating it by
+hand gives; where nothing fits, the smallest machine named is one default fits."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from swapsched.agents.evaluate import run_policy
+from swapsched.agents.registry import get_policy
+from swapsched.cli import main
+from swapsched.fit import FIT_OPTIONS, device_budget, fit, step_flops
+from swapsched.hardware import load_hardware
+from swapsched.runtime.budgets import DEVICE_MARGIN
+from swapsched.trace_file import load_trace
+
+pytest.importorskip("transformers")
+
+CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 704,
+          "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4000,
+          "max_position_embeddings": 2048, "tie_word_embeddings": False}
+SEQ = 256
+
+
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fit") / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    return path
+
+
+@pytest.fixture(scope="module")
+def trace(config_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fit") / "t.json.gz"
+    assert main(["profile", f"hf:{config_path}", "--device", "meta", "--seq-len", str(SEQ), "--batch-size", "1",
+                 "--out", str(out)]) == 0
+    return load_trace(out)
+
+
+def _memory_between(trace) -> int:
+    """A device memory the state must move for (below the activations' floor with it kept)."""
+    budget = (trace.min_feasible_bytes_movable + trace.min_feasible_bytes) // 2
+    return math.ceil(budget / (1 - DEVICE_MARGIN))
+
+
+def test_each_row_is_its_policy_planned_and_simulated_by_hand(trace):
+    hw = replace(load_hardware("h100-pcie5"), device_memory_bytes=_memory_between(trace))
+    report = fit(trace, [hw], SEQ, progress=False)
+    assert [r.option for r in report.rows] == list(FIT_OPTIONS)
+    budget = device_budget(hw)
+    flops = step_flops(trace)
+    assert flops is not None and flops > 0
+    for row in report.rows:
+        _, res, _ = run_policy(get_policy(FIT_OPTIONS[row.option]), trace, budget, hw)
+        assert row.fits == (not res.oom), row
+        if row.fits:
+            assert row.step_s == res.iteration_s and row.device_peak_bytes == res.peak_bytes <= budget
+            assert row.host_peak_bytes == res.host_peak_bytes
+            assert row.tokens_per_s == pytest.approx(SEQ / res.iteration_s)
+            assert row.mfu == pytest.approx(flops / res.iteration_s / hw.peak_flops_for("bfloat16"))
+        else:
+            assert row.step_s is None and row.why
+    # the state must move at this memory: plain and checkpoint-all keep it, and do not fit
+    assert not report.rows[0].fits and not report.rows[1].fits
+    fitting = [r for r in report.rows if r.fits]
+    assert fitting and report.fastest is min(fitting, key=lambda r: r.step_s)
+    assert report.rows[-1].fits  # default fits wherever a peer does
+    assert not report.smallest
+
+
+def test_where_nothing_fits_default_fits_the_smallest_machine_it_names(trace):
+    small = math.ceil(trace.min_feasible_bytes_movable * 0.9 / (1 - DEVICE_MARGIN))
+    hw = replace(load_hardware("h100-pcie5"), device_memory_bytes=small)
+    report = fit(trace, [hw], SEQ, progress=False)
+    assert report.fastest is None and not any(r.fits for r in report.rows)
+    (least,) = report.smallest
+    assert least.device_bytes > small
+    at = replace(hw, device_memory_bytes=least.device_bytes)
+    _, res, _ = run_policy(get_policy("default"), trace, device_budget(at), at)
+    assert not res.oom and least.host_bytes == res.host_peak_bytes
+
+
+def test_the_command_writes_the_table_as_json(config_path, trace, tmp_path, capsys):
+    out = tmp_path / "fit.json"
+    assert main(["fit", f"hf:{config_path}", "--seq-len", str(SEQ), "--json", str(out), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "fastest that fits" in text
+    got = json.loads(out.read_text())
+    assert {"rows", "fastest", "smallest"} <= set(got)
+    assert [r["option"] for r in got["rows"]] == list(FIT_OPTIONS)
+    assert all({"option", "fits", "device_peak_bytes", "host_peak_bytes", "step_s", "tokens_per_s", "mfu"} <= set(r)
+               for r in got["rows"])
+    # 80 GB holds this model: every option fits, and nothing moved is the fastest
+    assert all(r["fits"] for r in got["rows"]) and got["fastest"] == "plain" and got["smallest"] is None
+    hw = load_hardware("h100-pcie5")
+    _, res, _ = run_policy(get_policy("no-swap"), trace, device_budget(hw), hw)
+    assert got["rows"][0]["step_s"] == pytest.approx(res.iteration_s)
