@@ -75,6 +75,39 @@ class Hardware:
     # node, all its cores; YAML, optional): None = DEFAULT_HOST_OPTIMIZER_PARAMS_PER_S.
     # ``swapsched calibrate`` measures it on the CPU profile.
     host_optimizer_params_per_s: float | None = None
+    # R18, sharded steps: each rank's collective bandwidth, as nccl-tests reports it (bus
+    # bandwidth: an all-gather or reduce-scatter of S bytes over N ranks moves S (N-1)/N through
+    # it), among the ranks of one node and across nodes; the latency of one collective; and the
+    # ranks one node holds (a job of more crosses nodes at the slower figure). YAML, optional:
+    # None = no collective figure (a sharded trace is refused on it).
+    collective_bytes_per_s: float | None = None
+    internode_bytes_per_s: float | None = None
+    collective_latency_s: float = 20e-6
+    gpus_per_node: int = 8
+    # ... and how many of a node's ranks share one host's memory, link and CPU (None: all of them;
+    # 1 on a GH200 node, where each superchip has its own Grace)
+    gpus_per_host: int | None = None
+
+    def collective_rate(self, world_size: int) -> float:
+        """R18: the bus bandwidth a collective over ``world_size`` ranks runs at."""
+        within = world_size <= self.gpus_per_node
+        rate = self.collective_bytes_per_s if within else (self.internode_bytes_per_s or self.collective_bytes_per_s)
+        if rate is None:
+            raise HardwareError(f"{self.name} gives no collective bandwidth (collective_bytes_per_s): a sharded step "
+                                "cannot be timed on it; use a profile that gives one (h100-sxm) or add it to the YAML")
+        return rate
+
+    def for_ranks(self, world_size: int) -> Hardware:
+        """R18: one rank of ``world_size`` as it sees the node's host: the node's ranks share its
+        link and memory bandwidth (R11), its optimizer's rate (R15) and its host budget, which
+        is then the node's (``--host-budget`` of a sharded trace is per node)."""
+        ranks = max(1, min(world_size, self.gpus_per_host or self.gpus_per_node))
+        if ranks == 1:
+            return self
+        out = replace(self.with_host(ranks_per_host=ranks), host_optimizer_params_per_s=self.host_optimizer_rate() / ranks)
+        if self.host_budget_bytes is not None:
+            out = replace(out, host_budget_bytes=self.host_budget_bytes // ranks)
+        return out
 
     def host_optimizer_rate(self) -> float:
         """R15: parameters the host's optimizer steps per second."""
@@ -160,7 +193,8 @@ class Hardware:
 
 
 _REQUIRED = ("d2h_bytes_per_s", "h2d_bytes_per_s", "copy_latency_s", "device_memory_bytes", "peak_flops", "memory_bytes_per_s")
-_OPTIONAL = ("host_memory_bytes_per_s", "bf16_peak_flops", "fp16_peak_flops", "host_optimizer_params_per_s", "copy_wake_s")
+_OPTIONAL = ("host_memory_bytes_per_s", "bf16_peak_flops", "fp16_peak_flops", "host_optimizer_params_per_s", "copy_wake_s",
+             "collective_bytes_per_s", "internode_bytes_per_s", "collective_latency_s")
 #: R15: a node's CPU AdamW where a profile gives none. DeepSpeed's ZenFlow write-up: ZeRO-Offload
 #: stretches a Llama-2-7B step from 0.5 s to over 7 s, the CPU step being the difference: 6.7e9
 #: parameters in about 6.5 s, 1.0e9 parameters a second (fused, every core of a server node).
@@ -216,8 +250,17 @@ def hardware_from_dict(data: Any, source: str) -> Hardware:
     kind = data.get("kind", "gpu")
     if kind not in KINDS:
         raise HardwareError(f"{source}: field kind: expected one of {list(KINDS)}, got {kind!r}")
+    for k in ("collective_bytes_per_s", "internode_bytes_per_s"):
+        if k in vals and vals[k] <= 0:
+            raise HardwareError(f"{source}: field {k}: must be > 0, got {data[k]!r}")
+    counts: dict[str, Any] = {}
+    for k in ("gpus_per_node", "gpus_per_host"):
+        if k in data:
+            if not isinstance(data[k], int) or isinstance(data[k], bool) or data[k] < 1:
+                raise HardwareError(f"{source}: field {k}: expected a positive integer, got {data[k]!r}")
+            counts[k] = data[k]
     memory = int(vals.pop("device_memory_bytes"))
-    return Hardware(name=data["name"], device_memory_bytes=memory, kind=kind, **vals)  # type: ignore[arg-type]  # vals: the float fields read from YAML
+    return Hardware(name=data["name"], device_memory_bytes=memory, kind=kind, **counts, **vals)  # type: ignore[arg-type]  # vals: the float fields read from YAML
 
 
 def hardware_names() -> list[str]:

@@ -36,9 +36,10 @@ class BlockState(str, Enum):
 
 FORMAT = "swapsched.plan"
 #: 2 adds ``recompute`` (R9), 3 ``selective`` (R9, selective), 4 ``state`` and ``host_step``
-#: (R13-R16); files of every earlier version still load (no state placed: all on the device).
-VERSION = 4
-READS = (1, 2, 3, 4)
+#: (R13-R16), 5 ``unsharded`` (R18); files of every earlier version still load (no state placed:
+#: all on the device; every unit resharded after forward).
+VERSION = 5
+READS = (1, 2, 3, 4, 5)
 #: R15: when the host steps its groups. ``overlap``: each as soon as its gradient is on the host
 #: (during backward); ``after-backward``: once backward is done (``optimizer.step()``'s place in
 #: the user's loop, as ZeRO-Offload, FSDP2 and torchao run it).
@@ -77,15 +78,18 @@ class SwapPlan:
     state: tuple[tuple[str, str], ...] = ()
     host_step: str = "overlap"
     param_return: str = "each"
+    #: R18, a sharded step: the units (state groups) kept unsharded from forward to backward
+    #: (FSDP2's ``reshard_after_forward=False``); the others are resharded after forward
+    unsharded: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, trace: Trace, policy: str, evictions: Iterable[Eviction], *, recompute: Iterable[str] = (),
            selective: Iterable[str] = (), state: dict[str, str] | None = None, host_step: str = "overlap",
-           param_return: str = "each", **meta: Any) -> SwapPlan:
+           param_return: str = "each", unsharded: Iterable[str] = (), **meta: Any) -> SwapPlan:
         placed = tuple(sorted((g, p) for g, p in (state or {}).items() if p != "device"))
         return cls(trace=trace.name, policy=policy, evictions=tuple(sorted(evictions)), meta=dict(meta),
                    recompute=tuple(sorted(set(recompute))), selective=tuple(sorted(set(selective))), state=placed,
-                   host_step=host_step, param_return=param_return)
+                   host_step=host_step, param_return=param_return, unsharded=tuple(sorted(set(unsharded))))
 
     def placement(self) -> dict[str, str]:
         """Each placed group's placement (groups not named are on the device)."""
@@ -146,6 +150,11 @@ class SwapPlan:
                                 + ("" if groups else " (it records no state: profile with --optimizer)"))
             if where not in PLACEMENTS:
                 raise PlanError(f"{source}: state[{k}]: placement {where!r} unknown; use one of {list(PLACEMENTS)}")
+        for k, group in enumerate(self.unsharded):
+            if trace.world_size == 1:
+                raise PlanError(f"{source}: unsharded[{k}]: trace {trace.name!r} is one device's step: nothing is sharded")
+            if group not in groups:
+                raise PlanError(f"{source}: unsharded[{k}]: trace {trace.name!r} has no unit {group!r}")
         if self.host_step not in HOST_STEPS:
             raise PlanError(f"{source}: host_step: {self.host_step!r} unknown; use one of {list(HOST_STEPS)}")
         if self.param_return not in PARAM_RETURNS:
@@ -192,6 +201,7 @@ class SwapPlan:
             "state": [{"group": g, "placement": p} for g, p in self.state],
             "host_step": self.host_step,
             "param_return": self.param_return,
+            "unsharded": list(self.unsharded),
         }
 
     def save(self, path: str | Path) -> Path:
@@ -234,6 +244,7 @@ def plan_from_dict(data: Any, source: str = "<dict>") -> SwapPlan:
         state=_state(f, data, source) if version >= 4 else (),
         host_step=str(data.get("host_step", "overlap")) if version >= 4 else "overlap",
         param_return=str(data.get("param_return", "each")) if version >= 4 else "each",
+        unsharded=tuple(sorted(set(block_names("unsharded", 5)))),
     )
 
 

@@ -74,6 +74,11 @@ class StateGroup:
     forward_end: int
     backward_at: int
     grad_at: int
+    #: Sharded (a trace of ``world_size`` > 1, ``swapsched/sharding.py``): the unit's unsharded
+    #: parameters as all-gathered (compute dtype) and its unsharded gradient as reduce-scattered
+    #: (reduce dtype); the four sizes above are then this rank's shard. 0: not sharded.
+    gather_bytes: int = 0
+    reduce_bytes: int = 0
 
     @property
     def bytes(self) -> int:
@@ -112,7 +117,7 @@ def check_groups(groups: Sequence[StateGroup], n_events: int, static_bytes: int)
         if g.name in names:
             return f"group {g.name!r} listed twice"
         names.add(g.name)
-        if min(g.params, g.param_bytes, g.grad_bytes, g.optim_bytes) < 0:
+        if min(g.params, g.param_bytes, g.grad_bytes, g.optim_bytes, g.gather_bytes, g.reduce_bytes) < 0:
             return f"group {g.name!r} has negative bytes"
         if not (0 <= g.forward_at <= g.forward_end < max(n_events, 1) and 0 <= g.backward_at <= g.grad_at <= n_events):
             return (f"group {g.name!r}: its events must satisfy 0 <= forward_at <= forward_end < n_events and "

@@ -82,6 +82,9 @@ class Trace:
     #: activation plan moves); a state plan may move them. Empty: a trace of format version 1, or
     #: profiled without an optimizer: everything static.
     state: tuple[StateGroup, ...] = ()
+    #: Ranks of a sharded step (FSDP2 / ZeRO-3, ``swapsched/sharding.py``): this trace is one
+    #: rank's, its state groups the rank's shards of each unit; ranks are symmetric. 1: one device.
+    world_size: int = 1
     #: Tables derived from this (immutable) trace by the layers above, computed once: the
     #: simulator's event tables under "sim", the env's decision tables under ("env", hardware).
     #: Never serialized, never compared.
@@ -323,11 +326,31 @@ class Trace:
         return np.cumsum(delta)[:-1]
 
     @cached_property
+    def unsharded_in_use_bytes(self) -> np.ndarray:
+        """R18: what a sharded step holds unsharded during the gap before each event, whatever
+        the plan, as :attr:`state_in_use_bytes` counts a group: a unit's unsharded parameters
+        while forward computes with it and while backward does (from the gap after its
+        ``backward_at`` until its gradient completes), and its unsharded gradient over the latter
+        (``env/collectives.py`` adds the all-gathers issued ahead and the reduce-scatters' time);
+        zeros on one device."""
+        n = self.n_events
+        delta = np.zeros(n + 2, dtype=np.int64)
+        if self.world_size > 1:
+            for g in self.state:
+                delta[g.forward_at] += g.gather_bytes
+                delta[g.forward_end + 1] -= g.gather_bytes
+                start = min(g.backward_at + 1, n)
+                delta[start] += g.gather_bytes + g.reduce_bytes
+                delta[max(g.grad_at, start)] -= g.gather_bytes + g.reduce_bytes
+        return np.cumsum(delta)[:n]
+
+    @cached_property
     def peak_bytes_no_swap(self) -> int:
-        """Device peak with nothing evicted: static + max over gaps of (other + resident saved)."""
+        """Device peak with nothing evicted: static + max over gaps of (other + resident saved,
+        + a sharded step's unsharded bytes in use, R18)."""
         if self.n_events == 0:
             return int(self.static_bytes)
-        return int(self.static_bytes + (self.other_bytes + self.resident_bytes_no_swap).max())
+        return int(self.static_bytes + (self.other_bytes + self.resident_bytes_no_swap + self.unsharded_in_use_bytes).max())
 
     @cached_property
     def saved_bytes_peak(self) -> int:
@@ -339,7 +362,7 @@ class Trace:
         """The smallest budget any plan can meet: what must be resident at the worst gap (R4/R7)."""
         if self.n_events == 0:
             return int(self.static_bytes)
-        return int(self.static_bytes + (self.other_bytes + self.must_resident_bytes).max())
+        return int(self.static_bytes + (self.other_bytes + self.must_resident_bytes + self.unsharded_in_use_bytes).max())
 
     @cached_property
     def state_in_use_bytes(self) -> np.ndarray:
@@ -366,7 +389,8 @@ class Trace:
             return self.min_feasible_bytes
         if self.n_events == 0:
             return self.fixed_bytes
-        return int(self.fixed_bytes + (self.other_bytes + self.must_resident_bytes + self.state_in_use_bytes).max())
+        return int(self.fixed_bytes + (self.other_bytes + self.must_resident_bytes + self.state_in_use_bytes
+                                       + self.unsharded_in_use_bytes).max())
 
     @property
     def forward_compute_s(self) -> float:
@@ -412,6 +436,7 @@ class Trace:
             },
             "timing": self.timing,
             "device": self.device,
+            "world_size": self.world_size,
         }
 
     def with_timing(self, gaps: Sequence[float], tail_s: float, **meta: Any) -> Trace:

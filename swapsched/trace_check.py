@@ -52,6 +52,11 @@ def validate_trace(trace: TraceFields, source: str) -> None:
         wrong = check_groups(trace.state, len(trace.events), int(trace.static_bytes))
         if wrong:
             fail("state", wrong)
+    world = getattr(trace, "world_size", 1)
+    if not (isinstance(world, int) and world >= 1):
+        fail("world_size", f"must be a positive integer, got {world!r}")
+    if world > 1 and not (trace.state and all(g.gather_bytes > 0 for g in trace.state if g.params)):
+        fail("world_size", f"a sharded trace ({world} ranks) records each unit's state and its all-gather bytes")
     n = len(trace.tensors)
     for k, t in enumerate(trace.tensors):
         if t.id != k:

@@ -17,9 +17,11 @@ __all__ = ["FORMAT", "VERSION", "READS", "load_trace", "save_trace", "trace_from
 
 FORMAT = "swapsched.trace"
 #: 2 adds ``state`` (R13: parameters, gradients and optimizer state per group); a version-1 file
-#: still loads, with no state: everything in ``static_bytes``, as it meant then
-VERSION = 2
-READS = (1, 2)
+#: still loads, with no state: everything in ``static_bytes``, as it meant then. 3 adds
+#: ``world_size`` and each group's ``gather_bytes`` and ``reduce_bytes`` (a sharded step,
+#: swapsched/sharding.py); a version-2 file loads as one device's step.
+VERSION = 3
+READS = (1, 2, 3)
 _GROUP_FIELDS = ("params", "param_bytes", "grad_bytes", "optim_bytes", "forward_at", "forward_end", "backward_at", "grad_at")
 
 
@@ -44,7 +46,10 @@ def trace_to_dict(trace: Trace) -> dict[str, Any]:
         "meta": trace.meta,
         "tensors": [_tensor_dict(t) for t in trace.tensors],
         "events": [ev(e) for e in trace.events],
-        "state": [{"name": g.name, **{k: int(getattr(g, k)) for k in _GROUP_FIELDS}} for g in trace.state],
+        "state": [{"name": g.name, **{k: int(getattr(g, k)) for k in _GROUP_FIELDS},
+                   **({"gather_bytes": g.gather_bytes, "reduce_bytes": g.reduce_bytes} if trace.world_size > 1 else {})}
+                  for g in trace.state],
+        "world_size": trace.world_size,
     }
 
 
@@ -124,12 +129,15 @@ def trace_from_dict(data: Any, source: str = "<dict>") -> Trace:
     state = []
     for k, g in enumerate(f.get(data, "state", "state", list, optional=True) or [] if ver >= 2 else []):
         w = f"state[{k}]"
+        sharded = {x: f.number(g, x, f"{w}.{x}", integer=True, optional=True) or 0
+                   for x in ("gather_bytes", "reduce_bytes")} if ver >= 3 else {}
         state.append(StateGroup(name=f.get(g, "name", f"{w}.name", str),
-                                **{x: f.number(g, x, f"{w}.{x}", integer=True) for x in _GROUP_FIELDS}))
+                                **{x: f.number(g, x, f"{w}.{x}", integer=True) for x in _GROUP_FIELDS}, **sharded))
+    world = f.number(data, "world_size", "world_size", integer=True, optional=True) if ver >= 3 else None
     trace = object.__new__(Trace)
     fields: dict[str, Any] = dict(
         name=name, timing=timing, device=device, static_bytes=static, tail_compute_s=float(tail),
-        tensors=tuple(tensors), events=tuple(events), meta=meta, state=tuple(state),
+        tensors=tuple(tensors), events=tuple(events), meta=meta, state=tuple(state), world_size=1 if world is None else world,
     )
     for attr, value in fields.items():
         object.__setattr__(trace, attr, value)

@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
 from swapsched.agents.recompute import CheckpointAll
 from swapsched.budget import BudgetError, format_bytes
+from swapsched.env.collectives import unsharded_deltas
 from swapsched.env.floors import joint_floor
 from swapsched.env.simulator import simulate
 from swapsched.env.state_exec import fetch_events, state_split, stream_in_bytes
@@ -39,7 +41,8 @@ from swapsched.policy import Policy
 from swapsched.state import OPTIMIZERS
 from swapsched.trace import Event, Trace
 
-__all__ = ["activation_view", "plan_state", "smallest_state_budget", "StatePeer", "PEERS", "state_floor", "candidate_placements"]
+__all__ = ["activation_view", "plan_state", "smallest_state_budget", "StatePeer", "PartialOffloadPeer", "PEERS", "state_floor",
+           "candidate_placements", "UNSHARDED_SHARES"]
 
 #: Shares of the groups (largest first) a one-placement candidate moves
 SHARES = (1 / 8, 1 / 4, 3 / 8, 1 / 2, 5 / 8, 3 / 4, 7 / 8, 1.0)
@@ -51,14 +54,17 @@ FINALISTS = 1
 STREAM_VARIANTS = ((0, 1.0), (1, 1.0), (1, 0.75))
 
 
-def activation_view(trace: Trace, placement: dict[str, str], stream_room: int = 0) -> Trace:
+def activation_view(trace: Trace, placement: dict[str, str], stream_room: int = 0,
+                    unsharded: frozenset[str] = frozenset()) -> Trace:
     """``trace`` as an activation planner sees it with its state placed (module docstring);
-    ``stream_room``: how many streamed groups' stream-ins it keeps room for (the largest)."""
+    ``stream_room``: how many streamed groups' stream-ins it keeps room for (the largest);
+    ``unsharded``: a sharded trace's units kept unsharded after forward (R18: the unsharded
+    parameters and gradients it holds count too)."""
     groups = trace.state
     where = [placement.get(g.name, "device") for g in groups]
     static, _ = state_split(groups, placement)
     n = trace.n_events
-    extra = np.zeros(n + 1, dtype=np.int64)
+    extra = unsharded_deltas(trace, set(unsharded))
     fwd, bwd = fetch_events(groups, where, min(trace.backward_start, n))
     for j, g in enumerate(groups):
         w = where[j]
@@ -85,7 +91,7 @@ def activation_view(trace: Trace, placement: dict[str, str], stream_room: int = 
     held = np.cumsum(extra)[:n]
     events = tuple(Event(e.kind, e.tensor, e.compute_s, e.flops, int((e.other_bytes or 0) + h) if (e.other_bytes or h) else None)
                    for e, h in zip(trace.events, held.tolist(), strict=True))
-    out = replace(trace, static_bytes=int(trace.fixed_bytes + static), events=events, state=())
+    out = replace(trace, static_bytes=int(trace.fixed_bytes + static), events=events, state=(), world_size=1)
     out.__dict__["segments"] = trace.segments  # the same blocks (a restriction the trace carries is kept)
     return out
 
@@ -106,7 +112,7 @@ def candidate_placements(trace: Trace) -> list[dict[str, str]]:
     return out
 
 
-def _with_state(trace: Trace, act: SwapPlan, placement: dict[str, str], name: str, **options: str) -> SwapPlan:
+def _with_state(trace: Trace, act: SwapPlan, placement: dict[str, str], name: str, **options: Any) -> SwapPlan:
     return SwapPlan.of(trace, name, act.evictions, recompute=act.recompute, selective=act.selective, state=placement,
                        **options, **act.meta)
 
@@ -174,13 +180,50 @@ def plan_state(trace: Trace, budget: int, hardware: Hardware, *, inner: Policy, 
     scored.sort()
     best: tuple[float, SwapPlan] | None = None
     for _, _, placement, room, act_budget in scored[:FINALISTS]:
-        view = activation_view(trace, placement, room)
+        keep = _unsharded(trace, budget, hardware, screen, placement, room, act_budget, name)
+        view = activation_view(trace, placement, room, keep)
         for pol in (inner, screen, CheckpointAll()):
-            plan = _with_state(trace, pol.plan(view, act_budget, hardware), placement, name)
+            plan = _with_state(trace, pol.plan(view, act_budget, hardware), placement, name, unsharded=keep)
             r = simulate(trace, plan, hardware, budget, validate=False)
             if not r.oom and (best is None or r.iteration_s < best[0]):
                 best = (r.iteration_s, plan)
-    assert best is not None  # the screened plan of each finalist fits
+    if best is None:  # a finalist's screened plan fit with its units resharded: it still does
+        _, _, placement, room, act_budget = scored[0]
+        best = (0.0, _screened_plan(trace, budget, hardware, screen, placement, room, act_budget, name, frozenset()))
+    return best[1]
+
+
+#: R18: the shares of a sharded trace's units (the last in forward, whose backward comes first)
+#: that ``default`` tries keeping unsharded from forward to backward (``reshard_after_forward``)
+UNSHARDED_SHARES = (0.0, 1 / 8, 1 / 4, 1 / 2, 1.0)
+
+
+def _screened_plan(trace: Trace, budget: int, hardware: Hardware, screen: Policy, placement: dict[str, str], room: int,
+                   act_budget: int, name: str, keep: frozenset[str]) -> SwapPlan:
+    """The screen's plan of ``placement`` with ``keep`` unsharded, or every block checkpointed
+    where that does not fit (as :func:`_screened`)."""
+    view = activation_view(trace, placement, room, keep)
+    plan = _with_state(trace, screen.plan(view, act_budget, hardware), placement, name, unsharded=keep)
+    if simulate(trace, plan, hardware, budget, validate=False).oom:
+        plan = _with_state(trace, CheckpointAll().plan(view, act_budget, hardware), placement, name, unsharded=keep)
+    return plan
+
+
+def _unsharded(trace: Trace, budget: int, hardware: Hardware, screen: Policy, placement: dict[str, str], room: int,
+               act_budget: int, name: str) -> frozenset[str]:
+    """R18: the units of a sharded trace to keep unsharded after forward, for ``placement``:
+    the share (``UNSHARDED_SHARES``, the last units first) whose screened plan steps fastest and
+    fits; none on one device."""
+    if trace.world_size == 1:
+        return frozenset()
+    order = [g.name for g in sorted(trace.state, key=lambda g: -g.forward_at)]
+    best: tuple[float, frozenset[str]] = (math.inf, frozenset())
+    for share in UNSHARDED_SHARES:
+        keep = frozenset(order[:math.ceil(len(order) * share)])
+        r = simulate(trace, _screened_plan(trace, budget, hardware, screen, placement, room, act_budget, name, keep),
+                     hardware, budget, validate=False)
+        if not r.oom and r.iteration_s < best[0]:
+            best = (r.iteration_s, keep)
     return best[1]
 
 
@@ -204,10 +247,45 @@ class StatePeer:
 #: gradients and state on the host, parameters fetched for each use, the step on the host),
 #: torchao CPUOffloadOptimizer (gradients out as produced, the host step after backward, each
 #: parameter back as its step finishes)
-PEERS = {
+@dataclass(frozen=True)
+class PartialOffloadPeer:
+    """FSDP2 with the offload #188120 proposes (``cpu_offload_by_budget``): ``CPUOffloadPolicy``
+    (``full``) on the units with the largest parameters first, as few as make the rank fit its
+    budget, every block checkpointed; all of them where none fits."""
+
+    name: str = "fsdp-partial"
+
+    def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
+        act = CheckpointAll().plan(trace, budget, hardware)
+        order = [g.name for g in sorted(trace.state, key=lambda g: (-g.param_bytes, g.forward_at))]
+
+        def offloading(k: int) -> SwapPlan:
+            placement = {name: "full" for name in order[:k]}
+            return _with_state(trace, act, placement, self.name, host_step="after-backward")
+
+        lo, hi = 0, len(order)  # the fewest units offloaded that fit: bisected (more offloaded, less held)
+        if simulate(trace, offloading(hi), hardware, budget, validate=False).oom:
+            return offloading(hi)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if simulate(trace, offloading(mid), hardware, budget, validate=False).oom:
+                lo = mid + 1
+            else:
+                hi = mid
+        return offloading(lo)
+
+
+PEERS: dict[str, StatePeer | PartialOffloadPeer] = {
     "zero-offload": StatePeer("zero-offload", "host-step", param_return="all"),
     "fsdp-offload": StatePeer("fsdp-offload", "full"),
     "ao-offload": StatePeer("ao-offload", "host-step", param_return="each"),
+    # R18, sharded: FSDP2 with no offload; #188120's partial offload; DeepSpeed ZeRO-3 with its
+    # parameters and optimizer offloaded (offload_param + offload_optimizer to the CPU: every
+    # unit's shard on the host, fetched for each use, the CPU Adam after backward, the
+    # parameters back together)
+    "fsdp": StatePeer("fsdp", "device"),
+    "fsdp-partial": PartialOffloadPeer(),
+    "zero3-offload": StatePeer("zero3-offload", "full", param_return="all"),
 }
 
 

@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "--no-state: all of it static, as traces of format 1")
     sp.add_argument("--override", type=override, action="append", metavar="KEY=VALUE",
                     help="set a hf: model's config field, e.g. num_hidden_layers=4 (repeatable)")
+    sp.add_argument("--world-size", type=positive_int, default=1, metavar="N",
+                    help="one rank of N under FSDP2 (R18): the state sharded per unit, each unit's all-gather and "
+                         "reduce-scatter recorded, the compute on bf16 unsharded parameters (default 1: one device)")
     sp.add_argument("--out", type=out_file, help="output trace (.json or .json.gz; default MODEL-SIZE.json.gz)")
 
     sp = add("fit", cmd_fit, "Will a model's training step fit this hardware, and how fast? One table: plain, every block "

@@ -36,16 +36,28 @@ def cmd_profile(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             raise UserError("--device cuda: no CUDA device is available here; use --device cpu or meta")
     for_gpu = device != "cpu" or args.hardware is not None
-    precision = Precision(args.dtype or ("bf16" if for_gpu else "fp32"), amp=args.amp)
+    world = args.world_size
+    if world > 1 and not args.state:
+        raise UserError("--world-size shards the state per group: it needs the state recorded (leave out --no-state)")
+    # R18: a rank computes as FSDP2's MixedPrecisionPolicy runs it, on unsharded parameters of
+    # the compute dtype (no autocast copies); its fp32 shards are counted by shard_trace
+    precision = Precision(args.dtype or ("bf16" if for_gpu else "fp32"), amp=args.amp and world == 1)
     target = load_hardware(args.hardware or (DEFAULT_GPU_HARDWARE if for_gpu else DEFAULT_CPU_HARDWARE))
     target.peak_flops_for(precision.compute_dtype)  # a dtype the hardware lacks: one line, before any work
     # the CPU's own measured step runs SDPA as it is; for a GPU, as the GPU's kernel would
     attention = args.attention or ("auto" if for_gpu else None)
     trace, _ = profile_case(args, device, precision, attention, target.name if for_gpu else None)
+    if world > 1:
+        from swapsched.sharding import shard_trace
+
+        trace = shard_trace(trace, world, gather_bytes=precision.param_dtype.itemsize)
     out = args.out or f"{trace.name}.json.gz"
     save_trace(trace, out)
     print_summary(trace.summary())
     print(f"precision    {precision} (compute {precision.compute_dtype}); attention {_kernels_used(trace.meta)}")
+    if world > 1:
+        print(f"sharded      one rank of {world}: fp32 shards of the state, parameters all-gathered in "
+              f"{precision.param_dtype} (FSDP2's MixedPrecisionPolicy), gradients reduce-scattered in fp32")
     print(f"wrote {out}", file=sys.stderr)
     return 0
 
@@ -113,7 +125,8 @@ def print_summary(s: dict[str, Any]) -> None:
     from swapsched.budget import format_bytes
 
     c = s["compute_s"]
-    print(f"trace        {s['name']}  ({s['timing']} on {s['device']})")
+    print(f"trace        {s['name']}  ({s['timing']} on {s['device']})"
+          + (f"  one rank of {s['world_size']}: every figure is per rank" if s.get("world_size", 1) > 1 else ""))
     print(f"tensors      {s['tensors']}   events {s['events']}")
     print(f"saved peak   {format_bytes(s['saved_bytes_peak'])}  (nothing evicted)")
     print(f"static       {format_bytes(s['static_bytes'])}  (params, grads, optimizer state)")

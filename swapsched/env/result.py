@@ -21,6 +21,12 @@ class StateCost:
     device_step_s: float  # the device's optimizer steps, on the compute stream (in iteration_s)
     stall_s: float  # compute waiting for state (in iteration_s)
     skipped: int  # groups the host budget could not hold, kept on the device (R11)
+    # R18, a sharded step: the collective stream's busy time, the compute's wait for it, and the
+    # unsharded bytes all-gathered and reduce-scattered
+    collective_s: float = 0.0
+    collective_stall_s: float = 0.0
+    gathered_bytes: int = 0
+    reduced_bytes: int = 0
 
     @property
     def off_bytes(self) -> int:

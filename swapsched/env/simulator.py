@@ -40,6 +40,8 @@ class Simulation:
     until the simulation reaches their swap-out event."""
 
     def __init__(self, trace: Trace, hardware: Hardware, budget: int, *, record: bool = False, guard: bool = False):
+        if trace.world_size > 1 and hardware.ranks_per_host == 1:
+            hardware = hardware.for_ranks(trace.world_size)  # R18: the node's host is shared by its ranks
         self.trace, self.hw, self.budget = trace, hardware, int(budget)
         # R4, guard: where the plan leaves no room and no swap-out is in flight, evict on the spot
         # what the runtime's guard would (MIN) instead of stopping at OOM; for predicting a step

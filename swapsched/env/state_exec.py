@@ -44,6 +44,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from swapsched.env.collectives import Collectives, _by_event
 from swapsched.env.result import SimResult, StateCost
 from swapsched.plan import SwapPlan
 from swapsched.state import OPTIMIZERS
@@ -186,6 +187,16 @@ class StateExecution:
         if sim.record:
             sim._mem = [(0.0, sim.static + sim.used)]
         self.grad_dynamic = [w in ("host-step", "full", "stream-full") for w in self.where]
+        # R18: a sharded step's all-gathers and reduce-scatters (env/collectives.py)
+        self.coll: Collectives | None = None
+        if trace.world_size > 1:
+            keep = {j for j, g in enumerate(self.groups) if g.name in set(plan.unsharded)}
+            self.coll = Collectives(sim, keep, self.frees, self._shard_ready)
+
+    def _shard_ready(self, j: int) -> float:
+        """When group ``j``'s shard is on the device for its all-gather (R18)."""
+        done = self.fetch_done[j]
+        return done if done is not None else self.carry.get(j, 0.0) if self.where[j] == "full" else 0.0
 
     # ------------------------------------------------------------------ copies and memory
     def _copy(self, direction: str, nbytes: int, at: float, group: int = -1) -> float:
@@ -293,7 +304,7 @@ class StateExecution:
         for j in self.fetch_fwd_at[i]:
             if not self.resident[j] and self.fetch_done[j] is None and j not in self.waiting and not self._fetch(j):
                 return False
-        return True
+        return self.coll is None or self.coll.before_gap(i, self.fwd_at[i])
 
     def at_unpack(self, i: int) -> bool:
         """Backward reaches the groups whose backward starts at ``i``: their parameters must be
@@ -311,10 +322,12 @@ class StateExecution:
         for j in self.fetch_bwd_at[i]:
             if not self.resident[j] and self.fetch_done[j] is None and j not in self.waiting and not self._fetch(j):
                 return False
-        return True
+        return self.coll is None or self.coll.at_unpack(i, self.bwd_at[i])
 
     def after_gap(self, i: int) -> None:
         """Forward is done with the groups whose forward ends at ``i``."""
+        if self.coll is not None:
+            self.coll.after_gap(self.fwd_end[i])
         for j in self.fwd_end[i]:
             w = self.where[j]
             if w == "param":  # the updated parameter goes to the host, where backward fetches it from
@@ -330,8 +343,10 @@ class StateExecution:
     def _grad_complete(self, j: int) -> None:
         w = self.where[j]
         g = self.groups[j]
+        # R18: sharded, the rank's shard of the gradient is there once its reduce-scatter lands
+        ready = self.sim.t if self.coll is None else self.coll.grad_complete(j)
         if w in ("host-step", "full", "stream-full"):
-            end = self._copy("d2h", g.grad_bytes, self.sim.t, j)
+            end = self._copy("d2h", g.grad_bytes, ready, j)
             heapq.heappush(self.frees, (end, g.grad_bytes))
             if w in ("full", "stream-full"):  # backward is done with it
                 self.resident[j] = False
@@ -378,6 +393,8 @@ class StateExecution:
         n = sim.tb.n
         for j in self.grad_at[n]:
             self._grad_complete(j)
+        if self.coll is not None:
+            self.coll.drain(n)
         end_backward = sim.t
         order = sorted(range(len(self.groups)), key=lambda j: (self.groups[j].grad_at, -self.groups[j].forward_at))
         for j in order:  # the device's steps, on the compute stream
@@ -432,22 +449,14 @@ class StateExecution:
 
     def cost(self) -> StateCost:
         r = self.result
+        c = self.coll
         return StateCost(r.param_off, r.grad_off, r.optim_off, r.host_bytes, r.host_step_s, r.device_step_s, r.stall_s,
-                         r.skipped)
+                         r.skipped, *(() if c is None else (c.busy_s, c.stall_s, c.gathered_bytes, c.reduced_bytes)))
 
     def carry_for_next(self, step_s: float) -> dict[int, float]:
         """When each group's parameter is ready in the next step's clock (R16): only what is
         still under way when this step ends."""
         return {j: t - step_s for j, t in self.next_carry.items() if t > step_s}
-
-
-def _by_event(n: int, pairs: list[tuple[int, int]]) -> list[tuple[int, ...]]:
-    """Per event ``i`` < ``n``, the groups ``j`` of the ``(i, j)`` pairs, in order."""
-    out: list[tuple[int, ...]] = [()] * n
-    for i, j in pairs:
-        if 0 <= i < n:
-            out[i] += (j,)
-    return out
 
 
 def run_to_steady_state(step: Callable[[dict[int, float] | None], tuple[SimResult, StateExecution | None]]) -> SimResult:
