@@ -117,12 +117,21 @@ def _with_state(trace: Trace, act: SwapPlan, placement: dict[str, str], name: st
                        **options, **act.meta)
 
 
+#: How many candidates (with their stream variants) the screen plans, the best of them once
+#: every one is ranked by its plan with every block checkpointed (a millisecond each; the
+#: screen's own plan is a search, about 0.3 s each on a 70B-shaped trace); more where none of
+#: those fits
+SCREENED = 8
+
+
 def _screened(trace: Trace, budget: int, hardware: Hardware, screen: Policy, name: str, *,
               first: bool = False) -> list[tuple[float, int, dict[str, str], int, int]]:
     """Each candidate placement (and stream variant) whose screened plan fits ``budget`` in
-    simulation: (step, candidate, placement, stream room, activation budget). ``first``: stop
-    at the first that fits."""
-    scored: list[tuple[float, int, dict[str, str], int, int]] = []
+    simulation: (step, candidate, placement, stream room, activation budget). Every candidate
+    is ranked by its plan with every block checkpointed (the peers' activation plan); the
+    ``SCREENED`` best are planned by ``screen`` too, and score the better of the two. ``first``:
+    stop at the first that fits."""
+    ranked: list[tuple[float, int, dict[str, str], int, int]] = []
     for c, placement in enumerate(candidate_placements(trace)):
         streams = any(w in ("stream", "stream-full") for w in placement.values())
         for room, share in STREAM_VARIANTS if streams else ((0, 1.0),):
@@ -130,15 +139,24 @@ def _screened(trace: Trace, budget: int, hardware: Hardware, screen: Policy, nam
             act_budget = max(int(budget * share), view.min_feasible_bytes)
             if view.min_feasible_bytes > budget or (share < 1.0 and act_budget >= budget):
                 continue
-            plan = _with_state(trace, screen.plan(view, act_budget, hardware), placement, name)
+            plan = _with_state(trace, CheckpointAll().plan(view, act_budget, hardware), placement, name)
             r = simulate(trace, plan, hardware, budget, validate=False)
-            if r.oom:  # the peers' activation plan, every block checkpointed, fits where the screen's may not
-                plan = _with_state(trace, CheckpointAll().plan(view, act_budget, hardware), placement, name)
-                r = simulate(trace, plan, hardware, budget, validate=False)
-            if not r.oom:
-                scored.append((r.iteration_s, c, placement, room, act_budget))
-                if first:
-                    return scored
+            if first and not r.oom:
+                return [(r.iteration_s, c, placement, room, act_budget)]
+            ranked.append((r.iteration_s, c, placement, room, act_budget))  # inf where it does not fit
+    ranked.sort(key=lambda x: (x[0], x[1]))
+    scored: list[tuple[float, int, dict[str, str], int, int]] = []
+    for k, (checkpointed, c, placement, room, act_budget) in enumerate(ranked):
+        if k >= SCREENED and scored:
+            break
+        view = activation_view(trace, placement, room)
+        r = simulate(trace, _with_state(trace, screen.plan(view, act_budget, hardware), placement, name), hardware,
+                     budget, validate=False)
+        step = min(checkpointed, r.iteration_s)  # OOM is inf
+        if math.isfinite(step):
+            scored.append((step, c, placement, room, act_budget))
+            if first:
+                return scored
     return scored
 
 
@@ -189,7 +207,14 @@ def plan_state(trace: Trace, budget: int, hardware: Hardware, *, inner: Policy, 
                 best = (r.iteration_s, plan)
     if best is None:  # a finalist's screened plan fit with its units resharded: it still does
         _, _, placement, room, act_budget = scored[0]
-        best = (0.0, _screened_plan(trace, budget, hardware, screen, placement, room, act_budget, name, frozenset()))
+        plan = _screened_plan(trace, budget, hardware, screen, placement, room, act_budget, name, frozenset())
+        best = (simulate(trace, plan, hardware, budget, validate=False).iteration_s, plan)
+    # the peers' own rules are candidates too: default is never slower than a peer that fits
+    for peer in PEERS.values():
+        plan = peer.plan(trace, budget, hardware)
+        r = simulate(trace, plan, hardware, budget, validate=False)
+        if not r.oom and r.iteration_s < best[0]:
+            best = (r.iteration_s, replace(plan, policy=name))
     return best[1]
 
 
