@@ -4,8 +4,10 @@ so its step is the job's).
 :class:`Collectives` is driven by :class:`~swapsched.env.state_exec.StateExecution` at its points
 of the loop, for a trace of ``world_size`` > 1 (``swapsched/sharding.py``). Each unit (state
 group) is all-gathered and reduce-scattered on one collective stream of its own, FIFO, which
-overlaps the compute and the copy engines; a collective of ``S`` bytes over ``N`` ranks takes
-``collective_latency_s + S (N - 1) / N / Hardware.collective_rate(N)``.
+overlaps the compute and the copy engines: the all-gathers on one stream and the
+reduce-scatters on another, each FIFO, as FSDP2 issues them (a reduce-scatter never waits
+behind an all-gather still waiting for its shard); a collective of ``S`` bytes over ``N``
+ranks takes ``collective_latency_s + S (N - 1) / N / Hardware.collective_rate(N)``.
 
 - **Forward**: a unit's all-gather is issued one unit ahead, as FSDP2's implicit prefetch does
   (as the previous unit's forward starts; the first as the step starts), and waited for before
@@ -50,7 +52,7 @@ class Collectives:
         self.rate = hw.collective_rate(world)
         self.lat = hw.collective_latency_s
         self.keep = keep
-        self.free = 0.0  # the collective stream's clock
+        self.free = {"gather": 0.0, "reduce": 0.0}  # each collective stream's clock
         n = len(self.groups)
         self.unsharded = [False] * n  # the unit's unsharded parameters are allocated
         self.done: list[float | None] = [None] * n  # an issued all-gather's end
@@ -67,12 +69,12 @@ class Collectives:
                                                 for k, (a, j) in enumerate(bwd)])
 
     # ------------------------------------------------------------------ the stream
-    def _collective(self, nbytes: int, at: float, group: int) -> float:
-        """One collective of ``nbytes`` (unsharded) ready at ``at``, FIFO on the stream; its end."""
-        start = max(at, self.free)
+    def _collective(self, stream: str, nbytes: int, at: float, group: int) -> float:
+        """One collective of ``nbytes`` (unsharded) ready at ``at``, FIFO on ``stream``; its end."""
+        start = max(at, self.free[stream])
         end = start + self.lat + nbytes * self.share / self.rate
         self.busy_s += end - start
-        self.free = end
+        self.free[stream] = end
         if self.sim.record:
             self.spans.append((start, end, group))
         return end
@@ -92,7 +94,7 @@ class Collectives:
         sim._note_mem()
         self.unsharded[j] = True
         self.gathered_bytes += b
-        self.done[j] = self._collective(b, max(sim.t, self.shard_ready(j)), j)
+        self.done[j] = self._collective("gather", b, max(sim.t, self.shard_ready(j)), j)
         return True
 
     def need(self, j: int, event: int) -> bool:
@@ -148,7 +150,7 @@ class Collectives:
         issued; returns when the rank's shard of the gradient is ready."""
         self.reshard(j)
         b = self.groups[j].reduce_bytes
-        end = self._collective(b, self.sim.t, j)
+        end = self._collective("reduce", b, self.sim.t, j)
         self.reduced_bytes += b
         heapq.heappush(self.frees, (end, b))
         return end
@@ -156,7 +158,7 @@ class Collectives:
     def drain(self, event: int) -> None:
         """The step's end: the optimizer waits for every reduce-scatter."""
         before = self.sim.t
-        self.sim._wait_until(self.free, event)
+        self.sim._wait_until(self.free["reduce"], event)
         self.stall_s += self.sim.t - before
 
 

@@ -36,9 +36,10 @@ def test_all_gathers_and_reduce_scatters_timed_and_counted_by_hand():
     r = simulate(t, SwapPlan.of(t, "hand", []), HW, 2000)
     # forward: blk.0 gathered on demand at t 0 (0-0.5, a stall), blk.1 prefetched behind it
     # (0.5-1.0), in time for gap 1 (1.5-2.5). Backward: blk.1 again on demand after gap 2
-    # (3.5-4.0), blk.0 prefetched (4.0-4.5) in time for gap 3 (4.0-5.0); reduce-scatters of
-    # blk.1 (4.5-5.5, behind blk.0's gather) and blk.0 (5.5-6.5); the optimizer waits for them
-    assert r.iteration_s == pytest.approx(6.5, abs=1e-6) and not r.oom
+    # (3.5-4.0), blk.0 prefetched (4.0-4.5) in time for gap 3 (4.0-5.0); reduce-scatters on
+    # their own stream, blk.1's as gap 3 starts (4.0-5.0), blk.0's after it (5.0-6.0); the
+    # optimizer waits for them
+    assert r.iteration_s == pytest.approx(6.0, abs=1e-6) and not r.oom
     assert r.state is not None
     assert r.state.collective_s == pytest.approx(4.0) and r.state.gathered_bytes == 400 and r.state.reduced_bytes == 400
     # the most at once, after gap 2: shards 400 + T0 + blk.1 gathered (100) and its gradient
@@ -46,7 +47,7 @@ def test_all_gathers_and_reduce_scatters_timed_and_counted_by_hand():
     # + T0 + blk.0 (100) and its gradient (200) + blk.1's gradient until its scatter lands = 1000
     assert r.peak_bytes == 1000
     # 1 B less: blk.0's backward prefetch finds no room and is gathered on demand after gap 3
-    # (5.0-5.5, a stall), its scatter 5.5-6.5: the same step, 100 B less at once
+    # (5.0-5.5, a stall), its scatter 5.5-6.5: half a second later, 100 B less at once
     tight = simulate(t, SwapPlan.of(t, "hand", []), HW, 999)
     assert not tight.oom and tight.iteration_s == pytest.approx(6.5, abs=1e-6) and tight.peak_bytes <= 999
     # 899 B: after gap 2, T0 + T1 + blk.1's parameters (on demand) leave no room for its gradient
@@ -56,8 +57,10 @@ def test_all_gathers_and_reduce_scatters_timed_and_counted_by_hand():
 def test_a_unit_kept_unsharded_after_forward_is_not_gathered_again():
     t = sharded()
     r = simulate(t, SwapPlan.of(t, "hand", [], unsharded=["blk.1"]), HW, 2000)
-    # blk.1 stays from forward: backward gathers only blk.0 (3.5-4.0); scatters 4.0-5.0, 5.0-6.0
-    assert r.iteration_s == pytest.approx(6.0, abs=1e-6)
+    # blk.1 stays from forward, so nothing waits after gap 2 (3.5): backward gathers only blk.0
+    # (3.5-4.0, there before its node runs after gap 3); blk.1's scatter as gap 3 starts
+    # (3.5-4.5), blk.0's after it (4.5-5.5)
+    assert r.iteration_s == pytest.approx(5.5, abs=1e-6)
     assert r.state is not None and r.state.gathered_bytes == 300
 
 
