@@ -12,6 +12,11 @@ simulated (R1-R16):
   ``torchao-offload`` (torchao's ``CPUOffloadOptimizer``);
 - ``default``: swapsched's own plan of the state and the activations together.
 
+For one rank of a sharded step (``--world-size``, R18) the options are FSDP2's: ``plain`` (no
+checkpointing), ``fsdp`` (every block checkpointed), ``fsdp-offload``, ``fsdp-partial``
+(#188120's partial offload), ``zero3-offload`` and ``default``; tokens are the job's, the
+device peak a rank's and the host peak and memory a node's.
+
 The device budget is the device's memory less ``DEVICE_MARGIN`` (what the runtime's ``"device"``
 budget leaves the allocator); the host budget is ``host_memory`` (R11: a group whose host part
 does not fit stays on the device). A row gives the device peak and the host peak (swapped
@@ -37,12 +42,16 @@ from swapsched.hardware import Hardware
 from swapsched.runtime.budgets import DEVICE_MARGIN
 from swapsched.trace import Trace
 
-__all__ = ["FIT_OPTIONS", "FitRow", "Smallest", "FitReport", "fit", "fit_curves", "device_budget", "step_flops",
+__all__ = ["FIT_OPTIONS", "SHARDED_OPTIONS", "options_for", "FitRow", "Smallest", "FitReport", "fit", "fit_curves", "device_budget", "step_flops",
            "format_fit"]
 
 #: Each option of the table and the registry policy that plans it (module docstring)
 FIT_OPTIONS: dict[str, str] = {"plain": "no-swap", "checkpoint-all": "checkpoint-all", "zero-offload": "zero-offload",
                                "fsdp-offload": "fsdp-offload", "torchao-offload": "ao-offload", "default": "default"}
+#: ... for one rank of a sharded step (R18): FSDP2 without and with every block checkpointed,
+#: its offload, #188120's partial offload, DeepSpeed ZeRO-3 offload, and default
+SHARDED_OPTIONS: dict[str, str] = {"plain": "no-swap", "fsdp": "fsdp", "fsdp-offload": "fsdp-offload",
+                                   "fsdp-partial": "fsdp-partial", "zero3-offload": "zero3-offload", "default": "default"}
 
 
 @dataclass(frozen=True)
@@ -89,14 +98,21 @@ class FitReport:
     rows: tuple[FitRow, ...]
     fastest: FitRow | None
     smallest: tuple[Smallest, ...]
+    world_size: int = 1  # R18: ranks; tokens are the job's, peaks a rank's, host memory a node's
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "tokens_per_step": self.tokens, "unit": self.unit, "host_memory_bytes": self.host_memory,
+        return {"model": self.model, "world_size": self.world_size, "tokens_per_step": self.tokens, "unit": self.unit,
+                "host_memory_bytes": self.host_memory,
                 "rows": [r.to_dict() for r in self.rows],
                 "fastest": None if self.fastest is None else self.fastest.option,
                 "fastest_hardware": None if self.fastest is None else self.fastest.hardware,
                 "smallest": self.smallest[0].to_dict() if self.smallest and self.fastest is None else None,
                 "smallest_by_hardware": [s.to_dict() for s in self.smallest]}
+
+
+def options_for(trace: Trace) -> dict[str, str]:
+    """The options of ``trace``'s table: one device's, or a sharded step's (R18)."""
+    return SHARDED_OPTIONS if trace.world_size > 1 else FIT_OPTIONS
 
 
 def device_budget(hardware: Hardware) -> int:
@@ -119,7 +135,7 @@ def _row(trace: Trace, option: str, budget: int, hw: Hardware, tokens: int, flop
         return FitRow(option, hw.name, False, None, None, None, None, None,
                       why=f"any plan needs over {format_bytes(math.ceil(least / (1 - DEVICE_MARGIN)))} of device memory")
     try:
-        _, res, _ = run_policy(get_policy(FIT_OPTIONS[option]), trace, budget, hw)
+        _, res, _ = run_policy(get_policy(options_for(trace)[option]), trace, budget, hw)
     except BudgetError:  # default's refusal: none of the placements it screens fits
         return FitRow(option, hw.name, False, None, None, None, None, None, why="no placement fits")
     if res.oom or not math.isfinite(res.iteration_s):
@@ -128,10 +144,12 @@ def _row(trace: Trace, option: str, budget: int, hw: Hardware, tokens: int, flop
                else f"needs {format_bytes(math.ceil(trace.peak_bytes_no_swap / (1 - DEVICE_MARGIN)))} of device memory"
                if option == "plain" else "out of device memory")
         return FitRow(option, hw.name, False, None, None, None, None, None, why=why)
-    host = res.host_peak_bytes  # R11: the swapped activations and the state the host holds, at once
+    host = res.node_host_peak_bytes  # R11: the swapped activations and the state the host holds, at once (R18: the node's)
     peak = hw.peak_flops_for(str(trace.meta.get("compute_dtype", "float32")))
     mfu = None if flops is None else flops / res.iteration_s / peak
-    return FitRow(option, hw.name, True, res.peak_bytes, host, res.iteration_s, tokens / res.iteration_s, mfu)
+    # the job's tokens: every rank's batch (a rank's MFU is the job's: ranks are symmetric)
+    return FitRow(option, hw.name, True, res.peak_bytes, host, res.iteration_s, tokens * trace.world_size / res.iteration_s,
+                  mfu)
 
 
 def smallest_fit(trace: Trace, hardware: Hardware) -> Smallest | None:
@@ -145,18 +163,22 @@ def smallest_fit(trace: Trace, hardware: Hardware) -> Smallest | None:
     if budget is None:
         return None
     row = _row(trace, "default", budget, free, 1, None)
-    host = row.host_peak_bytes if row.fits and row.host_peak_bytes is not None else sum(g.bytes for g in trace.state)
+    host = (row.host_peak_bytes if row.fits and row.host_peak_bytes is not None
+            else sum(g.bytes for g in trace.state) * free.for_ranks(trace.world_size).ranks_per_host)
     return Smallest(hardware.name, math.ceil(budget / (1 - DEVICE_MARGIN)), host)
 
 
 def fit(trace: Trace, hardware: Sequence[Hardware], tokens: int, unit: str = "tokens", *,
-        host_memory: int | None = None, options: Sequence[str] = tuple(FIT_OPTIONS), progress: bool = True) -> FitReport:
-    """Each option on each hardware (module docstring), with ``tokens`` per step."""
+        host_memory: int | None = None, options: Sequence[str] | None = None, progress: bool = True) -> FitReport:
+    """Each option on each hardware (module docstring), with ``tokens`` per step and rank.
+    ``host_memory``: a node's, for a sharded trace (R18)."""
     from tqdm import tqdm
 
-    unknown = [o for o in options if o not in FIT_OPTIONS]
+    known = options_for(trace)
+    options = list(known) if options is None else list(options)
+    unknown = [o for o in options if o not in known]
     if unknown:
-        raise ValueError(f"unknown fit options {unknown}; known: {', '.join(FIT_OPTIONS)}")
+        raise ValueError(f"unknown fit options {unknown}; known: {', '.join(known)}")
     flops = step_flops(trace)
     rows: list[FitRow] = []
     hws = [hw.with_host(host_budget_bytes=host_memory) if host_memory is not None else hw for hw in hardware]
@@ -174,10 +196,11 @@ def fit(trace: Trace, hardware: Sequence[Hardware], tokens: int, unit: str = "to
             found = smallest_fit(trace, hw)
             if found is not None:
                 smallest.append(found)
-    return FitReport(trace.name, tokens, unit, host_memory, tuple(rows), fastest, tuple(smallest))
+    return FitReport(trace.name, tokens * trace.world_size, unit, host_memory, tuple(rows), fastest, tuple(smallest),
+                     trace.world_size)
 
 
-def fit_curves(trace: Trace, hardware: Hardware, options: Sequence[str], points: int = 6,
+def fit_curves(trace: Trace, hardware: Hardware, options: Sequence[str] | None = None, points: int = 6,
                progress: bool = True) -> dict[str, list[tuple[int, float | None]]]:
     """Each option's step (None: does not fit) over ``points`` device memories, from the smallest
     feasible with the state movable to the peak with nothing moved (the plot of ``fit --plot``)."""
@@ -186,6 +209,7 @@ def fit_curves(trace: Trace, hardware: Hardware, options: Sequence[str], points:
     lo = trace.min_feasible_bytes_movable if trace.state else trace.min_feasible_bytes
     hi = max(int(trace.peak_bytes_no_swap * 1.02), lo + 1)  # past the peak: plain's point too
     budgets = [int(lo + (hi - lo) * i / (points - 1)) for i in range(points)]
+    options = list(options_for(trace)) if options is None else list(options)
     out: dict[str, list[tuple[int, float | None]]] = {o: [] for o in options}
     with tqdm(total=points * len(options), disable=not progress, unit="plan", leave=False, dynamic_ncols=True) as bar:
         for b in budgets:
@@ -210,7 +234,8 @@ def format_fit(report: FitReport) -> str:
                          "-" if r.mfu is None else f"{100 * r.mfu:.1f}%"])
         else:
             body.append([r.option, r.hardware, f"no: {r.why}", "-", "-", "-", "-", "-"])
-    lines = [f"{report.model}: {report.tokens:,} {report.unit} a step; device budget = memory less "
+    ranks = "" if report.world_size == 1 else f" on {report.world_size} ranks (device peak: a rank's; host: a node's)"
+    lines = [f"{report.model}: {report.tokens:,} {report.unit} a step{ranks}; device budget = memory less "
              f"{100 * DEVICE_MARGIN:.0f}%; host memory {format_bytes(report.host_memory) if report.host_memory else 'unlimited'}",
              format_grid(head, body)]
     if report.fastest is not None:

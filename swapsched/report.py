@@ -54,7 +54,8 @@ def format_table(results: Iterable[CaseResult], policies: Sequence[str]) -> str:
 def format_state(results: Iterable[CaseResult], policies: Sequence[str]) -> str:
     """Per case and policy, what its plan did with the training state (R13-R16): parameters,
     gradients and optimizer state off the device, where the optimizer stepped, the host's step
-    time and the host's peak (the state's and the swapped activations')."""
+    time and the host's peak (the state's and the swapped activations'; a sharded step's: its
+    node's, R18), and a sharded step's collective time and the compute's wait for it."""
     body = []
     for r in results:
         res = r.result
@@ -63,9 +64,11 @@ def format_state(results: Iterable[CaseResult], policies: Sequence[str]) -> str:
         st = res.state
         body.append([r.trace, r.budget, r.hardware, r.policy, "OOM" if res.oom else f"{1e3 * res.iteration_s:.3f}",
                      format_bytes(st.param_off_bytes), format_bytes(st.grad_off_bytes), format_bytes(st.optim_off_bytes),
-                     st.where_stepped, f"{1e3 * st.host_step_s:.3f}", format_bytes(res.host_peak_bytes)])
+                     st.where_stepped, f"{1e3 * st.host_step_s:.3f}",
+                     format_bytes(res.node_host_peak_bytes) + (f" ({res.host_ranks} ranks)" if res.host_ranks > 1 else ""),
+                     "-" if not st.gathered_bytes else f"{1e3 * st.collective_s:.1f} / {1e3 * st.collective_stall_s:.1f}"])
     return format_grid(["trace", "budget", "hardware", "policy", "step ms", "params off", "grads off", "optim off",
-                        "stepped on", "host step ms", "host peak"], body)
+                        "stepped on", "host step ms", "host peak (node)", "collectives / stall ms"], body)
 
 
 def format_summary(summary: Sequence[PolicySummary]) -> str:

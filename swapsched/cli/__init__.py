@@ -113,7 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--hardware", type=csv_list, default=[DEFAULT_GPU_HARDWARE],
                     help=f"comma list of names or YAML paths, a table row per option on each (default {DEFAULT_GPU_HARDWARE})")
     sp.add_argument("--host-memory", type=host_budget, metavar="BYTES",
-                    help="host memory for the state and swapped activations, like 64GiB (default: unlimited)")
+                    help="host memory for the state and swapped activations, like 64GiB; a node's with --world-size "
+                         "(default: unlimited)")
+    sp.add_argument("--world-size", type=positive_int, default=1, metavar="N",
+                    help="N ranks under FSDP2 (R18): one rank's step planned, the job's tokens a second (default 1)")
     sp.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (hf: default 4096)")
     sp.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step (hf: default 1)")
     sp.add_argument("--optimizer", choices=["adamw", "sgd", "adafactor"], default="adamw", help="default adamw")

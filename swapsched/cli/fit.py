@@ -13,22 +13,28 @@ __all__ = ["cmd_fit"]
 def cmd_fit(args: argparse.Namespace) -> int:
     from swapsched._paths import atomic_path
     from swapsched.cli.profile import profile_case
-    from swapsched.fit import FIT_OPTIONS, fit, fit_curves, format_fit
+    from swapsched.fit import fit, fit_curves, format_fit
     from swapsched.hardware import load_hardware
     from swapsched.precision import Precision
 
     args.state = True  # the state is what may move
+    world = args.world_size
     if args.model.startswith("hf:"):  # a fine-tune's step: one sequence of 4k tokens unless told
         args.seq_len = args.seq_len or 4096
         args.batch_size = args.batch_size or 1
     hws = [load_hardware(h) for h in args.hardware]
-    precision = Precision(args.dtype, amp=args.amp)
+    # R18: a rank computes as FSDP2's MixedPrecisionPolicy runs it (no autocast copies)
+    precision = Precision(args.dtype, amp=args.amp and world == 1)
     for hw in hws:
         hw.peak_flops_for(precision.compute_dtype)  # a dtype the hardware lacks: one line, before any work
     talk = not args.no_progress and sys.stderr.isatty()
     if talk:
         print(f"profiling {args.model} on meta...", end="\r", file=sys.stderr, flush=True)
     trace, case = profile_case(args, "meta", precision, "auto", hws[0].name)
+    if world > 1:
+        from swapsched.sharding import shard_trace
+
+        trace = shard_trace(trace, world, gather_bytes=precision.param_dtype.itemsize)
     ids = case.inputs[0] if case.inputs else None
     # a token model's first input is its ids (batch x sequence); anything else counts samples
     if ids is not None and not ids.dtype.is_floating_point and ids.dim() >= 2:
@@ -45,7 +51,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
         from swapsched.plots import plot_fit
 
         hw = hws[0].with_host(host_budget_bytes=args.host_memory) if args.host_memory else hws[0]
-        curves = fit_curves(trace, hw, list(FIT_OPTIONS), progress=not args.no_progress)
+        curves = fit_curves(trace, hw, progress=not args.no_progress)
         plot_fit(curves, hws[0].device_memory_bytes, args.plot, title=f"{trace.name} on {hws[0].name}")
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0

@@ -85,6 +85,14 @@ class SimResult:
     host_skipped: int = 0
     # R13-R16: the state plan's cost, for a trace that records its state (None: none recorded)
     state: StateCost | None = None
+    # R18: the ranks sharing this rank's host (a sharded step's node): the node's host holds
+    # ``host_peak_bytes`` for each of them
+    host_ranks: int = 1
+
+    @property
+    def node_host_peak_bytes(self) -> int:
+        """R18: what the node's host holds at its peak, every rank on it alike."""
+        return self.host_peak_bytes * self.host_ranks
 
     @property
     def overhead(self) -> float:
@@ -111,6 +119,8 @@ class SimResult:
             "recompute_s": self.recompute_s,
             "guard_evictions": self.guard_evictions,
             "host_peak_bytes": self.host_peak_bytes,
+            "node_host_peak_bytes": self.node_host_peak_bytes,
+            "host_ranks": self.host_ranks,
             "host_skipped": self.host_skipped,
             "state": None if self.state is None else {**asdict(self.state), "off_bytes": self.state.off_bytes,
                                                       "where_stepped": self.state.where_stepped},

@@ -468,6 +468,7 @@ class Simulation:
             host_peak_bytes=int(self.host_peak) + (st.result.host_bytes if st is not None else 0),
             host_skipped=self.host_skipped,
             state=None if st is None else st.cost(),
+            host_ranks=self.hw.ranks_per_host if self.trace.world_size > 1 else 1,
         )
 
 

@@ -127,3 +127,36 @@ def test_fsdp2_with_recomputed_blocks_is_bit_identical_and_within_budget(tmp_pat
         assert r["mode"] == "execute" and r["blocks"] and r["followed"], r
         assert r["selective"] or policy != "checkpoint-selective", r  # default may choose either kind
         assert r["measured"] <= r["peak"] <= r["budget"], r
+
+
+def _state_budget_worker(rank: int, world: int, port: int, out: str) -> None:
+    from swapsched.deploy import SwapRuntime
+    from swapsched.errors import UserError
+    from swapsched.runtime.profiler import static_bytes_of
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    case = _sharded(0)
+    optimizer = torch.optim.AdamW(case.model.parameters(), lr=1e-3)
+    budget = static_bytes_of(case.model, optimizer) * 6 // 10  # below the rank's static bytes: the state must move
+    x, y = torch.randn(32, 256), torch.randint(0, 10, (32,))
+    message = ""
+    with SwapRuntime(budget=budget, policy="default", backend="cpu", model=case.model, optimizer=optimizer) as rt:
+        try:
+            with rt.step():
+                torch.nn.functional.cross_entropy(case.model(x), y).backward()
+        except UserError as exc:
+            message = str(exc)
+    torch.save(message, f"{out}/rank{rank}.pt")
+    dist.barrier()  # no collective is left waiting: both ranks reach this
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_state_budget_under_fsdp2_is_refused_on_every_rank_in_one_line(tmp_path):
+    # was: RuntimeError: aten.copy_.default got mixed torch.Tensor and DTensor, on every rank
+    mp.start_processes(_state_budget_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True,
+                       start_method="spawn")
+    messages = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert messages[0] == messages[1] and "FSDP2 shards (DTensor)" in messages[0] and "CPUOffloadPolicy" in messages[0]

@@ -98,3 +98,23 @@ def test_the_command_writes_the_table_as_json(config_path, trace, tmp_path, caps
     hw = load_hardware("h100-pcie5")
     _, res, _ = run_policy(get_policy("no-swap"), trace, device_budget(hw), hw)
     assert got["rows"][0]["step_s"] == pytest.approx(res.iteration_s)
+
+
+def test_a_sharded_job_is_tabled_by_fsdp2s_options_with_the_jobs_tokens(config_path, tmp_path):
+    from swapsched.fit import SHARDED_OPTIONS
+
+    out = tmp_path / "x4.json.gz"
+    assert main(["profile", f"hf:{config_path}", "--device", "meta", "--hardware", "h100-sxm", "--seq-len", str(SEQ),
+                 "--batch-size", "1", "--world-size", "4", "--out", str(out)]) == 0
+    trace = load_trace(out)
+    assert trace.world_size == 4 and all(g.gather_bytes > 0 for g in trace.state)
+    hw = load_hardware("h100-sxm")
+    report = fit(trace, [hw], SEQ, progress=False)
+    assert [r.option for r in report.rows] == list(SHARDED_OPTIONS) and report.tokens == 4 * SEQ
+    for row in report.rows:
+        _, res, _ = run_policy(get_policy(SHARDED_OPTIONS[row.option]), trace, device_budget(hw), hw)
+        assert row.fits == (not res.oom)
+        if row.fits:
+            assert row.tokens_per_s == pytest.approx(4 * SEQ / res.iteration_s)
+            # the node's host: its 4 ranks alike (h100-sxm: 8 GPUs a node)
+            assert res.host_ranks == 4 and row.host_peak_bytes == 4 * res.host_peak_bytes
