@@ -29,6 +29,7 @@ from _bench import geomean, table, write  # noqa: E402
 
 from swapsched._paths import config_dir  # noqa: E402
 from swapsched.agents.registry import get_policy  # noqa: E402
+from swapsched.budget import BudgetError  # noqa: E402
 from swapsched.env.simulator import simulate  # noqa: E402
 from swapsched.hardware import load_hardware  # noqa: E402
 from swapsched.precision import Precision  # noqa: E402
@@ -70,16 +71,21 @@ def main() -> int:
                     steps = {}
                     for name in (*PEERS, "default"):
                         t0 = time.perf_counter()
-                        plan = get_policy(name).plan(trace, budget, hw)
+                        try:
+                            plan = get_policy(name).plan(trace, budget, hw)
+                        except BudgetError:  # default's refusal: no placement it screens fits
+                            plan = None
                         took = time.perf_counter() - t0
-                        r = simulate(trace, plan, hw, budget)
+                        r = None if plan is None else simulate(trace, plan, hw, budget)
                         if name == "default":
                             plan_s.append(took)
-                        steps[name] = None if r.oom else r.iteration_s
+                        fits = r is not None and not r.oom
+                        steps[name] = r.iteration_s if fits and r is not None else None
                         rows.append({"model": model, "ranks": world, "host_gb_node": host_gb, "budget_gb": budget_gb,
-                                     "policy": name, "fits": not r.oom, "step_s": steps[name],
-                                     "tokens_per_s": None if r.oom else TOKENS * world / r.iteration_s,
-                                     "device_peak_bytes": r.peak_bytes, "node_host_peak_bytes": r.node_host_peak_bytes,
+                                     "policy": name, "fits": fits, "step_s": steps[name],
+                                     "tokens_per_s": TOKENS * world / r.iteration_s if fits and r is not None else None,
+                                     "device_peak_bytes": None if r is None else r.peak_bytes,
+                                     "node_host_peak_bytes": None if r is None else r.node_host_peak_bytes,
                                      "plan_s": took})
                     fitting = [s for p, s in steps.items() if p != "default" and s is not None]
                     if fitting and steps["default"] is None:
@@ -96,7 +102,9 @@ def main() -> int:
     print(table(head, [[r["model"], r["ranks"], r["host_gb_node"], r["budget_gb"], r["policy"],
                         "OOM" if not r["fits"] else f"{r['step_s']:.3f}",
                         "-" if not r["fits"] else f"{r['tokens_per_s']:,.0f}",
-                        f"{r['device_peak_bytes'] / 2**30:.1f}", f"{r['node_host_peak_bytes'] / 2**30:.0f}"] for r in rows]))
+                        "-" if r["device_peak_bytes"] is None else f"{r['device_peak_bytes'] / 2**30:.1f}",
+                        "-" if r["node_host_peak_bytes"] is None else f"{r['node_host_peak_bytes'] / 2**30:.0f}"]
+                       for r in rows]))
     print(summary)
     write(args.out, {"rows": rows, "summary": summary})
     return 0

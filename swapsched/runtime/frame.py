@@ -70,8 +70,18 @@ class SavedTensorHooks:
     (:meth:`off`, ``StepHost.take_hooks_off``), and the pop at the step's end must not then take
     another's."""
 
-    def __init__(self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]) -> None:
-        self.pack, self.unpack, self.on = pack, unpack, False
+    def __init__(self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any],
+                 before_pack: Callable[[], None] | None = None) -> None:
+        def checked(t: Any) -> Any:
+            if before_pack is not None:
+                before_pack()
+            return pack(t)
+
+        # Dynamo never traces them: a compiled graph's saved tensors reach them at run time,
+        # where Dynamo would otherwise compile their frames (and diverge on their Python state)
+        self.pack = torch.compiler.disable(checked)
+        self.unpack = torch.compiler.disable(unpack)
+        self.on = False
 
     def __enter__(self) -> SavedTensorHooks:
         torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)

@@ -37,11 +37,28 @@ class RuntimeState:
         self.mover: StateMover | None = None
         # whether a DDP ran the model's forward (replicas.py): its gradients complete as backward ends
         self.data_parallel = False
-        self._forward_hook = None if model is None else model.register_forward_pre_hook(self._note_replica)
+        # calls of the model's forward that Dynamo traced (torch.compile): the side effect of the
+        # traced hook replays at each compiled call
+        self._compiled: list[bool] = []
+        self._forward_hook = None if model is None else model.register_forward_pre_hook(self._note_forward)
 
-    def _note_replica(self, module: torch.nn.Module, args: object) -> None:
+    def _note_forward(self, module: torch.nn.Module, args: object) -> None:
+        # traced by Dynamo, or run by it as a frame it could not trace (a graph break before
+        # this hook): either way under torch.compile (Dynamo's frame callback is set)
+        if torch.compiler.is_compiling() or torch._C._dynamo.eval_frame.get_eval_frame_callback() is not None:
+            self._compiled.append(True)
+            return
         if not self.data_parallel and replica(module) is not None:
             self.data_parallel = True
+
+    def refuse_compiled(self) -> None:
+        """Before a step's first saved tensor: a model called through ``torch.compile`` saves its
+        compiled graph's tensors, which the hooks runtime cannot plan; refused in one line."""
+        if self._compiled:
+            self._compiled.clear()
+            raise UserError("the model runs through torch.compile, whose graphs the hooks runtime cannot plan: compile "
+                            "it with swapsched's backend instead, torch.compile(model, backend=swapsched.CompileBackend("
+                            "budget=..., inner='inductor')), without SwapRuntime (docs/guide/compile.md)")
 
     def attach(self, optimizer: torch.optim.Optimizer, planned: bool) -> int:
         """``PolicyRuntime.attach_optimizer``: the optimizer, and the static bytes it makes."""

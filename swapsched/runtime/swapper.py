@@ -238,7 +238,7 @@ class PolicyRuntime(TwoStages):
                 mover.on_bytes = ex.state_bytes  # before its first fetch (begin_step issues it)
                 mover.room = getattr(ex, "state_room", None)  # an executing step's budget; a profiling step has none
                 mover.begin_step()
-            with SavedTensorHooks(ex.pack, ex.unpack) as self._hooks:
+            with SavedTensorHooks(ex.pack, ex.unpack, self.state.refuse_compiled) as self._hooks:
                 yield self
             ex.finish()
         except BaseException:

@@ -204,3 +204,28 @@ def test_a_plan_that_moves_nothing_takes_the_hooks_off_once_the_shape_is_confirm
     # the peak of the plan it follows (it keeps everything: the no-swap peak), and said so
     assert rep.peak_device_bytes == ex.layout.predicted_peak_bytes == ex.layout.trace.peak_bytes_no_swap
     assert "unhooked" in str(rep) and "profiling step" not in str(rep)
+
+
+def test_a_compiled_model_in_a_plain_loop_is_refused_at_its_first_saved_tensor():
+    # was: SpeculationLogDivergence from inside Dynamo, which traced the runtime's own hooks
+    from swapsched.deploy import SwapRuntime
+    from swapsched.errors import UserError
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+                                  for _ in range(4)))
+    compiled = torch.compile(model, backend="aot_eager")
+    with SwapRuntime(budget="60%", policy="min", model=model, backend="cpu") as rt:
+        with pytest.raises(UserError, match="CompileBackend"), rt.step():
+            compiled(torch.randn(32, 64)).square().mean().backward()
+        # the runtime is as it was: the same model, called eagerly, trains under it
+        for _ in range(4):
+            with rt.step():
+                model(torch.randn(32, 64)).square().mean().backward()
+        assert rt.report().mode == "execute"
+
+
+def test_the_hooks_are_never_traced_by_dynamo():
+    hooks = SavedTensorHooks(lambda t: t, lambda t: t)
+    for fn in (hooks.pack, hooks.unpack):
+        assert getattr(fn, "_torchdynamo_disable", False), fn
