@@ -178,7 +178,7 @@ class ExecuteStep(CopyingStep):
                 self.keys[key] = UNTRACKED
                 return Packed(None, t)
             nbytes = st.nbytes()
-            if self.audit:
+            if self.audit and key not in self.frame.static_keys:  # a buffer (BatchNorm's running stats) is static already
                 self._watch(st)
             # ids in order of first sight, as the profiling step numbered them; a storage the
             # trace does not have (never unpacked there) is not tracked and just stays

@@ -232,3 +232,43 @@ def test_gradient_accumulation_in_one_step_composes_within_budget():
     _paired_steps(a.model, b.model, rt, lambda: two_micro_batches(a), lambda: two_micro_batches(b))
     _assert_within(rt.report())
     rt.close()
+
+
+def test_a_batchnorm_convnet_is_measured_within_budget_its_running_stats_counted_once():
+    # a MobileNet-style net whose BatchNorms save their running stats for backward: the audit
+    # meter counted those buffers again on top of the static bytes (8040 B over a 21.9 MB
+    # budget on every executed step), though the runtime held them once
+    class Depthwise(nn.Module):
+        def __init__(self, width: int = 64, depth: int = 8) -> None:
+            super().__init__()
+            self.stem = nn.Conv2d(3, width, 3, stride=2, padding=1)
+            self.blocks = nn.ModuleList([nn.Sequential(
+                nn.Conv2d(width, width, 3, padding=1, groups=width), nn.BatchNorm2d(width), nn.ReLU6(),
+                nn.Conv2d(width, width, 1), nn.BatchNorm2d(width), nn.ReLU6()) for _ in range(depth)])
+            self.head = nn.Linear(width, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.stem(x)
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x.mean(dim=(2, 3)))
+
+    torch.manual_seed(0)
+    model = Depthwise()
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    case = type("Case", (), {"model": model, "loss": lambda self: nn.functional.cross_entropy(model(x), y)})()
+    for policy in ("min", "capuchin"):
+        rt = SwapRuntime(backend="cpu", bandwidth=4e9, model=model, audit=True, budget="80%", policy=policy)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        try:
+            for _ in range(5):
+                with rt.step():
+                    case.loss().backward()
+                opt.step()
+                opt.zero_grad()
+                rep = rt.report()
+                if rep.mode == "execute":
+                    assert rep.measured_peak_bytes is not None and rep.measured_peak_bytes <= rep.budget_bytes, policy
+        finally:
+            rt.close()
+        assert rep.mode == "execute"
