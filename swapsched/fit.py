@@ -17,7 +17,8 @@ checkpointing), ``fsdp`` (every block checkpointed), ``fsdp-offload``, ``fsdp-pa
 (#188120's partial offload), ``zero3-offload`` and ``default``; tokens are the job's, the
 device peak a rank's and the host peak and memory a node's.
 
-The device budget is the device's memory less ``DEVICE_MARGIN`` (what the runtime's ``"device"``
+Each hardware gets the trace re-timed for it (roofline: the profile's FLOPs and bytes over its
+peaks). The device budget is the device's memory less ``DEVICE_MARGIN`` (what the runtime's ``"device"``
 budget leaves the allocator); the host budget is ``host_memory`` (R11: a group whose host part
 does not fit stays on the device). A row gives the device peak and the host peak (swapped
 activations and the state the host holds, at once), the step, tokens (or samples) a second, and MFU: the
@@ -42,7 +43,7 @@ from swapsched.hardware import Hardware
 from swapsched.runtime.budgets import DEVICE_MARGIN
 from swapsched.trace import Trace
 
-__all__ = ["FIT_OPTIONS", "SHARDED_OPTIONS", "options_for", "FitRow", "Smallest", "FitReport", "fit", "fit_curves", "device_budget", "step_flops",
+__all__ = ["FIT_OPTIONS", "SHARDED_OPTIONS", "options_for", "timed_for", "FitRow", "Smallest", "FitReport", "fit", "fit_curves", "device_budget", "step_flops",
            "format_fit"]
 
 #: Each option of the table and the registry policy that plans it (module docstring)
@@ -168,6 +169,14 @@ def smallest_fit(trace: Trace, hardware: Hardware) -> Smallest | None:
     return Smallest(hardware.name, math.ceil(budget / (1 - DEVICE_MARGIN)), host)
 
 
+def timed_for(trace: Trace, hardware: Hardware) -> Trace:
+    """``trace`` timed for ``hardware``: a roofline trace profiled for another is re-timed (its
+    FLOPs and bytes over this one's peaks); a measured one is what it is."""
+    if trace.timing == "roofline" and trace.device.split("->")[-1] != hardware.name:
+        return trace.retimed(hardware)
+    return trace
+
+
 def fit(trace: Trace, hardware: Sequence[Hardware], tokens: int, unit: str = "tokens", *,
         host_memory: int | None = None, options: Sequence[str] | None = None, progress: bool = True) -> FitReport:
     """Each option on each hardware (module docstring), with ``tokens`` per step and rank.
@@ -182,18 +191,19 @@ def fit(trace: Trace, hardware: Sequence[Hardware], tokens: int, unit: str = "to
     flops = step_flops(trace)
     rows: list[FitRow] = []
     hws = [hw.with_host(host_budget_bytes=host_memory) if host_memory is not None else hw for hw in hardware]
+    timed = {hw.name: timed_for(trace, hw) for hw in hws}
     with tqdm(total=len(hws) * len(options), disable=not progress, unit="option", leave=False, dynamic_ncols=True) as bar:
         for hw in hws:
             for option in options:
                 bar.set_postfix_str(f"{hw.name} {option}", refresh=True)
-                rows.append(_row(trace, option, device_budget(hw), hw, tokens, flops))
+                rows.append(_row(timed[hw.name], option, device_budget(hw), hw, tokens, flops))
                 bar.update(1)
     fitting = [r for r in rows if r.fits and r.step_s is not None]
     fastest = min(fitting, key=lambda r: r.step_s or math.inf) if fitting else None
     smallest: list[Smallest] = []
     for hw in hws:  # a machine none of whose options fits: the smallest of its kind default fits
         if not any(r.fits for r in rows if r.hardware == hw.name):
-            found = smallest_fit(trace, hw)
+            found = smallest_fit(timed[hw.name], hw)
             if found is not None:
                 smallest.append(found)
     return FitReport(trace.name, tokens * trace.world_size, unit, host_memory, tuple(rows), fastest, tuple(smallest),
@@ -210,6 +220,7 @@ def fit_curves(trace: Trace, hardware: Hardware, options: Sequence[str] | None =
     hi = max(int(trace.peak_bytes_no_swap * 1.02), lo + 1)  # past the peak: plain's point too
     budgets = [int(lo + (hi - lo) * i / (points - 1)) for i in range(points)]
     options = list(options_for(trace)) if options is None else list(options)
+    trace = timed_for(trace, hardware)
     out: dict[str, list[tuple[int, float | None]]] = {o: [] for o in options}
     with tqdm(total=points * len(options), disable=not progress, unit="plan", leave=False, dynamic_ncols=True) as bar:
         for b in budgets:

@@ -118,3 +118,12 @@ def test_a_sharded_job_is_tabled_by_fsdp2s_options_with_the_jobs_tokens(config_p
             assert row.tokens_per_s == pytest.approx(4 * SEQ / res.iteration_s)
             # the node's host: its 4 ranks alike (h100-sxm: 8 GPUs a node)
             assert res.host_ranks == 4 and row.host_peak_bytes == 4 * res.host_peak_bytes
+
+
+def test_each_hardware_gets_the_trace_timed_for_it(trace):
+    # a roofline trace profiled for one device is re-timed for each (was: every row timed for
+    # the first hardware given)
+    small = replace(load_hardware("rtx4090-pcie4"), name="rtx4090-pcie4")
+    both = fit(trace, [small, load_hardware("h100-pcie5")], SEQ, progress=False)
+    alone = fit(trace, [load_hardware("h100-pcie5")], SEQ, progress=False)
+    assert [r for r in both.rows if r.hardware == "h100-pcie5"] == list(alone.rows)
