@@ -9,15 +9,18 @@ and steps, jointly with the activations' plan; the peers users run for it; and t
 - :func:`plan_state`: ``default``'s search. Candidates place the largest groups first in one
   placement or two (every placement at eight shares of the groups, and the two-level mixes
   ``stream`` + ``param``, ``host-step`` + ``full``, ``stream`` + ``stream-full``,
-  ``stream-full`` + ``full``); each is screened with a fast activation
-  planner on its view (a placement that streams: also keeping room for a stream-in, and planned
-  for 3/4 of the budget, ``STREAM_VARIANTS``; where that plan does not fit, every block
-  checkpointed, the peers' plan, so that ``default`` fits wherever a peer's placement does) and
-  scored on the simulator with the state (:mod:`env.state_exec`); the best is planned again by
-  the full activation planner, and the best of the three plans is the plan.
+  ``stream-full`` + ``full``); each (a placement that streams: also keeping room for a
+  stream-in, and planned for 3/4 of the budget, ``STREAM_VARIANTS``) is ranked by its plan with
+  every block checkpointed on its view, scored on the simulator with the state
+  (:mod:`env.state_exec`), a millisecond each; the ``SCREENED`` best are planned by a fast
+  activation planner too and score the better of the two. The best is planned again by the full
+  activation planner (on a sharded trace, R18, with the share of its last units kept unsharded
+  after forward that steps fastest), and the best of those plans and the peers' own is the plan:
+  ``default`` fits wherever a peer does and is never slower than one.
 - :class:`StatePeer`: ZeRO-Offload, FSDP2's ``CPUOffloadPolicy`` and torchao's
   ``CPUOffloadOptimizer``, each a fixed rule over every group, with the activation plan their
-  users run (every block checkpointed).
+  users run (every block checkpointed); for sharded steps (R18) FSDP2 without offload and
+  DeepSpeed ZeRO-3 offload, and :class:`PartialOffloadPeer`, #188120's fractional offload.
 - :func:`state_floor`: a lower bound on any plan's step with the state movable.
 """
 
