@@ -217,6 +217,8 @@ class Simulation:
                 self._wait_until(self._complete_one_swapout(), event)
             elif self.st is not None and self.st.wait_one_free(event):
                 continue  # R13: a state copy out landed
+            elif self.st is not None and self.st.reclaim_stream_in():
+                continue  # R15: a stream-in admitted ahead of its step gives its room back
             elif not (self.guard and self._guard_evict(event, keep)):
                 self.oom_event = event
                 return False

@@ -160,6 +160,11 @@ class StateExecution:
         self.frees: list[tuple[float, int]] = []  # (done, bytes): copies out whose bytes go when they land
         self.optim_done: dict[int, float] = {}  # streamed groups: their stream-in's end
         self.optim_waiting: list[int] = []
+        # stream-ins admitted ahead of their device step (the last admitted last), and those the
+        # compute took back for room, which wait for backward's end (R15)
+        self.admitted: list[int] = []
+        self.deferred: set[int] = set()
+        self.backward_over = False
         self.not_before: dict[int, float] = {}  # stream-full: its stream-in reads the gradient once it landed
         self.grad_on_host: dict[int, float] = {}  # host-stepped groups: when the gradient landed
         self.returns: list[tuple[float, int]] = []  # (issue time, group): parameters going back (R16)
@@ -258,12 +263,25 @@ class StateExecution:
         while self.optim_waiting:
             j = self.optim_waiting[0]
             b = self._stream_in_bytes(j)
-            if b > sim.budget - sim.static - sim.cur_other - sim.used:
+            if b > sim.budget - sim.static - sim.cur_other - sim.used or (j in self.deferred and not self.backward_over):
                 return
             self.optim_waiting.pop(0)
             sim.used += b
             sim._note_mem()
+            self.admitted.append(j)
             self.optim_done[j] = self._copy("h2d", b, max(sim.t, self.not_before.get(j, 0.0)), j)
+
+    def reclaim_stream_in(self) -> bool:
+        """R15: the compute needs room that a stream-in admitted ahead of its device step holds:
+        the last admitted goes (its bytes once its copy lands) and comes in again after
+        backward. False where none is admitted."""
+        if not self.admitted:
+            return False
+        j = self.admitted.pop()
+        heapq.heappush(self.frees, (self.optim_done.pop(j), self._stream_in_bytes(j)))
+        self.optim_waiting.insert(0, j)  # its gradient completed before those still waiting
+        self.deferred.add(j)
+        return True
 
     def _stream_in_bytes(self, j: int) -> int:
         return stream_in_bytes(self.groups[j], self.where[j])
@@ -395,6 +413,7 @@ class StateExecution:
             self._grad_complete(j)
         if self.coll is not None:
             self.coll.drain(n)
+        self.backward_over = True
         end_backward = sim.t
         order = sorted(range(len(self.groups)), key=lambda j: (self.groups[j].grad_at, -self.groups[j].forward_at))
         for j in order:  # the device's steps, on the compute stream
@@ -411,6 +430,8 @@ class StateExecution:
                     sim.used += b
                     sim._note_mem()
                     self.optim_done[j] = self._copy("h2d", b, max(sim.t, self.not_before.get(j, 0.0)))
+                if j in self.admitted:
+                    self.admitted.remove(j)
                 before = sim.t
                 sim._wait_until(self.optim_done[j], n)
                 self.result.stall_s += sim.t - before

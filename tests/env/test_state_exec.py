@@ -114,3 +114,24 @@ def test_a_streamed_optimizer_state_comes_in_for_the_device_step():
     r = simulate(t, plan(t, blk_1="stream"), HW, 1000)
     assert r.iteration_s == pytest.approx(5.0, abs=1e-6)
     assert r.state is not None and r.state.optim_off_bytes == 200 and r.h2d_bytes == 200 and r.d2h_bytes == 200
+
+
+def test_a_stream_in_admitted_ahead_gives_its_room_back_to_the_compute():
+    # blk.0 packs T0 (e0) and T2 (e1), blk.1 packs T1 (e2); unpacks T1, T2, T0; 1 s gaps, 100 B
+    # tensors, 250 B of other bytes in the last gap. blk.1 streams: static 600 (blk.0's 400, blk.1's
+    # parameter and gradient). Its 200 B of state are admitted as its gradient completes (before
+    # gap 4: room 1100 - 600 - T0 - T2 = 300; copy 4-6). Gap 5 needs 250 with T0 held: room only
+    # once the stream-in goes: it is taken back when its copy lands (t 6, a 1 s stall), gap 5 runs
+    # 6-7, and after backward it comes in again (7-9) for the device step; 9 s, where it ran out of
+    # memory while the stream-in held its room to the step's end
+    t = make_trace([100, 100, 100], [("pack", 0, 1.0), ("pack", 2, 1.0), ("pack", 1, 1.0), ("unpack", 1, 1.0),
+                                     ("unpack", 2, 1.0), ("unpack", 0, 1.0)],
+                   modules=["blk.0.fc", "blk.1.fc", "blk.0.out"], other=[0, 0, 0, 0, 0, 250])
+    groups = tuple(StateGroup(n, 25, 100, 100, 200, *t.group_events(n)) for n in ("blk.0", "blk.1"))
+    t = replace(t, static_bytes=800, state=groups, meta={"optimizer": "adamw"})
+    r = simulate(t, plan(t, blk_1="stream"), HW, 1100)
+    assert not r.oom and r.iteration_s == pytest.approx(9.0, abs=1e-6) and r.peak_bytes <= 1100
+    assert (r.h2d_bytes, r.d2h_bytes) == (400, 200)  # in twice, out once
+    # with room for it to stay, it comes in once and the step is 6 s
+    r = simulate(t, plan(t, blk_1="stream"), HW, 1200)
+    assert r.iteration_s == pytest.approx(6.0, abs=1e-6) and r.h2d_bytes == 200
