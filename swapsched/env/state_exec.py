@@ -263,7 +263,8 @@ class StateExecution:
         while self.optim_waiting:
             j = self.optim_waiting[0]
             b = self._stream_in_bytes(j)
-            if b > sim.budget - sim.static - sim.cur_other - sim.used or (j in self.deferred and not self.backward_over):
+            if b > sim.budget - sim.static - sim.cur_other - sim.used or not self.backward_over and (
+                    j in self.deferred or self.host_after_backward):  # the runtime streams at optimizer.step()
                 return
             self.optim_waiting.pop(0)
             sim.used += b

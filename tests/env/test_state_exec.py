@@ -135,3 +135,11 @@ def test_a_stream_in_admitted_ahead_gives_its_room_back_to_the_compute():
     # with room for it to stay, it comes in once and the step is 6 s
     r = simulate(t, plan(t, blk_1="stream"), HW, 1200)
     assert r.iteration_s == pytest.approx(6.0, abs=1e-6) and r.h2d_bytes == 200
+
+
+def test_after_backward_the_state_streams_in_once_backward_is_done():
+    # as the runtime runs a plan (host_step after-backward: the state comes in at
+    # optimizer.step()): blk.1's stream-in waits for the tail (t 4), lands at 6, the step follows
+    t = two_groups()
+    r = simulate(t, SwapPlan.of(t, "hand", [], state={"blk.1": "stream"}, host_step="after-backward"), HW, 1000)
+    assert r.iteration_s == pytest.approx(6.0, abs=1e-6)
