@@ -28,6 +28,8 @@ kept tensor on its storage), and the next group's fetch is issued then (R14: one
 is let go once its gradient is complete. A gradient that leaves
 the device is copied out from its post-accumulate hook into a host buffer and added to the
 gradient kept there (gradient accumulation: ``g1 + g2`` in the order autograd adds them).
+Under a DDP that reduces this step's gradients (``replicas.py``) a host-placed gradient stays on
+the device until DDP has written the mean into it, and only then goes to the host.
 
 **What keeps tensors alive during a copy.** Every copy's ``Ticket`` holds its source until the
 copy completes; a storage is resized to 0 only after the copy reading it is complete (polled at
