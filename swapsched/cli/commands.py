@@ -62,6 +62,11 @@ def _print_result(r: dict[str, Any]) -> None:
               f"{st['where_stepped']} (device {1e3 * st['device_step_s']:.3f} ms, host {1e3 * st['host_step_s']:.3f} ms); "
               f"host peak {format_bytes(r['host_peak_bytes'])}" + (f"; {st['skipped']} group(s) kept for the host budget"
                                                                   if st["skipped"] else ""))
+        if st.get("gathered_bytes"):  # R18: one rank of a sharded step
+            print(f"collectives (one rank of the job): all-gathered {format_bytes(st['gathered_bytes'])}, reduce-scattered "
+                  f"{format_bytes(st['reduced_bytes'])}, {1e3 * st['collective_s']:.3f} ms on their streams, "
+                  f"{1e3 * st['collective_stall_s']:.3f} ms of compute waiting; the node's host peak "
+                  f"{format_bytes(r['node_host_peak_bytes'])} ({r['host_ranks']} ranks)")
     if r.get("bound_s") is not None:
         print(f"proven lower bound {1e3 * r['bound_s']:.3f} ms: this plan is within {max(100 * r['gap'], 0.0):.2f}% of the best possible")
 

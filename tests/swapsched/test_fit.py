@@ -100,7 +100,7 @@ def test_the_command_writes_the_table_as_json(config_path, trace, tmp_path, caps
     assert got["rows"][0]["step_s"] == pytest.approx(res.iteration_s)
 
 
-def test_a_sharded_job_is_tabled_by_fsdp2s_options_with_the_jobs_tokens(config_path, tmp_path):
+def test_a_sharded_job_is_tabled_by_fsdp2s_options_with_the_jobs_tokens(config_path, tmp_path, capsys):
     from swapsched.fit import SHARDED_OPTIONS
 
     out = tmp_path / "x4.json.gz"
@@ -118,6 +118,14 @@ def test_a_sharded_job_is_tabled_by_fsdp2s_options_with_the_jobs_tokens(config_p
             assert row.tokens_per_s == pytest.approx(4 * SEQ / res.iteration_s)
             # the node's host: its 4 ranks alike (h100-sxm: 8 GPUs a node)
             assert res.host_ranks == 4 and row.host_peak_bytes == 4 * res.host_peak_bytes
+    # plan and simulate read the rank's trace, and say what its collectives cost
+    plan = tmp_path / "p.json"
+    assert main(["plan", "--trace", str(out), "--policy", "fsdp-offload", "--hardware", "h100-sxm", "--budget", "40GB",
+                 "--out", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["simulate", "--trace", str(out), "--plan", str(plan), "--hardware", "h100-sxm", "--budget", "40GB"]) == 0
+    said = capsys.readouterr().out
+    assert "collectives (one rank of the job): all-gathered" in said and "(4 ranks)" in said
 
 
 def test_each_hardware_gets_the_trace_timed_for_it(trace):
