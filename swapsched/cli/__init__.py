@@ -198,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--backend", choices=["cpu", "cuda"], default="cpu", help="backend whose copies are measured (default cpu)")
     sp.add_argument("--bandwidth", type=positive_float, help="CPU backend: measure the engines throttled to this many bytes/s")
     sp.add_argument("--name", help="profile name (default calibrated-BACKEND)")
+    sp.add_argument("--world-size", type=positive_int, default=1, metavar="N",
+                    help="also time all-gathers over N ranks started on this machine (gloo on cpu, NCCL on cuda), "
+                         "for sharded steps (R18); default 1: no collectives")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     sp.add_argument("--out", default="calibrated.yaml", type=out_file, help="hardware YAML to write (default calibrated.yaml)")
 

@@ -254,13 +254,17 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from swapsched.runtime.calibrate import calibrate
 
     resolve_backend(args.backend)  # a clear error where there is no CUDA device
-    cal = calibrate(args.backend, bandwidth=args.bandwidth, name=args.name, progress=not args.no_progress)
+    cal = calibrate(args.backend, bandwidth=args.bandwidth, name=args.name, progress=not args.no_progress,
+                    world_size=args.world_size)
     hw = cal.hardware
     cal.save(args.out)  # each number with where it came from
     print(f"d2h {hw.d2h_bytes_per_s / 1e9:.3f} GB/s   h2d {hw.h2d_bytes_per_s / 1e9:.3f} GB/s   "
           f"latency {1e6 * hw.copy_latency_s:.1f} us (idle engine +{1e6 * hw.copy_wake_s:.1f})   hook {1e6 * hw.hook_cost_s:.2f} us/event   "
           f"copy issue {1e6 * hw.copy_issue_s:.1f} us   per byte {1e9 * hw.copy_host_s_per_byte:.3f} ns   "
           f"wait resume {1e6 * hw.wait_resume_s:.1f} us")
+    if hw.collective_bytes_per_s is not None:
+        print(f"collectives over {args.world_size} ranks: {hw.collective_bytes_per_s / 1e9:.3f} GB/s bus bandwidth, "
+              f"latency {1e6 * hw.collective_latency_s:.1f} us")
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

@@ -16,6 +16,11 @@
 - **Host optimizer** (``host_optimizer_rate``, R15): torch's fused CPU AdamW stepping 16 tensors
   of 1M fp32 parameters, the median of five steps after a warm-up: the rate at which this host
   steps the state groups a plan places there.
+- **Collectives** (``calibrate_collectives``, R18), where a process group is up (the caller's, or
+  ``world_size`` ranks ``calibrate`` starts on this machine: gloo on the CPU, NCCL on CUDA):
+  all-gathers of 1 to 64 MiB in all, timed on every rank after a barrier, the slowest rank's
+  median of five; a least-squares fit of ``time = latency + S (N - 1) / N / bandwidth`` gives the
+  bus bandwidth and latency a sharded step's collectives run at.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -105,6 +110,79 @@ def host_optimizer_rate(tensors: int = 16, size: int = 2**20, steps: int = 5) ->
         opt.step()
         times.append(time.perf_counter() - t0)
     return tensors * size / statistics.median(times)
+
+
+#: R18: the all-gathers ``calibrate_collectives`` times, in bytes gathered (every rank's shard)
+COLLECTIVE_SIZES = tuple(2**k for k in range(20, 27, 2))
+
+
+def calibrate_collectives(device: str = "cpu", repeats: int = 5) -> tuple[float, float, list[tuple[int, float]]]:
+    """R18: (latency s, bus bandwidth B/s, (bytes each rank moves, seconds) points) of
+    all-gathers over the process group that is up (module docstring); every rank calls it."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise UserError("calibrating collectives needs a process group: torch.distributed.init_process_group first, "
+                        "or swapsched calibrate --world-size N")
+    world = dist.get_world_size()
+    if world < 2:
+        raise UserError("calibrating collectives needs at least 2 ranks")
+    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # the name torch 2.13 prefers
+    points = []
+    for size in COLLECTIVE_SIZES:
+        shard = torch.ones(size // 4 // world, dtype=torch.float32, device=device)
+        out = torch.empty(shard.numel() * world, dtype=torch.float32, device=device)
+        gather(out, shard)  # warm-up: the connections and buffers
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            gather(out, shard)
+            if device != "cpu":
+                torch.cuda.synchronize()
+            took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the collective ends when its slowest rank does
+            times.append(float(took))
+        points.append((out.numel() * 4 * (world - 1) // world, statistics.median(times)))
+    latency, bandwidth = _fit(points)
+    return latency, bandwidth, points
+
+
+def _collective_worker(rank: int, world: int, port: int, device: str, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo" if device == "cpu" else "nccl", rank=rank, world_size=world)
+    try:
+        if device != "cpu":
+            torch.cuda.set_device(rank)
+        result = calibrate_collectives(device if device == "cpu" else f"cuda:{rank}")
+        if rank == 0:
+            torch.save(result, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_collectives(world_size: int, backend_name: str = "cpu") -> tuple[float, float, list[tuple[int, float]]]:
+    """R18: :func:`calibrate_collectives` over ``world_size`` ranks started on this machine."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    if backend_name == "cuda" and torch.cuda.device_count() < world_size:
+        raise UserError(f"--world-size {world_size}: this machine has {torch.cuda.device_count()} CUDA devices")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "collectives.pt")
+        mp.start_processes(_collective_worker, args=(world_size, port, backend_name, out), nprocs=world_size,
+                           join=True, start_method="spawn")
+        latency, bandwidth, points = torch.load(out)
+    return latency, bandwidth, points
 
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -276,9 +354,10 @@ def calibrate_host(backend_name: str, bandwidth: float | None = None, rounds: in
 
 
 def calibrate(backend_name: str = "cpu", bandwidth: float | None = None, name: str | None = None,
-              base: str = "cpu-emulated", progress: bool = False) -> Calibration:
+              base: str = "cpu-emulated", progress: bool = False, world_size: int = 1) -> Calibration:
     """Measure link and hooks; the result keeps ``base``'s compute peaks (used for roofline only).
-    ``progress``: a bar over the link and the host-cost rounds (35-60 s in all on a CPU)."""
+    ``progress``: a bar over the link and the host-cost rounds (35-60 s in all on a CPU);
+    ``world_size`` > 1: the collectives too, over that many ranks on this machine (R18)."""
     from tqdm import tqdm
 
     rounds = 32
@@ -309,4 +388,12 @@ def calibrate(backend_name: str = "cpu", bandwidth: float | None = None, name: s
         copy_issue_s=host.copy_issue_s, wait_resume_s=host.wait_resume_s, copy_host_s_per_byte=host.copy_host_s_per_byte,
         host_optimizer_params_per_s=host_optimizer_rate(),
     )
-    return Calibration(hw, tuple(d2h), tuple(h2d), host, _provenance(backend_name))
+    provenance = _provenance(backend_name)
+    if world_size > 1:
+        latency, bus, _ = measure_collectives(world_size, backend_name)
+        hw = replace(hw, collective_bytes_per_s=bus, collective_latency_s=latency, gpus_per_node=world_size)
+        how = (f"measured by swapsched calibrate --world-size {world_size}: all-gathers of {COLLECTIVE_SIZES[0] // 2**20}.."
+               f"{COLLECTIVE_SIZES[-1] // 2**20} MiB over {world_size} ranks of this machine, least squares")
+        provenance.update(collective_bytes_per_s=how, collective_latency_s=how,
+                          gpus_per_node="the ranks calibrate ran on this machine")
+    return Calibration(hw, tuple(d2h), tuple(h2d), host, provenance)

@@ -76,6 +76,7 @@ CASES = [
     ("profile", "--override", "n_layer", "give KEY=VALUE"),
     ("profile", "--world-size", "0", "positive integer"),
     ("fit", "--world-size", "two", "positive integer"),
+    ("calibrate", "--world-size", "0", "positive integer"),
     ("fit", "1", "lstm", "unknown model 'lstm'"),
     ("fit", "--size", "huge", "huge"),
     ("fit", "--override", "n_layer=2", "is not a hf: model"),
