@@ -100,9 +100,10 @@ class Hardware:
     def for_ranks(self, world_size: int) -> Hardware:
         """R18: one rank of ``world_size`` as it sees the node's host: the node's ranks share its
         link and memory bandwidth (R11), its optimizer's rate (R15) and its host budget, which
-        is then the node's (``--host-budget`` of a sharded trace is per node)."""
+        is then the node's (``--host-budget`` of a sharded trace is per node). Hardware already
+        shared by its ranks (``with_host(ranks_per_host=)``, or this) is returned as it is."""
         ranks = max(1, min(world_size, self.gpus_per_host or self.gpus_per_node))
-        if ranks == 1:
+        if ranks == 1 or self.ranks_per_host > 1:
             return self
         out = replace(self.with_host(ranks_per_host=ranks), host_optimizer_params_per_s=self.host_optimizer_rate() / ranks)
         if self.host_budget_bytes is not None:

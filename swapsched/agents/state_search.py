@@ -37,7 +37,7 @@ from swapsched.budget import BudgetError, format_bytes
 from swapsched.env.collectives import unsharded_deltas
 from swapsched.env.floors import joint_floor
 from swapsched.env.simulator import simulate
-from swapsched.env.state_exec import fetch_events, state_split, stream_in_bytes
+from swapsched.env.state_parts import fetch_events, state_split, stream_in_bytes
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.policy import Policy

@@ -33,7 +33,9 @@ import heapq
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Collectives", "unsharded_deltas"]
+from swapsched.env.state_parts import by_event, one_ahead
+
+__all__ = ["Collectives", "gather_events", "unsharded_deltas"]
 
 
 class Collectives:
@@ -42,7 +44,7 @@ class Collectives:
     give back as they land, which the reduce-scatters share; ``shard_ready(j)``: when unit
     ``j``'s shard is on the device (its fetch's end, or now)."""
 
-    def __init__(self, sim: Any, keep: set[int], frees: list[tuple[float, int]],
+    def __init__(self, sim: Any, keep: set[str], frees: list[tuple[float, int]],
                  shard_ready: Callable[[int], float]) -> None:
         trace, hw = sim.trace, sim.hw
         self.sim, self.frees, self.shard_ready = sim, frees, shard_ready
@@ -51,7 +53,7 @@ class Collectives:
         self.share = (world - 1) / world
         self.rate = hw.collective_rate(world)
         self.lat = hw.collective_latency_s
-        self.keep = keep
+        self.keep = {j for j, g in enumerate(trace.state) if g.name in keep}
         self.free = {"gather": 0.0, "reduce": 0.0}  # each collective stream's clock
         n = len(self.groups)
         self.unsharded = [False] * n  # the unit's unsharded parameters are allocated
@@ -61,12 +63,9 @@ class Collectives:
         self.stall_s = 0.0
         self.spans: list[tuple[float, float, int]] = []
         events = sim.tb.n
-        fwd = sorted((g.forward_at, j) for j, g in enumerate(self.groups))
-        bwd = sorted(((g.backward_at, j) for j, g in enumerate(self.groups) if j not in keep), reverse=False)
-        start = min(sim.tb.backward_start, events)
-        self.issue_fwd = _by_event(events + 1, [(0 if k == 0 else fwd[k - 1][0], j) for k, (_, j) in enumerate(fwd)])
-        self.issue_bwd = _by_event(events + 1, [(min(start, a) if k == 0 else bwd[k - 1][0], j)
-                                                for k, (a, j) in enumerate(bwd)])
+        fwd, bwd = gather_events(trace, keep)
+        self.issue_fwd = by_event(events + 1, [(i, j) for j, i in fwd.items()])
+        self.issue_bwd = by_event(events + 1, [(i, j) for j, i in bwd.items()])
 
     # ------------------------------------------------------------------ the stream
     def _collective(self, stream: str, nbytes: int, at: float, group: int) -> float:
@@ -162,12 +161,13 @@ class Collectives:
         self.stall_s += self.sim.t - before
 
 
-def _by_event(n: int, pairs: list[tuple[int, int]]) -> list[tuple[int, ...]]:
-    out: list[tuple[int, ...]] = [()] * n
-    for i, j in pairs:
-        if 0 <= i < n:
-            out[i] += (j,)
-    return out
+def gather_events(trace: Any, keep: set[str]) -> tuple[dict[int, int], dict[int, int]]:
+    """R18: the event at which each unit's forward all-gather is issued, and each resharded
+    unit's backward one: one unit ahead (module docstring); ``keep``: the units not resharded."""
+    groups = trace.state
+    return (one_ahead([(g.forward_at, j) for j, g in enumerate(groups)]),
+            one_ahead([(g.backward_at, j) for j, g in enumerate(groups) if g.name not in keep],
+                      min(trace.backward_start, trace.n_events)))
 
 
 def unsharded_deltas(trace: Any, keep: set[str]) -> Any:
@@ -181,13 +181,8 @@ def unsharded_deltas(trace: Any, keep: set[str]) -> Any:
     delta = np.zeros(n + 1, dtype=np.int64)
     if trace.world_size == 1:
         return delta
-    groups = trace.state
-    fwd = sorted((g.forward_at, j) for j, g in enumerate(groups))
-    bwd = sorted((g.backward_at, j) for j, g in enumerate(groups) if g.name not in keep)
-    start = min(trace.backward_start, n)
-    fwd_issue = {j: 0 if k == 0 else fwd[k - 1][0] for k, (_, j) in enumerate(fwd)}
-    bwd_issue = {j: min(start, a) if k == 0 else bwd[k - 1][0] for k, (a, j) in enumerate(bwd)}
-    for j, g in enumerate(groups):
+    fwd_issue, bwd_issue = gather_events(trace, keep)
+    for j, g in enumerate(trace.state):
         delta[fwd_issue[j]] += g.gather_bytes
         if g.name in keep:
             delta[max(g.grad_at, g.forward_end + 1)] -= g.gather_bytes

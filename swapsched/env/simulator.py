@@ -40,8 +40,7 @@ class Simulation:
     until the simulation reaches their swap-out event."""
 
     def __init__(self, trace: Trace, hardware: Hardware, budget: int, *, record: bool = False, guard: bool = False):
-        if trace.world_size > 1 and hardware.ranks_per_host == 1:
-            hardware = hardware.for_ranks(trace.world_size)  # R18: the node's host is shared by its ranks
+        hardware = hardware.for_ranks(trace.world_size)  # R18: the node's host is shared by its ranks
         self.trace, self.hw, self.budget = trace, hardware, int(budget)
         # R4, guard: where the plan leaves no room and no swap-out is in flight, evict on the spot
         # what the runtime's guard would (MIN) instead of stopping at OOM; for predicting a step
@@ -215,10 +214,8 @@ class Simulation:
         while self.used + need > limit:
             if self.d2h_q:
                 self._wait_until(self._complete_one_swapout(), event)
-            elif self.st is not None and self.st.wait_one_free(event):
-                continue  # R13: a state copy out landed
-            elif self.st is not None and self.st.reclaim_stream_in():
-                continue  # R15: a stream-in admitted ahead of its step gives its room back
+            elif self.st is not None and self.st.give_room(event):
+                continue  # R13/R15: the state's own copies out, or a stream-in taken back
             elif not (self.guard and self._guard_evict(event, keep)):
                 self.oom_event = event
                 return False

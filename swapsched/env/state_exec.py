@@ -6,28 +6,11 @@ the next.
 of its loop (before a gap, at an event's unpack, after a gap, after the tail) and shares its
 clock, its device memory (``used``, R3) and its copy engines (R6): a state copy queues behind
 the activations' copies in its direction, and a state fetch that has no room waits like a
-prefetch. Per placement (``swapsched/state.py``), what is on the device:
+prefetch. What each placement holds where, and when a group is fetched, is
+``state_parts.py``'s.
 
-- ``device``: everything, all step (counted in the step's static bytes, as before the state).
-- ``param``: the gradient and optimizer state always; the parameter from the step's start
-  through its forward use, copied out after it (freed when the copy lands, R2-like), fetched
-  ahead of its backward use (R14) and kept to the next step's forward.
-- ``stream``: parameter and gradient always; the optimizer state from its fetch (issued when the
-  group's gradient completes, waiting for room, R6) until its copy out after the device step.
-- ``host-step``: the parameter always; the gradient from its backward use until its copy to the
-  host lands. The host steps the group (R15) and the updated parameter is copied back; its next
-  forward use waits for that copy (R16).
-- ``full``: ``host-step`` with the parameter on the device only while forward or backward uses
-  it: fetched ahead of each use, let go after (the host's copy is the master).
-- ``stream-full``: the parameter as in ``full``, the gradient as in ``host-step``; once the
-  gradient has landed on the host, parameter, gradient and optimizer state are streamed in (as
-  ``stream``'s state) for the device step, the gradient let go after it and the parameter and
-  state copied out.
-
-Fetches go one group ahead (R14): a group's forward fetch is issued as the previous fetched
-group's forward starts (the first at the step's start), its backward fetch as the previous one's
-backward starts (the first as backward starts). A fetch the compute reaches first is waited for,
-as an unpack waits for its swap-in (R5a); on demand where it was never issued.
+A fetch the compute reaches first is waited for, as an unpack waits for its swap-in (R5a); on
+demand where it was never issued.
 
 The step ends when the compute stream is done: forward, backward, the tail and the device's
 optimizer steps (R15: each group's parameters over ``Hardware.device_optimizer_rate``, a
@@ -44,64 +27,26 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from swapsched.env.collectives import Collectives, _by_event
+from swapsched.env.collectives import Collectives
 from swapsched.env.result import SimResult, StateCost
+from swapsched.env.state_parts import (
+    HOST_PARTS,
+    STREAM_IN_PARTS,
+    STREAM_OUT_PARTS,
+    by_event,
+    fetch_events,
+    part_bytes,
+    state_split,
+    stream_in_bytes,
+)
 from swapsched.plan import SwapPlan
 from swapsched.state import OPTIMIZERS
 
-__all__ = ["StateExecution", "StateResult", "state_split", "resident_parts", "fetch_events", "stream_in_bytes", "run_to_steady_state",
-           "STEADY_STATE_ROUNDS"]
+__all__ = ["StateExecution", "StateResult", "run_to_steady_state", "STEADY_STATE_ROUNDS"]
 
 #: R16: the most steps simulated one after another to reach the steady state of a plan that
 #: leaves work under way into the next step (the host's optimizer steps and parameters' copies)
 STEADY_STATE_ROUNDS = 6
-
-#: The parts of a group the step's static bytes hold under each placement (module docstring)
-_STATIC = {"device": ("param_bytes", "grad_bytes", "optim_bytes"), "param": ("grad_bytes", "optim_bytes"),
-           "stream": ("param_bytes", "grad_bytes"), "host-step": ("param_bytes",), "full": (), "stream-full": ()}
-#: ... and what the host holds for it all step (R11: pinned state, beside swapped activations)
-_HOST = {"device": (), "param": ("param_bytes",), "stream": ("optim_bytes",),
-         "host-step": ("param_bytes", "grad_bytes", "optim_bytes"), "full": ("param_bytes", "grad_bytes", "optim_bytes"),
-         "stream-full": ("param_bytes", "grad_bytes", "optim_bytes")}
-#: What the device step of a streamed group brings in, lets go right after, and copies out
-_STREAM_IN = {"stream": ("optim_bytes",), "stream-full": ("param_bytes", "grad_bytes", "optim_bytes")}
-_STREAM_OUT = {"stream": ("optim_bytes",), "stream-full": ("param_bytes", "optim_bytes")}
-
-
-def state_split(trace_state: tuple, placement: dict[str, str]) -> tuple[int, int]:
-    """(device-static bytes, host bytes) of the state under ``placement`` (module docstring)."""
-    static = host = 0
-    for g in trace_state:
-        where = placement.get(g.name, "device")
-        static += part_bytes(g, _STATIC[where])
-        host += part_bytes(g, _HOST[where])
-    return static, host
-
-
-def resident_parts(placement: str) -> tuple[str, ...]:
-    """The parts of a group (``"param_bytes"``, ``"grad_bytes"``, ``"optim_bytes"``) the device
-    holds all step under ``placement`` (module docstring); the rest is off it between uses."""
-    return _STATIC[placement]
-
-
-def part_bytes(group: Any, fields: tuple[str, ...]) -> int:
-    """The bytes of ``group``'s parts named by ``fields`` (``param_bytes``, ...)."""
-    return sum(getattr(group, f) for f in fields)
-
-
-def stream_in_bytes(group: Any, placement: str) -> int:
-    """What a streamed group's device step brings in (R15); 0 for a placement that streams nothing."""
-    return part_bytes(group, _STREAM_IN.get(placement, ()))
-
-
-def fetch_events(groups: tuple, where: list[str], backward_start: int) -> tuple[dict[int, int], dict[int, int]]:
-    """R14: the event at which each fetched group's forward fetch and backward fetch are issued:
-    one group ahead (module docstring)."""
-    fwd = sorted((g.forward_at, j) for j, g in enumerate(groups) if where[j] in ("full", "stream-full"))
-    bwd = sorted((g.backward_at, j) for j, g in enumerate(groups) if where[j] in ("param", "full", "stream-full"))
-    return ({j: 0 if k == 0 else fwd[k - 1][0] for k, (_, j) in enumerate(fwd)},
-            {j: min(backward_start, a) if k == 0 else bwd[k - 1][0] for k, (a, j) in enumerate(bwd)})
-
 
 class StateResult:
     """What the state cost a simulated step (folded into ``SimResult``)."""
@@ -136,7 +81,7 @@ class StateExecution:
         self.where: list[str] = []
         for g in self.groups:
             w = placement.get(g.name, "device")
-            need = part_bytes(g, _HOST[w])
+            need = part_bytes(g, HOST_PARTS[w])
             if need > host_room:
                 w = "device"
                 self.result.skipped += 1
@@ -174,13 +119,13 @@ class StateExecution:
         self.h2d_spans: list[tuple[float, float, int]] = []
         self.host_spans: list[tuple[float, float, int]] = []
         # per event: whose forward starts, ends, backward starts, gradient completes; fetches issued
-        self.fwd_at = _by_event(n + 1, [(g.forward_at, j) for j, g in enumerate(self.groups)])
-        self.fwd_end = _by_event(n + 1, [(g.forward_end, j) for j, g in enumerate(self.groups)])
-        self.bwd_at = _by_event(n + 1, [(g.backward_at, j) for j, g in enumerate(self.groups)])
-        self.grad_at = _by_event(n + 1, [(g.grad_at, j) for j, g in enumerate(self.groups)])
+        self.fwd_at = by_event(n + 1, [(g.forward_at, j) for j, g in enumerate(self.groups)])
+        self.fwd_end = by_event(n + 1, [(g.forward_end, j) for j, g in enumerate(self.groups)])
+        self.bwd_at = by_event(n + 1, [(g.backward_at, j) for j, g in enumerate(self.groups)])
+        self.grad_at = by_event(n + 1, [(g.grad_at, j) for j, g in enumerate(self.groups)])
         fwd, bwd = fetch_events(self.groups, self.where, min(sim.tb.backward_start, n))
-        self.fetch_fwd_at = _by_event(n + 1, [(i, j) for j, i in fwd.items()])
-        self.fetch_bwd_at = _by_event(n + 1, [(i, j) for j, i in bwd.items()])
+        self.fetch_fwd_at = by_event(n + 1, [(i, j) for j, i in fwd.items()])
+        self.fetch_bwd_at = by_event(n + 1, [(i, j) for j, i in bwd.items()])
         # the static part of the state (module docstring) is in sim.static; the parameters of
         # ``param`` groups are on the device as the step starts
         static, _ = state_split(self.groups, {g.name: w for g, w in zip(self.groups, self.where, strict=True)})
@@ -195,8 +140,7 @@ class StateExecution:
         # R18: a sharded step's all-gathers and reduce-scatters (env/collectives.py)
         self.coll: Collectives | None = None
         if trace.world_size > 1:
-            keep = {j for j, g in enumerate(self.groups) if g.name in set(plan.unsharded)}
-            self.coll = Collectives(sim, keep, self.frees, self._shard_ready)
+            self.coll = Collectives(sim, set(plan.unsharded), self.frees, self._shard_ready)
 
     def _shard_ready(self, j: int) -> float:
         """When group ``j``'s shard is on the device for its all-gather (R18)."""
@@ -271,6 +215,11 @@ class StateExecution:
             sim._note_mem()
             self.admitted.append(j)
             self.optim_done[j] = self._copy("h2d", b, max(sim.t, self.not_before.get(j, 0.0)), j)
+
+    def give_room(self, event: int) -> bool:
+        """R4 with the state placed: the compute needs room; a state copy out in flight lands
+        (waited for), else a stream-in admitted ahead gives its room back. False where neither."""
+        return self.wait_one_free(event) or self.reclaim_stream_in()
 
     def reclaim_stream_in(self) -> bool:
         """R15: the compute needs room that a stream-in admitted ahead of its device step holds:
@@ -421,7 +370,7 @@ class StateExecution:
             w = self.where[j]
             if w not in ("device", "param", "stream", "stream-full"):
                 continue
-            streamed = w in _STREAM_IN
+            streamed = w in STREAM_IN_PARTS
             if streamed:
                 if j in self.optim_waiting:
                     self.optim_waiting.remove(j)
@@ -443,7 +392,7 @@ class StateExecution:
                 g = self.groups[j]
                 if w == "stream-full":
                     sim.used -= g.grad_bytes  # the step has read it
-                self._out(part_bytes(g, _STREAM_OUT[w]), j)
+                self._out(part_bytes(g, STREAM_OUT_PARTS[w]), j)
             self.retire(sim.t)
             self.admit()
         if self.host_after_backward:

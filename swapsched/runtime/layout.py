@@ -10,7 +10,7 @@ from typing import Any
 from swapsched.env.events import event_tables
 from swapsched.env.result import SimResult
 from swapsched.env.simulator import simulate
-from swapsched.env.state_exec import state_split
+from swapsched.env.state_parts import state_split
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.runtime.shapes import first_bytes, structure

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from swapsched.env.state_exec import resident_parts
+from swapsched.env.state_parts import resident_parts
 from swapsched.errors import UserError
 from swapsched.runtime.backends import Backend, Ticket
 from swapsched.runtime.reports import StateStepReport

@@ -1,0 +1,96 @@
+"""What the training state's placements hold where (R13-R14), and when a group is fetched: the
+tables the simulated step (``state_exec.py``), the activation planners' view of a placed state
+(``agents/state_search.py``) and the runtime's state at rest read.
+
+Per placement (``swapsched/state.py``), what is on the device:
+
+- ``device``: everything, all step (counted in the step's static bytes, as before the state).
+- ``param``: the gradient and optimizer state always; the parameter from the step's start
+  through its forward use, copied out after it (freed when the copy lands, R2-like), fetched
+  ahead of its backward use (R14) and kept to the next step's forward.
+- ``stream``: parameter and gradient always; the optimizer state from its fetch (issued when the
+  group's gradient completes, waiting for room, R6) until its copy out after the device step.
+- ``host-step``: the parameter always; the gradient from its backward use until its copy to the
+  host lands. The host steps the group (R15) and the updated parameter is copied back; its next
+  forward use waits for that copy (R16).
+- ``full``: ``host-step`` with the parameter on the device only while forward or backward uses
+  it: fetched ahead of each use, let go after (the host's copy is the master).
+- ``stream-full``: the parameter as in ``full``, the gradient as in ``host-step``; once the
+  gradient has landed on the host, parameter, gradient and optimizer state are streamed in (as
+  ``stream``'s state) for the device step, the gradient let go after it and the parameter and
+  state copied out.
+
+Fetches go one group ahead (R14): a group's forward fetch is issued as the previous fetched
+group's forward starts (the first at the step's start), its backward fetch as the previous one's
+backward starts (the first as backward starts); a sharded step's all-gathers alike (R18).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["STATIC_PARTS", "HOST_PARTS", "STREAM_IN_PARTS", "STREAM_OUT_PARTS", "state_split", "resident_parts",
+           "part_bytes", "stream_in_bytes", "one_ahead", "fetch_events", "by_event"]
+
+#: The parts of a group the step's static bytes hold under each placement (module docstring)
+STATIC_PARTS = {"device": ("param_bytes", "grad_bytes", "optim_bytes"), "param": ("grad_bytes", "optim_bytes"),
+                "stream": ("param_bytes", "grad_bytes"), "host-step": ("param_bytes",), "full": (), "stream-full": ()}
+#: ... and what the host holds for it all step (R11: pinned state, beside swapped activations)
+HOST_PARTS = {"device": (), "param": ("param_bytes",), "stream": ("optim_bytes",),
+              "host-step": ("param_bytes", "grad_bytes", "optim_bytes"),
+              "full": ("param_bytes", "grad_bytes", "optim_bytes"), "stream-full": ("param_bytes", "grad_bytes", "optim_bytes")}
+#: What the device step of a streamed group brings in, lets go right after, and copies out
+STREAM_IN_PARTS = {"stream": ("optim_bytes",), "stream-full": ("param_bytes", "grad_bytes", "optim_bytes")}
+STREAM_OUT_PARTS = {"stream": ("optim_bytes",), "stream-full": ("param_bytes", "optim_bytes")}
+
+
+def state_split(trace_state: tuple, placement: dict[str, str]) -> tuple[int, int]:
+    """(device-static bytes, host bytes) of the state under ``placement`` (module docstring)."""
+    static = host = 0
+    for g in trace_state:
+        where = placement.get(g.name, "device")
+        static += part_bytes(g, STATIC_PARTS[where])
+        host += part_bytes(g, HOST_PARTS[where])
+    return static, host
+
+
+def resident_parts(placement: str) -> tuple[str, ...]:
+    """The parts of a group (``"param_bytes"``, ``"grad_bytes"``, ``"optim_bytes"``) the device
+    holds all step under ``placement`` (module docstring); the rest is off it between uses."""
+    return STATIC_PARTS[placement]
+
+
+def part_bytes(group: Any, fields: tuple[str, ...]) -> int:
+    """The bytes of ``group``'s parts named by ``fields`` (``param_bytes``, ...)."""
+    return sum(getattr(group, f) for f in fields)
+
+
+def stream_in_bytes(group: Any, placement: str) -> int:
+    """What a streamed group's device step brings in (R15); 0 for a placement that streams nothing."""
+    return part_bytes(group, STREAM_IN_PARTS.get(placement, ()))
+
+
+def one_ahead(uses: list[tuple[int, int]], first: int | None = None) -> dict[int, int]:
+    """R14: ``(event of its use, group)`` pairs -> the event at which each group's fetch is
+    issued: as the previous group's use starts, the first at ``first`` (or its own use, if
+    earlier; the step's start: 0)."""
+    uses = sorted(uses)
+    start = 0 if first is None else first
+    return {j: min(start, at) if k == 0 else uses[k - 1][0] for k, (at, j) in enumerate(uses)}
+
+
+def fetch_events(groups: tuple, where: list[str], backward_start: int) -> tuple[dict[int, int], dict[int, int]]:
+    """R14: the event at which each fetched group's forward fetch and backward fetch are issued:
+    one group ahead (module docstring)."""
+    return (one_ahead([(g.forward_at, j) for j, g in enumerate(groups) if where[j] in ("full", "stream-full")]),
+            one_ahead([(g.backward_at, j) for j, g in enumerate(groups) if where[j] in ("param", "full", "stream-full")],
+                      backward_start))
+
+
+def by_event(n: int, pairs: list[tuple[int, int]]) -> list[tuple[int, ...]]:
+    """Per event ``i`` < ``n``, the groups ``j`` of the ``(i, j)`` pairs, in order."""
+    out: list[tuple[int, ...]] = [()] * n
+    for i, j in pairs:
+        if 0 <= i < n:
+            out[i] += (j,)
+    return out
