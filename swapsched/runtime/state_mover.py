@@ -52,12 +52,11 @@ import torch.nn as nn
 
 from swapsched.errors import UserError
 from swapsched.runtime.backends import Backend, Ticket
-from swapsched.runtime.replicas import reducing_replica
+from swapsched.runtime.state_grads import GradientsToHost
 from swapsched.runtime.state_rest import (
     _RELEASED,
     HOST_PLACEMENTS,
     Handover,
-    StateAtRest,
     _alias,
     _Param,
     present_dev,
@@ -69,7 +68,7 @@ from swapsched.state import PLACEMENTS, StateGroup, group_name
 
 __all__ = ["StateMover", "HOST_PLACEMENTS"]
 
-class StateMover(StateAtRest):
+class StateMover(GradientsToHost):
     """Carries ``placement`` (group -> ``state.PLACEMENTS``) out on ``model`` and ``optimizer``
     (module docstring). ``groups``: the trace's state groups (their forward order); ``on_bytes``:
     called with each change of the state's device bytes beyond the resident part (the executing
@@ -102,11 +101,8 @@ class StateMover(StateAtRest):
         self._streamed: dict[int, torch.Tensor] = {}  # a streamed-in state tensor's id -> its host tensor
         self._backward = False
         self._next_backward = 0  # index in backward_order of the next group backward reaches
-        # DDP all-reduces this step's gradients as backward ends (replicas.py): host-placed ones
-        # are held on the device until then, and the reduced ones go out as the step comes to rest
-        self._reduced = False
-        self._rest_after_reducer = False  # _backward_ends queued again, after DDP's finalize
-        self._held: dict[int, _Param] = {}
+        self._reduced = self._rest_after_reducer = False  # state_grads.py
+        self._held = {}
         # parameters per group (each once, in the group of the module that registers it first, as
         # profiler.state_groups counts it), and which groups' modules use each (a tied weight)
         owner: dict[int, str] = {}
@@ -281,55 +277,6 @@ class StateMover(StateAtRest):
         self.copied = 0
         self._issue_next(self.forward_order, None)
 
-    def _forward_starts(self) -> None:
-        """The model's forward pre-hook: whether DDP all-reduces this forward's gradients."""
-        if not self.in_step:
-            return
-        ddp = reducing_replica(self.model)
-        if ddp is None:
-            return
-        if ddp.gradient_as_bucket_view and any(mp.placement in HOST_PLACEMENTS for mp in self.params.values()):
-            # each p.grad is a view of DDP's buckets, which stay on the device: moving it frees nothing
-            raise UserError("DistributedDataParallel(gradient_as_bucket_view=True) keeps every gradient in its "
-                            "buckets on the device, so gradients cannot leave it: wrap the model with "
-                            "gradient_as_bucket_view=False, or give a budget the state meets on the device")
-        self._reduced = True
-
-    def _hold(self, mp: _Param) -> None:
-        """``mp``'s gradient stays on the device until backward ends (DDP reduces it there)."""
-        if id(mp.p) not in self._held:
-            self._held[id(mp.p)] = mp
-            self._bytes(mp.nbytes)
-
-    def _take_grad(self, mp: _Param) -> None:
-        """Before autograd accumulates ``mp``'s first gradient of the step (a hook on the
-        parameter, after any ``zero_grad()`` the user calls, Lightning's between forward and
-        backward too): the gradient kept on the host leaves ``p.grad``, and backward's is added to
-        it there (``_collect_grads``)."""
-        if not self.in_step or mp.taken or mp.placement not in HOST_PLACEMENTS:
-            return
-        g = mp.p.grad
-        if g is not mp.hgrad:  # zero_grad() let it go, or the user set one of their own
-            if mp.hgrad is not None and mp.hgrad._base is not None:
-                self.backend.pool.discard(mp.hgrad._base)  # the user's to keep or drop: never reused
-            mp.hgrad = None
-            if g is not None:
-                mp.hgrad = self._host_buffer(g)
-                mp.hgrad.copy_(g)
-        mp.p.grad = None
-        mp.taken = True
-        if self._reduced:
-            # DDP reduces p.grad as this backward leaves it: the sum of the steps accumulated on
-            # the host under no_sync() goes back on it, for autograd to add this backward's to
-            # (as DDP alone: g1 + g2, then the mean of that over the ranks)
-            self._hold(mp)
-            if mp.hgrad is not None:
-                with runtime_allocation():  # counted by _hold as the state's bytes
-                    dev = torch.empty(mp.hgrad.shape, dtype=mp.hgrad.dtype, device=self.device)
-                self.backend.wait_for_use(self.backend.copy_in_into(mp.hgrad, dev))
-                self.copied += mp.nbytes
-                mp.p.grad = dev
-
     def _issue_next(self, order: list[str], after: str | None) -> None:
         """R14: the group after ``after`` in ``order`` whose parameters leave the device between
         uses: its fetch issued (those of its parameters not on the device already)."""
@@ -431,13 +378,8 @@ class StateMover(StateAtRest):
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
 
     def _backward_ends(self) -> None:
-        if self._reduced and not self._rest_after_reducer:
-            # DDP queues its finalize_backward (the mean into p.grad) at its last bucket, after
-            # this callback; one queued from a callback runs after every one queued before it
-            self._rest_after_reducer = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
+        if self._rest_after_reducer_queued(self._backward_ends):
             return
-        self._rest_after_reducer = False
         self._backward = False
         self._next_backward = 0
         self._to_rest()
@@ -463,21 +405,6 @@ class StateMover(StateAtRest):
         self._collect_grads(wait=False)
         if self._waiting:
             self._admit()
-
-    def _collect_grads(self, wait: bool) -> None:
-        """The gradients whose copies landed (all of them, with ``wait``) added to the host's, in
-        the order they were copied out (one engine runs them in that order, R6)."""
-        outs = self._grad_outs
-        while outs and (wait or self.backend.done(outs[0][1])):
-            mp, ticket, buf = outs.popleft()
-            self.backend.wait_host(ticket)
-            g = buf.view(mp.p.dtype).view(mp.p.shape)
-            if mp.hgrad is None:
-                mp.hgrad = g  # the buffer becomes the host gradient
-            else:
-                mp.hgrad.add_(g)  # as AccumulateGrad adds: the earlier sum plus this one
-                self.backend.pool.give(buf)
-            self._bytes(-mp.nbytes)
 
     def end_step(self) -> None:
         """As the step ends (or fails): every tensor as at rest (module docstring)."""
@@ -514,20 +441,6 @@ class StateMover(StateAtRest):
                     mp.taken = False
                 if mp.placement == "host-step":
                     mp.dev_version = mp.p._version
-
-    def _reduced_out(self) -> None:
-        """The gradients held for DDP (after its finalize: the mean over the ranks) to the host,
-        as the gradient kept there (it held the sum so far, which the mean includes)."""
-        held, self._held = self._held, {}
-        for mp in held.values():
-            g = mp.p.grad
-            if g is not None and g is not mp.hgrad:
-                if mp.hgrad is None:
-                    mp.hgrad = self._host_buffer(g)
-                self.backend.wait_host(self.backend.copy_out_into(g.detach(), mp.hgrad))
-                self.copied += mp.nbytes
-                mp.p.grad = None  # the device gradient goes; p.grad is the host's as it comes to rest
-            self._bytes(-mp.nbytes)
 
     def settle(self) -> None:
         """Wait for every copy in flight (before reading what they write, and at the end)."""
