@@ -328,20 +328,26 @@ class Trace:
     @cached_property
     def unsharded_in_use_bytes(self) -> np.ndarray:
         """R18: what a sharded step holds unsharded during the gap before each event, whatever
-        the plan, as :attr:`state_in_use_bytes` counts a group: a unit's unsharded parameters
-        while forward computes with it and while backward does (from the gap after its
-        ``backward_at`` until its gradient completes), and its unsharded gradient over the latter
-        (``env/collectives.py`` adds the all-gathers issued ahead and the reduce-scatters' time);
-        zeros on one device."""
+        the plan, counted as :attr:`state_in_use_bytes` counts a group: a unit's unsharded
+        parameters while forward and backward compute with it, and its unsharded gradient while
+        backward makes it (``env/collectives.py`` adds the all-gathers issued ahead and the
+        reduce-scatters' time); zeros on one device."""
+        if self.world_size == 1:
+            return np.zeros(self.n_events, dtype=np.int64)
+        return self._in_use(lambda g: g.gather_bytes, lambda g: g.gather_bytes + g.reduce_bytes)
+
+    def _in_use(self, forward: Callable[[StateGroup], int], backward: Callable[[StateGroup], int]) -> np.ndarray:
+        """Per gap, each group's ``forward(g)`` bytes over the gaps forward computes with it
+        (``forward_at..forward_end``) and its ``backward(g)`` bytes from the gap after its
+        ``backward_at`` until its gradient completes."""
         n = self.n_events
         delta = np.zeros(n + 2, dtype=np.int64)
-        if self.world_size > 1:
-            for g in self.state:
-                delta[g.forward_at] += g.gather_bytes
-                delta[g.forward_end + 1] -= g.gather_bytes
-                start = min(g.backward_at + 1, n)
-                delta[start] += g.gather_bytes + g.reduce_bytes
-                delta[max(g.grad_at, start)] -= g.gather_bytes + g.reduce_bytes
+        for g in self.state:
+            delta[g.forward_at] += forward(g)
+            delta[g.forward_end + 1] -= forward(g)
+            start = min(g.backward_at + 1, n)
+            delta[start] += backward(g)
+            delta[max(g.grad_at, start)] -= backward(g)
         return np.cumsum(delta)[:n]
 
     @cached_property
@@ -370,15 +376,7 @@ class Trace:
         a group's parameter while forward computes with it (gaps ``forward_at..forward_end``) and
         while backward does (from ``backward_at`` to its gradient's completion), and its
         gradient from ``backward_at`` until it completes (it is made on the device)."""
-        n = self.n_events
-        delta = np.zeros(n + 2, dtype=np.int64)
-        for g in self.state:
-            delta[g.forward_at] += g.param_bytes
-            delta[g.forward_end + 1] -= g.param_bytes
-            start = min(g.backward_at + 1, n)
-            delta[start] += g.param_bytes + g.grad_bytes
-            delta[max(g.grad_at, start)] -= g.param_bytes + g.grad_bytes
-        return np.cumsum(delta)[:n]
+        return self._in_use(lambda g: g.param_bytes, lambda g: g.param_bytes + g.grad_bytes)
 
     @cached_property
     def min_feasible_bytes_movable(self) -> int:
