@@ -24,8 +24,8 @@ does not fit stays on the device). A row gives the device peak and the host peak
 activations and the state the host holds, at once), the step, tokens (or samples) a second, and MFU: the
 trace's FLOPs (forward, backward and the tail, no recompute) over the step and the hardware's
 peak for the trace's compute dtype. Where no option fits, :func:`smallest_fit` bisects the
-smallest device memory at which ``default``'s placements fit (with as much host memory as they
-need) and the host memory they take there.
+smallest device memory at which ``default``'s placements fit (with the host memory given) and
+the host memory they take there.
 """
 
 from __future__ import annotations
@@ -155,17 +155,16 @@ def _row(trace: Trace, option: str, budget: int, hw: Hardware, tokens: int, flop
 
 def smallest_fit(trace: Trace, hardware: Hardware) -> Smallest | None:
     """Where nothing fits: the smallest device memory at which a placement ``default`` screens
-    fits (to within 1%, R14's bisection, with unlimited host memory), and the host memory
+    fits (to within 1%, R14's bisection, with ``hardware``'s host memory), and the host memory
     ``default``'s plan takes there; None where the trace records no state to move."""
     if not trace.state:
         return None
-    free = hardware.with_host(host_budget_bytes=None) if hardware.host_budget_bytes is not None else hardware
-    budget = smallest_state_budget(trace, free, get_policy("default-greedy"), above=trace.min_feasible_bytes_movable)
+    budget = smallest_state_budget(trace, hardware, get_policy("default-greedy"), above=trace.min_feasible_bytes_movable)
     if budget is None:
         return None
-    row = _row(trace, "default", budget, free, 1, None)
+    row = _row(trace, "default", budget, hardware, 1, None)
     host = (row.host_peak_bytes if row.fits and row.host_peak_bytes is not None
-            else sum(g.bytes for g in trace.state) * free.for_ranks(trace.world_size).ranks_per_host)
+            else sum(g.bytes for g in trace.state) * hardware.for_ranks(trace.world_size).ranks_per_host)
     return Smallest(hardware.name, math.ceil(budget / (1 - DEVICE_MARGIN)), host)
 
 
