@@ -208,10 +208,7 @@ def plan_state(trace: Trace, budget: int, hardware: Hardware, *, inner: Policy, 
             r = simulate(trace, plan, hardware, budget, validate=False)
             if not r.oom and (best is None or r.iteration_s < best[0]):
                 best = (r.iteration_s, plan)
-    if best is None:  # a finalist's screened plan fit with its units resharded: it still does
-        _, _, placement, room, act_budget = scored[0]
-        plan = _screened_plan(trace, budget, hardware, screen, placement, room, act_budget, name, frozenset())
-        best = (simulate(trace, plan, hardware, budget, validate=False).iteration_s, plan)
+    assert best is not None  # the finalist's screened plan fits (the screen's or every block checkpointed)
     # the peers' own rules are candidates too: default is never slower than a peer that fits
     for peer in PEERS.values():
         plan = peer.plan(trace, budget, hardware)
