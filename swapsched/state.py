@@ -24,13 +24,14 @@ is the step every activation plan was made for); :attr:`Trace.fixed_bytes` is wh
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from swapsched.errors import UserError
 from swapsched.segments import segment_of
 
-__all__ = ["StateGroup", "OptimizerKind", "OPTIMIZERS", "optimizer_kind", "group_name", "PLACEMENTS", "check_groups"]
+__all__ = ["StateGroup", "OptimizerKind", "OPTIMIZERS", "optimizer_kind", "group_name", "PLACEMENTS", "SHARD_PLACEMENTS", "allowed_placements", "check_groups"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,21 @@ class StateGroup:
 #: gradient and optimizer state streamed in and the parameter and state out (where the host's
 #: optimizer is slower than the link, this beats the host step).
 PLACEMENTS = ("device", "param", "host-step", "stream", "full", "stream-full")
+
+#: R18, live: the placements the runtime carries out on FSDP2's shards (``runtime/shards.py``).
+#: FSDP2 all-gathers a unit from the shard storage it holds, at moments of its own, and its
+#: gradients and the user's optimizer step act on the parameter DTensors themselves: a placement
+#: that takes a shard off the device between uses (``param``, ``full``, ``stream-full``) or steps
+#: the parameter on the host (``host-step``) would have to re-point FSDP2's own tensors.
+#: ``stream`` moves the optimizer state alone. A trace of such a step lists what its plan may use
+#: in ``meta["placements"]`` (:func:`allowed_placements`).
+SHARD_PLACEMENTS = ("device", "stream")
+
+
+def allowed_placements(meta: Mapping[str, Any]) -> tuple[str, ...]:
+    """The placements a plan of a trace with ``meta`` may use (R18: a live sharded step's are
+    ``SHARD_PLACEMENTS``); every one where the trace does not say."""
+    return tuple(meta.get("placements", PLACEMENTS))
 
 
 def group_name(module: str) -> str:

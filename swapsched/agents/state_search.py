@@ -41,7 +41,7 @@ from swapsched.env.state_parts import fetch_events, state_split, stream_in_bytes
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.policy import Policy
-from swapsched.state import OPTIMIZERS
+from swapsched.state import OPTIMIZERS, allowed_placements
 from swapsched.trace import Event, Trace
 
 __all__ = ["activation_view", "plan_state", "smallest_state_budget", "StatePeer", "PartialOffloadPeer", "PEERS", "state_floor",
@@ -100,7 +100,8 @@ def activation_view(trace: Trace, placement: dict[str, str], stream_room: int = 
 
 
 def candidate_placements(trace: Trace) -> list[dict[str, str]]:
-    """The placements ``default`` screens (module docstring), all on the device first."""
+    """The placements ``default`` screens (module docstring), all on the device first; those
+    the trace allows (R18: a live sharded step's ``allowed_placements``)."""
     groups = trace.state
     order = sorted(range(len(groups)), key=lambda j: (-groups[j].bytes, j))
     counts = sorted({max(1, round(len(groups) * f)) for f in SHARES})
@@ -112,7 +113,8 @@ def candidate_placements(trace: Trace) -> list[dict[str, str]]:
             mix = {g.name: base for g in groups}
             mix.update({groups[j].name: top for j in order[:k]})
             out.append(mix)
-    return out
+    allowed = set(allowed_placements(trace.meta))
+    return [c for c in out if set(c.values()) <= allowed]
 
 
 def _with_state(trace: Trace, act: SwapPlan, placement: dict[str, str], name: str, **options: Any) -> SwapPlan:
@@ -210,8 +212,11 @@ def plan_state(trace: Trace, budget: int, hardware: Hardware, *, inner: Policy, 
                 best = (r.iteration_s, plan)
     assert best is not None  # the finalist's screened plan fits (the screen's or every block checkpointed)
     # the peers' own rules are candidates too: default is never slower than a peer that fits
+    allowed = set(allowed_placements(trace.meta))
     for peer in PEERS.values():
         plan = peer.plan(trace, budget, hardware)
+        if not set(plan.placement().values()) <= allowed:
+            continue
         r = simulate(trace, plan, hardware, budget, validate=False)
         if not r.oom and r.iteration_s < best[0]:
             best = (r.iteration_s, replace(plan, policy=name))

@@ -31,6 +31,7 @@ from swapsched.errors import UserError, present
 from swapsched.hardware import DEFAULT_CPU_HARDWARE, DEFAULT_GPU_HARDWARE, Hardware, load_hardware
 from swapsched.precision import Precision, autocast_for
 from swapsched.runtime.recorder import ModulePath, OpNames, ProfileError, TraceRecorder, storage_key
+from swapsched.runtime.shards import local_of
 from swapsched.runtime.transients import OTHER_MEASURED, TransientMeter
 from swapsched.state import StateGroup, group_name, optimizer_kind
 from swapsched.trace import Trace
@@ -63,7 +64,7 @@ def _optimizer_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | 
         return 0
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     if state:
-        return sum(v.numel() * v.element_size() for v in state)
+        return sum(local_of(v).numel() * v.element_size() for v in state)
     # state is created lazily at the first step: count what it will hold (an optimizer whose kind
     # is not known counts none, as before the state could move)
     try:
@@ -76,6 +77,7 @@ def _optimizer_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | 
 def _optimizer_bytes(p: torch.Tensor, kind: str) -> int:
     """The bytes optimizer ``kind`` keeps for ``p``, in its dtype as torch.optim does (Adafactor:
     a row and a column per matrix, a whole copy per vector)."""
+    p = local_of(p)  # a shard's own elements (R18)
     size = p.element_size()
     if kind == "adafactor":
         return size * (p.shape[0] + p[0].numel()) if p.dim() >= 2 else size * p.numel()
@@ -96,10 +98,10 @@ def state_groups(model: nn.Module, trace: Trace, optimizer: str) -> tuple[StateG
             if not p.requires_grad or storage_key(p) in seen:
                 continue
             seen.add(storage_key(p))
-            nb = p.untyped_storage().nbytes()
+            nb = local_of(p).untyped_storage().nbytes()  # a shard's own bytes (R18), not its wrapper's
             optim = _optimizer_bytes(p, kind.name)
             acc = sizes.setdefault(group_name(mod_name), [0, 0, 0, 0])
-            for i, v in enumerate((p.numel(), nb, nb, optim)):
+            for i, v in enumerate((local_of(p).numel(), nb, nb, optim)):
                 acc[i] += v
     out = []
     for name, (params, param_bytes, grad_bytes, optim_bytes) in sizes.items():
@@ -117,7 +119,7 @@ def static_bytes_of(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         if k in seen:
             continue
         seen.add(k)
-        nb = p.untyped_storage().nbytes()
+        nb = local_of(p).untyped_storage().nbytes()  # a shard's own bytes (R18), not its wrapper's
         total += nb * (2 if p.requires_grad else 1)
     for b in model.buffers():
         k = storage_key(b)

@@ -18,10 +18,9 @@ from dataclasses import replace
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from swapsched.errors import UserError
 from swapsched.trace import Trace
 
-__all__ = ["replica", "reducing_replica", "gradients_complete_at_backward_end", "refuse_sharded_state"]
+__all__ = ["replica", "reducing_replica", "gradients_complete_at_backward_end"]
 
 
 def replica(model: torch.nn.Module) -> DistributedDataParallel | None:
@@ -48,16 +47,3 @@ def gradients_complete_at_backward_end(trace: Trace) -> Trace:
     if not trace.state:
         return trace
     return replace(trace, state=tuple(replace(g, grad_at=trace.n_events) for g in trace.state))
-
-
-def refuse_sharded_state(model: torch.nn.Module, budget: object) -> None:
-    """Under FSDP2 (``fully_shard``: each parameter a DTensor shard) the state mover cannot
-    move the state yet (R17 moves plain tensors): refused in one line, on every rank alike
-    (each has the same budget), before a step runs."""
-    from torch.distributed.tensor import DTensor
-
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        raise UserError(f"budget {budget} needs parameters, gradients and optimizer state moved off the device, and "
-                        "this model's parameters are FSDP2 shards (DTensor), which swapsched does not move yet: give a "
-                        "budget the activations alone can meet, or use FSDP2's own offload "
-                        "(fully_shard(..., offload_policy=CPUOffloadPolicy()))")

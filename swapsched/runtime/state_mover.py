@@ -52,6 +52,7 @@ import torch.nn as nn
 
 from swapsched.errors import UserError
 from swapsched.runtime.backends import Backend, Ticket
+from swapsched.runtime.shards import local_of, sharded_names
 from swapsched.runtime.state_grads import GradientsToHost
 from swapsched.runtime.state_rest import (
     _RELEASED,
@@ -64,7 +65,7 @@ from swapsched.runtime.state_rest import (
     present_out,
 )
 from swapsched.runtime.transients import runtime_allocation
-from swapsched.state import PLACEMENTS, StateGroup, group_name
+from swapsched.state import PLACEMENTS, SHARD_PLACEMENTS, StateGroup, group_name
 
 __all__ = ["StateMover", "HOST_PLACEMENTS"]
 
@@ -121,6 +122,7 @@ class StateMover(GradientsToHost):
         if unknown:
             raise UserError(f"placement names group(s) {sorted(unknown)} that own no trainable parameter of the model")
         in_optimizer = {id(p) for grp in optimizer.param_groups for p in grp["params"]}
+        shards = sharded_names(model)
         self.params: dict[int, _Param] = {}
         for ps in users.values():
             for p in ps:
@@ -130,14 +132,21 @@ class StateMover(GradientsToHost):
                 if id(p) not in in_optimizer:
                     raise UserError(f"parameter {names[id(p)]!r} is placed ({where}) but not in the optimizer; "
                                     "give the optimizer that steps the model, or keep its group on the device")
-                if not p.is_contiguous():
+                if id(p) in shards and where not in SHARD_PLACEMENTS:
+                    raise UserError(f"group {owner[id(p)]!r} is placed {where!r}, and its parameter {names[id(p)]!r} is an "
+                                    "FSDP2 shard (DTensor), which FSDP2 all-gathers from a storage of its own: on shards "
+                                    f"the runtime carries out {', '.join(SHARD_PLACEMENTS)} (R18); plan with "
+                                    "policy='default', which keeps to those, or wrap with swapsched.fully_shard, which "
+                                    "gives FSDP2's CPUOffloadPolicy to the units a plan offloads whole")
+                data = local_of(p)  # a shard's own bytes (R18)
+                if not data.is_contiguous():
                     raise UserError(f"parameter {names[id(p)]!r} is not contiguous; it cannot move (keep its group on the device)")
-                self.params[id(p)] = _Param(p, names[id(p)], owner[id(p)], where, p.numel() * p.element_size())
+                self.params[id(p)] = _Param(p, names[id(p)], owner[id(p)], where, data.numel() * data.element_size())
         self.users = {g: [self.params[id(p)] for p in ps if id(p) in self.params] for g, ps in users.items()}
         self.users = {g: ps for g, ps in self.users.items() if ps}
         if not self.params:
             raise UserError("the placement moves no trainable parameter of the model")
-        self.device = next(iter(self.params.values())).p.device
+        self.device = local_of(next(iter(self.params.values())).p).device
         order = {grp.name: i for i, grp in enumerate(sorted(groups, key=lambda grp: grp.forward_at))}
         self.forward_order = sorted(self.users, key=lambda g: order.get(g, len(order)))
         # backward reaches each group at its backward_at (R13), the last forward group first

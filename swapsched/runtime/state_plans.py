@@ -19,10 +19,11 @@ from swapsched.plan import SwapPlan
 from swapsched.runtime.backends import Backend
 from swapsched.runtime.budgets import ShapeBudgets
 from swapsched.runtime.profiler import optimizer_state_kind, state_groups, static_bytes_of
-from swapsched.runtime.replicas import gradients_complete_at_backward_end, refuse_sharded_state, replica
+from swapsched.runtime.replicas import gradients_complete_at_backward_end, replica
+from swapsched.runtime.shards import is_sharded
 from swapsched.runtime.state_mover import StateMover
 from swapsched.runtime.state_rest import to_device
-from swapsched.state import group_name
+from swapsched.state import SHARD_PLACEMENTS, group_name
 from swapsched.trace import Trace
 
 __all__ = ["RuntimeState"]
@@ -79,7 +80,8 @@ class RuntimeState:
         holds all of it; else they run with it where it is, and the plan keeps to the host budget."""
         if self.mover is not None or not self._byte_budget() or parse_budget(self.budgets.spec) >= static_bytes:
             return
-        refuse_sharded_state(present(self.model, "the model"), self.budgets.spec)
+        if is_sharded(present(self.model, "the model")):  # shards stay where FSDP2 holds them (SHARD_PLACEMENTS)
+            return
         if host_budget is not None and static_bytes_of(present(self.model, "the model"), self.optimizer) > host_budget:
             return
         # every group full, fetched on demand and copied in the calling thread, not on the
@@ -100,7 +102,10 @@ class RuntimeState:
             return trace
         model, optimizer = present(self.model, "the model"), present(self.optimizer, "the optimizer")
         kind = optimizer_state_kind(optimizer)
-        trace = replace(trace, state=state_groups(model, trace, kind), meta={**trace.meta, "optimizer": kind})
+        meta = {**trace.meta, "optimizer": kind}
+        if is_sharded(model):  # R18: what the runtime carries out on FSDP2's shards
+            meta["placements"] = list(SHARD_PLACEMENTS)
+        trace = replace(trace, state=state_groups(model, trace, kind), meta=meta)
         return gradients_complete_at_backward_end(trace) if self.data_parallel else trace
 
     def place(self, plan: SwapPlan, trace: Trace) -> None:
@@ -113,8 +118,6 @@ class RuntimeState:
         if placement and (self.model is None or self.optimizer is None):
             raise UserError(f"plan {plan.policy!r} moves the training state (R13): give the runtime the model "
                             "and its optimizer (SwapRuntime(model=..., optimizer=...))")
-        if placement:
-            refuse_sharded_state(present(self.model, "the model"), self.budgets.spec)
         old, self.mover = self.mover, None
         handover = old.hand_over() if old is not None else None
         try:

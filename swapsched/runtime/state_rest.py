@@ -38,6 +38,7 @@ from swapsched.env.state_parts import resident_parts
 from swapsched.errors import UserError
 from swapsched.runtime.backends import Backend, Ticket
 from swapsched.runtime.reports import StateStepReport
+from swapsched.runtime.shards import like, local_of
 from swapsched.state import StateGroup
 
 __all__ = ["StateAtRest", "Handover", "to_device", "HOST_PLACEMENTS"]
@@ -105,8 +106,8 @@ def to_device(optimizer: torch.optim.Optimizer, device: torch.device, handover: 
                         p.grad = grad.to(device, copy=True)
                 st = optimizer.state.get(p, {})
                 for k, v in list(st.items()):  # a host-placed group's state, or a streamed group's
-                    if torch.is_tensor(v) and v.dim() > 0 and (on_host or id(v) in handover.host_state):
-                        st[k] = v.to(device, copy=True)
+                    if torch.is_tensor(v) and v.dim() > 0 and (on_host or id(local_of(v)) in handover.host_state):
+                        st[k] = like(v, local_of(v).to(device, copy=True))
 
 
 class StateAtRest:
@@ -238,7 +239,7 @@ class StateAtRest:
                     st = self.optimizer.state.get(p, {})
                     for k, v in list(self._state_tensors(mp)):
                         if id(v) in self._host_state:
-                            st[k] = v.to(self.device, copy=True)
+                            st[k] = like(st[k], v.to(self.device, copy=True))
 
     def hand_over(self) -> Handover:
         """Take the hooks off and leave every tensor where it rests, for the next placement's mover
@@ -377,10 +378,11 @@ class StateAtRest:
         self.optimizer_step_s = time.perf_counter() - self._t_step
 
     def _state_tensors(self, mp: _Param) -> Iterable[tuple[str, torch.Tensor]]:
-        """The optimizer's per-element state of ``mp`` (a scalar step count stays where it is)."""
+        """The optimizer's per-element state of ``mp`` (a scalar step count stays where it is),
+        each as the tensor holding its bytes (a shard's local tensor, R18: ``like`` puts one back)."""
         for k, v in self.optimizer.state.get(mp.p, {}).items():
             if torch.is_tensor(v) and v.dim() > 0:
-                yield k, v
+                yield k, local_of(v)
 
     def _state_to_host(self, mp: _Param) -> None:
         """``mp``'s optimizer state into host buffers, synchronously (at install)."""
@@ -389,7 +391,7 @@ class StateAtRest:
             if id(v) not in self._host_state:
                 h = self._host_buffer(v)
                 h.copy_(v)
-                st[k] = h  # type: ignore[index]
+                st[k] = like(st[k], h)  # type: ignore[index]
                 self._host_state.add(id(h))
 
     def _state_in(self, mp: _Param) -> list[Ticket]:
@@ -404,7 +406,7 @@ class StateAtRest:
             nbytes = v.numel() * v.element_size()
             self._bytes(nbytes)
             self.copied += nbytes
-            st[k] = d
+            st[k] = like(st[k], d)
             self._streamed[id(d)] = v
         return out
 
@@ -425,7 +427,7 @@ class StateAtRest:
             self.copied += nbytes
             if was_streamed:
                 self._bytes(-nbytes)
-            st[k] = h  # v stays alive in the ticket until the copy lands
+            st[k] = like(st[k], h)  # v stays alive in the ticket until the copy lands
         return out
 
 def present_host(mp: _Param) -> torch.Tensor:

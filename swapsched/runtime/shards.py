@@ -1,0 +1,55 @@
+"""FSDP2's shards in a live step (R18): each parameter ``fully_shard`` manages is a ``DTensor``
+whose bytes on this rank are its local tensor (``_local_tensor``, a view of the padded flat
+storage FSDP2 all-gathers from, ``FSDPParam._sharded_param_data``); its gradient and its
+optimizer state (torch.optim makes those with ``zeros_like``) are DTensors of the same layout.
+
+What the runtime counts and moves of such a tensor is its local tensor: the DTensor's own
+``untyped_storage()`` is a wrapper's, sized as the whole parameter. A moved optimizer state is
+put back as a new DTensor over the moved local tensor (FSDP2's own CPU offload keeps its shards
+so, a DTensor over a host tensor); the parameters themselves are never re-pointed, since FSDP2
+all-gathers from the storage it holds, not from the parameter (``SHARD_PLACEMENTS``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+__all__ = ["local_of", "like", "is_sharded", "sharded_names"]
+
+
+def _dtensor() -> Any:
+    if not torch.distributed.is_available():  # a torch built without distributed has no DTensor
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding ``t``'s bytes on this rank: a DTensor's local tensor, else ``t``."""
+    dt = _dtensor()
+    return t._local_tensor if dt is not None and isinstance(t, dt) else t  # type: ignore[attr-defined]
+
+
+def like(ref: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as ``ref`` is: a DTensor of ``ref``'s layout over it where ``ref`` is one (its
+    local tensor is ``local`` itself, so identity checks on local tensors hold), else ``local``."""
+    dt = _dtensor()
+    if dt is None or not isinstance(ref, dt):
+        return local
+    return dt(local, ref._spec, requires_grad=False)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether any parameter of ``model`` is a DTensor (``fully_shard``, or tensor parallel)."""
+    dt = _dtensor()
+    return dt is not None and any(isinstance(p, dt) for p in model.parameters())
+
+
+def sharded_names(model: nn.Module) -> set[int]:
+    """The ids of ``model``'s DTensor parameters."""
+    dt = _dtensor()
+    return set() if dt is None else {id(p) for p in model.parameters() if isinstance(p, dt)}
