@@ -17,7 +17,7 @@ __all__ = [
     "SwapPlan", "Eviction", "PlanError", "load_plan",
     "Hardware", "HardwareError", "load_hardware",
     "parse_budget", "BudgetError", "UserError",
-    "simulate", "get_policy", "profile", "build_model", "SwapRuntime", "CompileBackend",
+    "simulate", "get_policy", "profile", "build_model", "SwapRuntime", "CompileBackend", "fully_shard",
 ]
 
 
@@ -46,4 +46,8 @@ def __getattr__(name: str):  # heavy parts (torch, the policies) load on first u
         from swapsched.deploy import CompileBackend
 
         return CompileBackend
+    if name == "fully_shard":
+        from swapsched.fsdp import fully_shard
+
+        return fully_shard
     raise AttributeError(f"module 'swapsched' has no attribute {name!r}")

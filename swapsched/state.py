@@ -31,7 +31,7 @@ from typing import Any
 from swapsched.errors import UserError
 from swapsched.segments import segment_of
 
-__all__ = ["StateGroup", "OptimizerKind", "OPTIMIZERS", "optimizer_kind", "group_name", "PLACEMENTS", "SHARD_PLACEMENTS", "allowed_placements", "check_groups"]
+__all__ = ["StateGroup", "OptimizerKind", "OPTIMIZERS", "optimizer_kind", "group_name", "PLACEMENTS", "SHARD_PLACEMENTS", "FSDP2_PLACEMENTS", "allowed_placements", "check_groups"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,9 @@ PLACEMENTS = ("device", "param", "host-step", "stream", "full", "stream-full")
 #: ``stream`` moves the optimizer state alone. A trace of such a step lists what its plan may use
 #: in ``meta["placements"]`` (:func:`allowed_placements`).
 SHARD_PLACEMENTS = ("device", "stream")
+#: ... and those FSDP2 carries out itself, fixed per unit as ``fully_shard`` wraps it (R18,
+#: ``swapsched/fsdp.py``): ``full`` is its ``CPUOffloadPolicy``
+FSDP2_PLACEMENTS = ("device", "full")
 
 
 def allowed_placements(meta: Mapping[str, Any]) -> tuple[str, ...]:

@@ -31,7 +31,7 @@ from swapsched.errors import UserError, present
 from swapsched.hardware import DEFAULT_CPU_HARDWARE, DEFAULT_GPU_HARDWARE, Hardware, load_hardware
 from swapsched.precision import Precision, autocast_for
 from swapsched.runtime.recorder import ModulePath, OpNames, ProfileError, TraceRecorder, storage_key
-from swapsched.runtime.shards import local_of
+from swapsched.runtime.shards import local_of, offloaded_by_fsdp
 from swapsched.runtime.transients import OTHER_MEASURED, TransientMeter
 from swapsched.state import StateGroup, group_name, optimizer_kind
 from swapsched.trace import Trace
@@ -62,7 +62,8 @@ def optimizer_state_kind(optimizer: torch.optim.Optimizer) -> str:
 def _optimizer_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
     if optimizer is None:
         return 0
-    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    host = offloaded_by_fsdp(model)
+    state = [v for p, s in optimizer.state.items() if id(p) not in host for v in s.values() if torch.is_tensor(v)]
     if state:
         return sum(local_of(v).numel() * v.element_size() for v in state)
     # state is created lazily at the first step: count what it will hold (an optimizer whose kind
@@ -71,7 +72,7 @@ def _optimizer_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | 
         kind = optimizer_state_kind(optimizer)
     except UserError:
         return 0
-    return sum(_optimizer_bytes(p, kind) for g in optimizer.param_groups for p in g["params"])
+    return sum(_optimizer_bytes(p, kind) for g in optimizer.param_groups for p in g["params"] if id(p) not in host)
 
 
 def _optimizer_bytes(p: torch.Tensor, kind: str) -> int:
@@ -93,9 +94,10 @@ def state_groups(model: nn.Module, trace: Trace, optimizer: str) -> tuple[StateG
     kind = optimizer_kind(optimizer)
     seen: set[int] = set()
     sizes: dict[str, list[int]] = {}
+    host = offloaded_by_fsdp(model)  # FSDP2's to move, on the host (R18)
     for mod_name, mod in model.named_modules():
         for p in mod.parameters(recurse=False):
-            if not p.requires_grad or storage_key(p) in seen:
+            if not p.requires_grad or storage_key(p) in seen or id(p) in host:
                 continue
             seen.add(storage_key(p))
             nb = local_of(p).untyped_storage().nbytes()  # a shard's own bytes (R18), not its wrapper's
@@ -111,12 +113,14 @@ def state_groups(model: nn.Module, trace: Trace, optimizer: str) -> tuple[StateG
 
 
 def static_bytes_of(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
-    """Parameters + their gradients + buffers + optimizer state, each storage once."""
+    """Parameters + their gradients + buffers + optimizer state, each storage once; not those
+    FSDP2's CPUOffloadPolicy keeps on the host (R18)."""
     seen: set[int] = set()
     total = 0
+    host = offloaded_by_fsdp(model)
     for p in model.parameters():
         k = storage_key(p)
-        if k in seen:
+        if k in seen or id(p) in host:
             continue
         seen.add(k)
         nb = local_of(p).untyped_storage().nbytes()  # a shard's own bytes (R18), not its wrapper's

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["local_of", "like", "is_sharded", "sharded_names"]
+__all__ = ["local_of", "like", "is_sharded", "sharded_names", "offloaded_by_fsdp"]
 
 
 def _dtensor() -> Any:
@@ -53,3 +53,22 @@ def sharded_names(model: nn.Module) -> set[int]:
     """The ids of ``model``'s DTensor parameters."""
     dt = _dtensor()
     return set() if dt is None else {id(p) for p in model.parameters() if isinstance(p, dt)}
+
+
+def offloaded_by_fsdp(model: nn.Module) -> set[int]:
+    """The ids of ``model``'s parameters whose FSDP2 unit has ``CPUOffloadPolicy``: their shard,
+    gradient and optimizer state live on the host, FSDP2's to move (``swapsched.fully_shard``'s
+    ``full`` units), never the device's (on the emulated device too, where FSDP2's copies to the
+    host change nothing). Read off each unit's FSDP state: FSDP2 has no public getter for it."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return set()
+    out: set[int] = set()
+    for mod in model.modules():
+        if not isinstance(mod, FSDPModule):
+            continue
+        group = mod._get_fsdp_state()._fsdp_param_group
+        if group is not None:
+            out |= {id(fp.sharded_param) for fp in group.fsdp_params if fp.offload_to_cpu}
+    return out
