@@ -13,14 +13,16 @@ tail).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from swapsched.errors import UserError
 from swapsched.trace import Trace
 
-__all__ = ["replica", "reducing_replica", "gradients_complete_at_backward_end"]
+__all__ = ["replica", "reducing_replica", "gradients_complete_at_backward_end", "on_every_rank"]
 
 
 def replica(model: torch.nn.Module) -> DistributedDataParallel | None:
@@ -47,3 +49,29 @@ def gradients_complete_at_backward_end(trace: Trace) -> Trace:
     if not trace.state:
         return trace
     return replace(trace, state=tuple(replace(g, grad_at=trace.n_events) for g in trace.state))
+
+
+def on_every_rank(distributed: bool, act: Callable[[], None]) -> None:
+    """Run ``act``. Where the model trains on several ranks (``distributed``: DDP or FSDP2, with
+    the process group up), a :class:`UserError` (a ``BudgetError`` too) raised on any rank is
+    raised on every rank: the lowest failing rank's, of its type and with its message, which
+    names that rank. A rank
+    whose plan fitted would otherwise go on into the next step's collectives, waiting for a rank
+    that has stopped. Every rank calls it at the same step (one collective)."""
+    import torch.distributed as dist
+
+    if not (distributed and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        act()
+        return
+    mine: UserError | None = None
+    try:
+        act()
+    except UserError as exc:
+        mine = exc
+    said: list[tuple[type[UserError], str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(said, None if mine is None else (type(mine), str(mine)))
+    failed = [(r, s) for r, s in enumerate(said) if s is not None]
+    if not failed:
+        return
+    rank, (kind, message) = failed[0]
+    raise kind(f"rank {rank} of {len(said)}: {message}") from mine

@@ -52,6 +52,11 @@ class RuntimeState:
         if not self.data_parallel and replica(module) is not None:
             self.data_parallel = True
 
+    @property
+    def distributed(self) -> bool:
+        """Whether the model trains on several ranks as one (DDP ran its forward, or FSDP2 shards it)."""
+        return self.data_parallel or (self.model is not None and is_sharded(self.model))
+
     def refuse_compiled(self) -> None:
         """Before a step's first saved tensor: a model called through ``torch.compile`` saves its
         compiled graph's tensors, which the hooks runtime cannot plan; refused in one line."""

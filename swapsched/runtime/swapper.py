@@ -39,8 +39,9 @@ from swapsched.runtime.profile_step import ProfileStep
 from swapsched.runtime.profiler import static_bytes_of
 from swapsched.runtime.recompute import BlockCheckpoints
 from swapsched.runtime.recorder import storage_key
+from swapsched.runtime.replicas import on_every_rank
 from swapsched.runtime.reports import Divergence, DivergenceError, RunSummary, RunTally, StepReport
-from swapsched.runtime.retime import ExecutedSteps, median_trace
+from swapsched.runtime.retime import ExecutedSteps
 from swapsched.runtime.shapes import with_family_other
 from swapsched.runtime.state_mover import StateMover
 from swapsched.runtime.state_plans import RuntimeState
@@ -131,6 +132,7 @@ class PolicyRuntime(TwoStages):
         self.plans = ShapePlans(hw, budgets, policy, quick_policy, min_bytes=min_bytes, background=background_planning)
         self.profile_steps = int(profile_steps)
         self._profiled = 0
+        self._agreed = False  # the first plan's refusal was shared with every rank (replicas.on_every_rank)
         self._profiles: list[tuple[Trace, dict[int, int]]] = []  # (trace, its order of first sight)
         self.retime_steps = int(retime_steps)
         # executed steps re-time the trace; on uncalibrated hardware (no host costs) they fit those too
@@ -321,17 +323,15 @@ class PolicyRuntime(TwoStages):
         self._profiles.append((ex.trace, dict(self.first_sight)))
         if self.blocks is not None:
             self.blocks.record_producers(ex.trace, ex.producers)
-        if self._profiled >= self.profile_steps:
-            profiled, self._profiles = self._profiles, []
-            trace = self.state.with_state(median_trace([trace for trace, _ in profiled]))
-            if self.blocks is not None and self.blocks.fell_short(trace, self.budget_bytes):
-                self._checkpoint_blocks(self.blocks.names, {})  # whole, and profiled again
-                return
-            if self._recompute_overran(trace):
-                return
-            self._plan_from(trace)
-            if self.layout is not None:  # else R9's first stage: the steps are profiled again, blocks checkpointed
-                self.plans.keep_sizes(profiled[:-1], self.layout)
+        if self._profiled < self.profile_steps:
+            return
+        profiled, self._profiles = self._profiles, []
+        if self._agreed:
+            self._plan_profiled(profiled)
+            return
+        # the run's first plan: a refusal on one rank is the same refusal on every rank (R18)
+        self._agreed = True
+        on_every_rank(self.state.distributed, lambda: self._plan_profiled(profiled))
 
     def _after_new_shape(self, profiled: ProfileStep) -> None:
         """A shape no plan was made for, profiled in the step that showed it: planned now, from

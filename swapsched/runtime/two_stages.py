@@ -17,6 +17,7 @@ from swapsched.budget import BudgetError, format_bytes
 from swapsched.errors import UserError, present
 from swapsched.plan import SwapPlan
 from swapsched.runtime.plans import without_small
+from swapsched.runtime.retime import median_trace
 from swapsched.trace import Trace
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from swapsched.runtime.plans import ShapePlans
     from swapsched.runtime.recompute import BlockCheckpoints
     from swapsched.runtime.retime import ExecutedSteps
+    from swapsched.runtime.state_plans import RuntimeState
 
 __all__ = ["TwoStages"]
 
@@ -49,6 +51,7 @@ class TwoStages:
     _unwrapped_trace: Trace | None
     _unwrapped_first_sight: dict[int, int]
     _given: tuple[Trace, SwapPlan] | None
+    state: RuntimeState
     @property
     def policy(self) -> Policy | None:
         raise NotImplementedError
@@ -69,6 +72,9 @@ class TwoStages:
         raise NotImplementedError
 
     def _adopt(self, plan: SwapPlan, simulated: SimResult | None = None) -> None:
+        raise NotImplementedError
+
+    def _plan_from(self, trace: Trace, retimed: bool = False) -> None:
         raise NotImplementedError
 
     def use_plan(self, plan: SwapPlan, budget: str | int | None = None) -> None:
@@ -119,6 +125,19 @@ class TwoStages:
         raise BudgetError(f"the plan given to use_plan recomputes {', '.join(self.blocks.names)}: profiled with them "
                           f"checkpointed, the step cannot meet its budget ({refusal}); give use_plan a plan that "
                           "recomputes other blocks, or a larger budget") from refusal
+
+    def _plan_profiled(self, profiled: list[tuple[Trace, dict[int, int]]]) -> None:
+        """Plan on the median of the profiling steps' traces, or profile again with the blocks
+        checkpointed whole (R9's first stage) where the budget needs them."""
+        trace = self.state.with_state(median_trace([trace for trace, _ in profiled]))
+        if self.blocks is not None and self.blocks.fell_short(trace, self.budget_bytes):
+            self._checkpoint_blocks(self.blocks.names, {})  # whole, and profiled again
+            return
+        if self._recompute_overran(trace):
+            return
+        self._plan_from(trace)
+        if self.layout is not None:  # else R9's first stage: the steps are profiled again, blocks checkpointed
+            self.plans.keep_sizes(profiled[:-1], self.layout)
 
     def _recompute_overran(self, trace: Trace) -> bool:
         """R9's second stage: the steps as they run with the policy's blocks checkpointed whole

@@ -248,3 +248,38 @@ def test_a_placement_the_runtime_cannot_carry_out_on_shards_is_refused_naming_th
     # the first group forward reaches (the token embedding) is named, with the placements shards take
     assert executed == 0 and message.startswith("group 'tok' is placed 'host-step'"), message
     assert "FSDP2 shard" in message and "device, stream" in message, message
+
+
+def _one_rank_refused_worker(rank: int, world: int, port: int, out: str) -> None:
+    from swapsched.deploy import SwapRuntime
+    from swapsched.errors import UserError
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    case = _sharded(0)
+    rows = 32 if rank == 0 else 2048  # rank 1's batch: activations no 3 MB budget holds; rank 0's fit it
+    x, y = torch.randn(rows, 256), torch.randint(0, 10, (rows,))
+    message, executed = "", 0
+    try:
+        with SwapRuntime(budget=3_000_000, policy="default", backend="cpu", model=case.model) as rt:
+            for _ in range(5):
+                with rt.step():
+                    torch.nn.functional.cross_entropy(case.model(x), y).backward()
+                executed += rt.report().mode == "execute"
+    except UserError as exc:
+        message = f"{type(exc).__name__}: {exc}"
+    torch.save((message, executed), f"{out}/rank{rank}.pt")
+    dist.barrier()  # no collective is left waiting: both ranks reach this
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_budget_one_rank_refuses_is_the_same_budget_error_on_every_rank(tmp_path):
+    # was: rank 1 raised as its plan was refused; rank 0 went on into the next step's all-gathers
+    mp.start_processes(_one_rank_refused_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True,
+                       start_method="spawn")
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert results[0] == results[1], results
+    message, executed = results[0]
+    assert executed == 0 and message.startswith("BudgetError: rank 1 of 2: the runtime's budget 3000000 is below"), message
