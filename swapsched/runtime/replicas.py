@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from datetime import timedelta
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -22,7 +23,8 @@ from torch.nn.parallel import DistributedDataParallel
 from swapsched.errors import UserError
 from swapsched.trace import Trace
 
-__all__ = ["replica", "reducing_replica", "gradients_complete_at_backward_end", "on_every_rank"]
+__all__ = ["replica", "reducing_replica", "gradients_complete_at_backward_end", "on_every_rank", "bound_rank_waits",
+           "note_the_other_ranks", "RANK_WAIT"]
 
 
 def replica(model: torch.nn.Module) -> DistributedDataParallel | None:
@@ -63,6 +65,7 @@ def on_every_rank(distributed: bool, act: Callable[[], None]) -> None:
     if not (distributed and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         act()
         return
+    bound_rank_waits()
     mine: UserError | None = None
     try:
         act()
@@ -75,3 +78,35 @@ def on_every_rank(distributed: bool, act: Callable[[], None]) -> None:
         return
     rank, (kind, message) = failed[0]
     raise kind(f"rank {rank} of {len(said)}: {message}") from mine
+
+
+#: How long a rank waits in a collective for a rank that stopped answering, where the process
+#: group has torch's own default for gloo (30 minutes): NCCL's default, 10 minutes. A timeout the
+#: user gave ``init_process_group`` stays.
+RANK_WAIT = timedelta(minutes=10)
+
+
+def bound_rank_waits() -> None:
+    """The default process group's timeout lowered to ``RANK_WAIT`` where it is torch's gloo
+    default, so that a rank left waiting for one that hangs exits within it (R18)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_group, _set_pg_timeout, default_pg_timeout
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    group = _get_default_group()
+    for device in group._device_types:
+        options = getattr(group._get_backend(device), "options", None)
+        if options is not None and options._timeout == default_pg_timeout:
+            _set_pg_timeout(RANK_WAIT, group)
+            return
+
+
+def note_the_other_ranks(exc: BaseException, distributed: bool, step: int) -> None:
+    """A collective that fails inside a step of a model on several ranks is most often another
+    rank that stopped: said on the error (its type and message stay torch's)."""
+    import torch.distributed as dist
+
+    if distributed and isinstance(exc, RuntimeError) and dist.is_available() and dist.is_initialized():
+        exc.add_note(f"swapsched: rank {dist.get_rank()} of {dist.get_world_size()} failed in step {step}; where a "
+                     "collective failed, another rank most often stopped first: its own log says why")

@@ -39,7 +39,7 @@ from swapsched.runtime.profile_step import ProfileStep
 from swapsched.runtime.profiler import static_bytes_of
 from swapsched.runtime.recompute import BlockCheckpoints
 from swapsched.runtime.recorder import storage_key
-from swapsched.runtime.replicas import on_every_rank
+from swapsched.runtime.replicas import note_the_other_ranks, on_every_rank
 from swapsched.runtime.reports import Divergence, DivergenceError, RunSummary, RunTally, StepReport
 from swapsched.runtime.retime import ExecutedSteps
 from swapsched.runtime.shapes import with_family_other
@@ -213,8 +213,7 @@ class PolicyRuntime(TwoStages):
             raise UserError("runtime.step() is already active; steps cannot nest")
         if self._closed:
             raise UserError("this runtime is closed (its copy engines are stopped); make a new SwapRuntime")
-        # the step is timed on the device: what is queued before it (the last optimizer step)
-        # finishes first, and the step ends when the device has run it (below)
+        # timed on the device: what is queued before it (the optimizer's step) finishes first
         self.backend.synchronize()
         self.backend.take_device_stall_s()  # waits of an earlier, aborted step do not count
         self.steps += 1
@@ -243,8 +242,9 @@ class PolicyRuntime(TwoStages):
             with SavedTensorHooks(ex.pack, ex.unpack, self.state.refuse_compiled) as self._hooks:
                 yield self
             ex.finish()
-        except BaseException:
+        except BaseException as exc:
             ex.abort()  # leave no held buffers; the next step starts clean
+            note_the_other_ranks(exc, self.state.distributed, self.steps)
             raise
         finally:
             self._exec = None

@@ -283,3 +283,49 @@ def test_a_budget_one_rank_refuses_is_the_same_budget_error_on_every_rank(tmp_pa
     assert results[0] == results[1], results
     message, executed = results[0]
     assert executed == 0 and message.startswith("BudgetError: rank 1 of 2: the runtime's budget 3000000 is below"), message
+
+
+def _dead_rank_worker(rank: int, world: int, port: int, out: str, user_timeout: float | None) -> None:
+    import datetime
+    import time
+
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    from swapsched.deploy import SwapRuntime
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    timeout = None if user_timeout is None else datetime.timedelta(seconds=user_timeout)
+    dist.init_process_group("gloo", rank=rank, world_size=world, **({} if timeout is None else {"timeout": timeout}))
+    torch.set_num_threads(1)
+    case = _sharded(0)
+    x, y = torch.randn(256, 256), torch.randint(0, 10, (256,))
+    said, t0 = "", time.perf_counter()
+    try:
+        with SwapRuntime(budget="95%", policy="default", backend="cpu", model=case.model) as rt:
+            for i in range(8):
+                if rank == 1 and i == 5:  # planned and executing; then this rank's process dies
+                    os._exit(3)
+                with rt.step():
+                    torch.nn.functional.cross_entropy(case.model(x), y).backward()
+    except RuntimeError as exc:
+        said = "\n".join([str(exc), *getattr(exc, "__notes__", [])])
+    backend = _get_default_group()._get_backend(torch.device("cpu"))
+    torch.save((said, time.perf_counter() - t0, backend.options._timeout.total_seconds()), f"{out}/rank{rank}.pt")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("user_timeout", [None, 45.0])
+def test_a_rank_that_dies_makes_the_others_fail_with_a_clear_error(tmp_path, user_timeout):
+    ctx = mp.get_context("spawn")  # processes of their own: start_processes would kill rank 0 as rank 1 exits
+    port = _free_port()
+    ranks = [ctx.Process(target=_dead_rank_worker, args=(r, 2, port, str(tmp_path), user_timeout)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(100)
+    assert [p.exitcode for p in ranks] == [0, 3]
+    said, took, timeout = torch.load(tmp_path / "rank0.pt")
+    assert "swapsched: rank 0 of 2 failed in step 6" in said and "another rank most often stopped first" in said, said
+    assert took < 60
+    # torch's 30-minute gloo default is bounded at 10 minutes; a timeout the user gave stays
+    assert timeout == (600.0 if user_timeout is None else user_timeout)
