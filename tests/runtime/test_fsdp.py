@@ -329,3 +329,87 @@ def test_a_rank_that_dies_makes_the_others_fail_with_a_clear_error(tmp_path, use
     assert took < 60
     # torch's 30-minute gloo default is bounded at 10 minutes; a timeout the user gave stays
     assert timeout == (600.0 if user_timeout is None else user_timeout)
+
+
+def _mixed_sharded(seed: int):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    case = build_model("gpt", "tiny", seed=seed)
+    # the all-gathers and the compute in bf16, the gradients reduced in fp32 (gloo reduces no bf16)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in case.model.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(case.model, mp_policy=policy)
+    return case
+
+
+def _resume_worker(rank: int, world: int, port: int, out: str) -> None:
+    """FSDP2 alone and with swapsched moving the state, each with mixed precision, an LR schedule
+    and a torch.distributed.checkpoint save after 3 steps, loaded into a fresh model, optimizer,
+    schedule (and runtime) that train 3 more."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from swapsched.deploy import SwapRuntime
+    from swapsched.runtime.profiler import profile, static_bytes_of
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    one = build_model("gpt", "tiny", seed=3)
+    trace = profile(one.model, one.inputs, one.loss_fn, name="gpt-tiny", state="adamw")
+    room = 2 * (trace.min_feasible_bytes - trace.static_bytes)  # the activations' (in fp32: more than bf16's)
+    runs = []
+    for swap in (False, True):
+        losses, placements = [], set()
+        for part, seed, steps in ((0, 3, range(3)), (1, 99, range(3, 6))):  # the fresh model's own weights are overwritten
+            case = _mixed_sharded(seed)
+            optimizer = torch.optim.AdamW(case.model.parameters(), lr=1e-3)
+            schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+            if part == 1:
+                msd, osd = get_state_dict(case.model, optimizer)
+                state = {"model": msd, "optim": osd, "schedule": schedule.state_dict()}
+                dcp.load(state, checkpoint_id=f"{out}/ckpt{int(swap)}")
+                set_state_dict(case.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+                schedule.load_state_dict(state["schedule"])
+            runtime = None
+            if swap:  # 70% of the rank's static bytes, and room for the activations: the state moves
+                budget = int(static_bytes_of(case.model, optimizer) * 0.7) + room
+                runtime = SwapRuntime(budget=budget, policy="default", model=case.model, optimizer=optimizer,
+                                      backend="cpu", profile_steps=1, retime_steps=0)
+            for i in steps:
+                torch.manual_seed(1000 * rank + i)
+                x = torch.randint(0, 128, case.inputs[0].shape)
+                with runtime.step() if runtime is not None else contextlib.nullcontext():
+                    loss = case.loss_fn(case.model(x))
+                    loss.backward()
+                losses.append(loss.detach())
+                if runtime is not None and runtime.report().state is not None:
+                    placements |= set(runtime.report().state.placements)
+                torch.nn.utils.clip_grad_norm_(case.model.parameters(), 1.0)
+                optimizer.step()
+                schedule.step()
+                optimizer.zero_grad()
+            if part == 0:
+                msd, osd = get_state_dict(case.model, optimizer)
+                dcp.save({"model": msd, "optim": osd, "schedule": schedule.state_dict()}, checkpoint_id=f"{out}/ckpt{int(swap)}")
+            if runtime is not None:
+                runtime.close()
+        runs.append({"losses": losses, "placements": placements, "params": [p.full_tensor() for p in case.model.parameters()],
+                     "moments": [{k: v.full_tensor() if v.dim() else v for k, v in optimizer.state[p].items()}
+                                 for p in case.model.parameters()]})
+    torch.save(runs, f"{out}/resume{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_mixed_precision_schedule_and_checkpoint_resume_are_bit_identical_with_the_state_moving(tmp_path):
+    mp.start_processes(_resume_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    for rank in range(2):
+        alone, swapped = torch.load(tmp_path / f"resume{rank}.pt", weights_only=False)
+        assert {w for _, w in swapped["placements"]} == {"stream"}, swapped["placements"]
+        assert all(torch.equal(a, b) for a, b in zip(alone["losses"], swapped["losses"], strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(alone["params"], swapped["params"], strict=True))
+        for a, b in zip(alone["moments"], swapped["moments"], strict=True):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
