@@ -130,3 +130,37 @@ def test_a_byte_budget_below_the_static_bytes_moves_the_state_of_the_optimizer_t
     assert rep.peak_device_bytes <= rep.budget_bytes
     for p, q in zip(plain.model.parameters(), swapped.model.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def _ddp_trainer_worker(rank: int, port: int, out: str, swap: bool) -> None:
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    # accelerate runs 2 CPU processes as DDP (MULTI_CPU); it routes an FSDP config to DDP there too
+    trainer = _trainer(out, f"ddp{int(swap)}", max_grad_norm=1.0)
+    runtime = None
+    if swap:  # below the smallest budget that keeps the state (2.65 MiB): the state moves
+        runtime = swap_trainer(trainer, budget=2_400_000, policy="default", backend="cpu", audit=True)
+    trainer.train()
+    report = runtime.report() if runtime is not None else None
+    torch.save({"type": type(trainer.model_wrapped).__name__, "params": [p.detach().clone() for p in trainer.model.parameters()],
+                "placements": report.state.placements if report is not None and report.state is not None else (),
+                "within": report is None or max(report.peak_device_bytes, report.measured_peak_bytes) <= 2_400_000},
+               f"{out}/ddp{int(swap)}-{rank}.pt")
+
+
+@pytest.mark.timeout(300)
+def test_a_trainer_on_two_processes_trains_bit_identically_with_the_state_moving(tmp_path):
+    import torch.multiprocessing as mp
+
+    from tests.runtime.test_ddp import _free_port
+
+    for swap in (False, True):
+        mp.start_processes(_ddp_trainer_worker, args=(_free_port(), tmp_path, swap), nprocs=2, join=True,
+                           start_method="spawn")
+    for rank in range(2):
+        alone, swapped = (torch.load(tmp_path / f"ddp{s}-{rank}.pt") for s in (0, 1))
+        assert swapped["type"] == "DistributedDataParallel" and swapped["placements"] and swapped["within"], swapped
+        assert all(torch.equal(p, q) for p, q in zip(alone["params"], swapped["params"], strict=True))
