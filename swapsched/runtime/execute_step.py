@@ -16,7 +16,7 @@ from swapsched.runtime.copies import CopyingStep
 from swapsched.runtime.layout import PlanLayout
 from swapsched.runtime.profile_step import ProfileStep
 from swapsched.runtime.recorder import is_parameter
-from swapsched.runtime.reports import Divergence, DivergenceError, StepReport
+from swapsched.runtime.reports import CollectiveTally, Divergence, DivergenceError, StepReport
 from swapsched.runtime.stash import UNTRACKED, Packed, Record, rebuild
 
 if TYPE_CHECKING:
@@ -414,5 +414,6 @@ class ExecuteStep(CopyingStep):
             selective_blocks=self.frame.blocks.selective if self.frame.blocks is not None else (),
             shape_predicted=self.layout.predicted, plain_step_s=self.trace.ideal_s, plan_source=self.layout.plan_source,
             host_peak_bytes=self.host_held, host_skipped=self.host_skipped,
+            collectives=CollectiveTally.of(self.meter.collectives if self.meter is not None else None),
         )
 

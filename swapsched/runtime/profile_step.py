@@ -13,7 +13,7 @@ import torch
 from swapsched.env.events import HOST
 from swapsched.runtime.accounting import StepExecution
 from swapsched.runtime.recorder import ModulePath, OpNames, StorageIds, TraceRecorder, is_cached_cast, storage_key
-from swapsched.runtime.reports import StepReport
+from swapsched.runtime.reports import CollectiveTally, StepReport
 from swapsched.runtime.stash import Packed, Record, flat_bytes, rebuild
 from swapsched.runtime.transients import TransientMeter
 from swapsched.trace import Trace
@@ -329,5 +329,6 @@ class ProfileStep(StepExecution):
             unowned_bytes=unowned, nothing_saved=not self.recorder.kinds,
             recomputed_blocks=self.frame.blocks.names if self.frame.blocks is not None else (),
             selective_blocks=self.frame.blocks.selective if self.frame.blocks is not None else (), new_shape=self.new_shape,
+            collectives=CollectiveTally.of(self.transients.collectives if self.transients is not None else None),
         )
 

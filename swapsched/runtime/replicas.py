@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -23,8 +24,10 @@ from torch.nn.parallel import DistributedDataParallel
 from swapsched.errors import UserError
 from swapsched.trace import Trace
 
+T = TypeVar("T")
+
 __all__ = ["replica", "reducing_replica", "gradients_complete_at_backward_end", "on_every_rank", "bound_rank_waits",
-           "note_the_other_ranks", "RANK_WAIT"]
+           "note_the_other_ranks", "RANK_WAIT", "every_rank"]
 
 
 def replica(model: torch.nn.Module) -> DistributedDataParallel | None:
@@ -110,3 +113,15 @@ def note_the_other_ranks(exc: BaseException, distributed: bool, step: int) -> No
     if distributed and isinstance(exc, RuntimeError) and dist.is_available() and dist.is_initialized():
         exc.add_note(f"swapsched: rank {dist.get_rank()} of {dist.get_world_size()} failed in step {step}; where a "
                      "collective failed, another rank most often stopped first: its own log says why")
+
+
+def every_rank(record: T) -> tuple[T, ...]:
+    """``record`` of every rank, in rank order, on every rank (one collective; every rank calls
+    it); ``(record,)`` on one rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return (record,)
+    out: list[T | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, record)
+    return tuple(r for r in out if r is not None)

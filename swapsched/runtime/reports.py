@@ -10,7 +10,7 @@ import numpy as np
 
 from swapsched.budget import format_bytes
 
-__all__ = ["Divergence", "DivergenceError", "RunSummary", "StateStepReport", "StepReport"]
+__all__ = ["CollectiveTally", "Divergence", "DivergenceError", "RunSummary", "StateStepReport", "StepReport"]
 
 
 @dataclass(frozen=True)
@@ -170,6 +170,39 @@ class StateStepReport:
 
 
 @dataclass(frozen=True)
+class CollectiveTally:
+    """The collectives one rank's step ran (R18: DDP's all-reduces, FSDP2's all-gathers and
+    reduce-scatters), counted off the dispatcher in the steps that run a meter (profiling steps,
+    and every step under ``audit=True``): how many of each and their payload bytes (an
+    all-gather's, what it gathered; a reduce-scatter's, what it reduced; an all-reduce's, its
+    tensors). How long they stalled compute is not measured: gloo and NCCL run them off the
+    calling thread, and FSDP2 waits for them where nothing of ours runs."""
+
+    all_gathers: int = 0
+    all_gather_bytes: int = 0
+    reduce_scatters: int = 0
+    reduce_scatter_bytes: int = 0
+    all_reduces: int = 0
+    all_reduce_bytes: int = 0
+
+    @classmethod
+    def of(cls, counted: dict[str, list[int]] | None) -> CollectiveTally | None:
+        """From a meter's tally (``TransientMeter.collectives``); None where no meter ran or it
+        saw no collective."""
+        if not counted:
+            return None
+        out: dict[str, int] = {}
+        for kind, (n, nbytes) in counted.items():
+            out[f"{kind}s"], out[f"{kind}_bytes"] = n, nbytes
+        return cls(**out)
+
+    def __str__(self) -> str:
+        return (f"collectives: {self.all_gathers} all-gather(s) {format_bytes(self.all_gather_bytes)}, "
+                f"{self.reduce_scatters} reduce-scatter(s) {format_bytes(self.reduce_scatter_bytes)}, "
+                f"{self.all_reduces} all-reduce(s) {format_bytes(self.all_reduce_bytes)}")
+
+
+@dataclass(frozen=True)
 class StepReport:
     """What ``runtime.report()`` returns about the last step."""
 
@@ -227,6 +260,7 @@ class StepReport:
     # the training state the plan moves (R13-R16; SwapRuntime(model=, optimizer=) under a byte
     # budget no activation plan meets): what was off the device, where each group stepped
     state: StateStepReport | None = None
+    collectives: CollectiveTally | None = None  # R18: on several ranks, this rank's (where a meter ran)
     run: RunSummary | None = None  # the whole run so far
 
     def __str__(self) -> str:
@@ -256,6 +290,8 @@ class StepReport:
                             if self.selective_blocks else ""))
         if self.state is not None:
             lines.append(f"  {self.state}")
+        if self.collectives is not None:
+            lines.append(f"  {self.collectives}")
         if self.divergence is not None:
             lines.append(f"  diverged {self.divergence}: finished on demand; the next step profiles again")
         if self.nothing_saved:

@@ -19,6 +19,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import Literal, overload
 
 import torch
 
@@ -39,7 +40,7 @@ from swapsched.runtime.profile_step import ProfileStep
 from swapsched.runtime.profiler import static_bytes_of
 from swapsched.runtime.recompute import BlockCheckpoints
 from swapsched.runtime.recorder import storage_key
-from swapsched.runtime.replicas import note_the_other_ranks, on_every_rank
+from swapsched.runtime.replicas import every_rank, note_the_other_ranks, on_every_rank
 from swapsched.runtime.reports import Divergence, DivergenceError, RunSummary, RunTally, StepReport
 from swapsched.runtime.retime import ExecutedSteps
 from swapsched.runtime.shapes import with_family_other
@@ -138,7 +139,7 @@ class PolicyRuntime(TwoStages):
         # executed steps re-time the trace; on uncalibrated hardware (no host costs) they fit those too
         self._executed = ExecutedSteps(self.retime_steps, hw, self.backend.emulated and not any(getattr(hw, k) for k in HOST_COSTS))
         self._policy_planned = False  # the plan is the policy's (re-planned after re-timing), not use_plan's
-        # parameters, gradients and optimizer state: counted in absolute budgets when the model is given
+        # parameters, gradients, optimizer state: in absolute budgets when the model is given
         self.static_bytes = static_bytes_of(model, optimizer) if model is not None else 0
         self.model = model
         # R13-R17: whether the state moves, its trace, and the mover of each plan (state_plans.py)
@@ -169,8 +170,7 @@ class PolicyRuntime(TwoStages):
         self._tally = RunTally()
         self._closed = False
         self._exec: StepExecution | None = None
-        # whether the executing plan's trace has been re-timed from executed steps (run state,
-        # kept here; the trace's meta only records how many steps timed it)
+        # the executing plan's trace was re-timed from executed steps (the trace's meta counts them)
         self._retimed = False
 
     # ------------------------------------------------------------------ what the plans hold
@@ -229,7 +229,10 @@ class PolicyRuntime(TwoStages):
         frame = StepFrame(backend=self.backend, hardware=self.hardware, model=self.model, static_bytes=self.static_bytes,
                           static_keys=self._static_keys, min_bytes=self.min_bytes, strict=self.strict, audit=self.audit,
                           step=self.steps, blocks=self.blocks, rebuilt=dict(self._rebuilt),
-                          device_timed=self._device_timed_step(), layout=self.layout, host=self, state=self.mover)
+                          # a real device marks its gaps until the trace is re-timed once (a few µs a hook;
+                          # the emulated device's host clock times every step for free)
+                          device_timed=not self.backend.emulated and self.retime_steps > 0 and self.trace is not None
+                          and not self._retimed, layout=self.layout, host=self, state=self.mover)
         ex: StepExecution = ProfileStep(frame) if self.phase is Phase.PROFILE else ExecuteStep(frame)
         self._exec = ex
         mover = self.mover
@@ -386,28 +389,26 @@ class PolicyRuntime(TwoStages):
             self.trace, self._retimed = retimed, True
             self._adopt(present(self.plan, "the executing plan"))
 
-    def report(self) -> StepReport:
-        """The last step's report (also printed when ``verbose``)."""
+    @overload
+    def report(self, all_ranks: Literal[False] = False) -> StepReport: ...
+    @overload
+    def report(self, all_ranks: Literal[True]) -> tuple[StepReport, ...]: ...
+    def report(self, all_ranks: bool = False) -> StepReport | tuple[StepReport, ...]:
+        """The last step's report. ``all_ranks``: every rank's, in rank order, on every rank (R18;
+        a collective: every rank calls it)."""
         if self._report is None:
             raise UserError("no step has run yet; wrap a training step in `with runtime.step():`")
-        return self._report
+        return every_rank(self._report) if all_ranks else self._report
 
     def close(self) -> None:
-        """Stop the copy engines, and put the training state the plan moved back on the device
-        where the device has room for it (on CUDA, one that does not fit stays on the host, as
-        ``p.data``, with a warning). ``with SwapRuntime(...) as runtime:`` closes itself."""
+        """Stop the copy engines, and put the moved training state back on the device where it has
+        room (on CUDA, what does not fit stays on the host, with a warning). ``with`` closes itself."""
         self._closed = True
         self.plans.shutdown()
         self.state.close()
         if self.blocks is not None:
             self.blocks.remove()
         self.backend.shutdown()
-
-    def _device_timed_step(self) -> bool:
-        """Whether the next executed step marks its gaps on the device: on a real device, until
-        the trace has been re-timed once (the marks cost a few microseconds a hook; on the
-        emulated device the host clock times every step for free)."""
-        return not self.backend.emulated and self.retime_steps > 0 and self.trace is not None and not self._retimed
 
     def __enter__(self) -> PolicyRuntime:
         return self
@@ -417,8 +418,7 @@ class PolicyRuntime(TwoStages):
 
     # ------------------------------------------------------------------ planning
     def note_grads(self) -> None:
-        """Before a step of a new shape reaches backward: the model's gradients as they are, to put
-        back if the shape is refused."""
+        """Before a new shape's step reaches backward: the gradients as they are, back if it is refused."""
         self._grads.keep()
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:

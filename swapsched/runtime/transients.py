@@ -18,6 +18,9 @@ What a kernel allocates without the dispatcher (cuDNN's workspace, oneDNN's scra
 an op's output. On CUDA (``workspace=True``) the caching allocator's counters around each op add
 it, as a spike in the op's gap; on the CPU it is not seen. The same measurement runs on ``meta``,
 where the storages have their sizes but no memory.
+
+The same mode tallies the collectives the step's ops run (``COLLECTIVES``: DDP's all-reduces,
+FSDP2's all-gathers and reduce-scatters, R18), which the step's report gives per rank.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["TransientMeter", "RUNTIME_ALLOCATING", "runtime_allocation", "OTHER_MEASURED"]
+__all__ = ["TransientMeter", "RUNTIME_ALLOCATING", "runtime_allocation", "OTHER_MEASURED", "COLLECTIVES"]
 
 #: The trace meta key that says whether its events' other bytes were measured by this meter (a
 #: whole step) or only sampled (a step handed over mid-step, which cannot enter a dispatch mode):
@@ -56,6 +59,17 @@ def runtime_allocation() -> Iterator[None]:
         yield
     finally:
         RUNTIME_ALLOCATING.on = False
+
+
+#: c10d's collective ops by kind, with the argument whose tensors are the payload: what an
+#: all-gather gathered, what a reduce-scatter reduced, the tensors an all-reduce reduced (DDP's
+#: buckets; FSDP2's all-gathers and reduce-scatters)
+COLLECTIVES = {
+    "_allgather_base_": ("all_gather", 0), "allgather_": ("all_gather", 0), "allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1), "allreduce_": ("all_reduce", 0),
+    "allreduce_coalesced_": ("all_reduce", 0),
+}
 
 
 class TransientMeter(TorchDispatchMode):
@@ -81,8 +95,12 @@ class TransientMeter(TorchDispatchMode):
         self._saved: dict[int, list[int]] = {}  # trace id in order of first sight -> seqs of its storages
         self._grads: set[int] = set()  # seqs of storages autograd took as a parameter's gradient
         self._finalizers: list[weakref.finalize] = []
+        # the collectives the ops ran, by kind: [how many, payload bytes] (R18; COLLECTIVES)
+        self.collectives: dict[str, list[int]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace == "c10d":
+            self._collective(func, args)
         if self.workspace and not self.paused:
             torch.cuda.reset_peak_memory_stats()
             out = func(*args, **(kwargs or {}))
@@ -105,6 +123,16 @@ class TransientMeter(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
                 self._watch(t)
         return out
+
+    def _collective(self, func: Any, args: Any) -> None:
+        """A collective the step runs (R18), tallied by kind: how many, and their payload bytes."""
+        kind = COLLECTIVES.get(func._opname)
+        if kind is None or len(args) <= kind[1]:
+            return
+        payload = sum(t.numel() * t.element_size() for t in tree_flatten(args[kind[1]])[0] if isinstance(t, torch.Tensor))
+        tally = self.collectives.setdefault(kind[0], [0, 0])
+        tally[0] += 1
+        tally[1] += payload
 
     def _watch(self, t: torch.Tensor) -> int | None:
         return self.watch(t.untyped_storage())

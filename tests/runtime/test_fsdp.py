@@ -182,10 +182,21 @@ def _state_worker(rank: int, world: int, port: int, out: str, accumulate: int) -
                     assert report.peak_device_bytes is not None and report.peak_device_bytes <= budget
                     assert report.measured_peak_bytes is not None and report.measured_peak_bytes <= budget, (
                         report.peak_device_bytes, report.measured_peak_bytes, budget)
+                    # the step's collectives, counted off the dispatcher: in a synced step each of the
+                    # 3 units reduce-scatters its whole (unsharded) fp32 gradient once
+                    whole = sum(p.numel() * 4 for p in case.model.parameters())  # a DTensor's numel: the whole
+                    tally = report.collectives
+                    if micro == accumulate - 1:
+                        assert tally is not None and tally.reduce_scatters == 3 and tally.reduce_scatter_bytes == whole, tally
+                        assert tally.all_gathers >= 3 and tally.all_gather_bytes >= whole, tally
+                    else:
+                        assert tally is not None and tally.reduce_scatters == 0, tally
             torch.nn.utils.clip_grad_norm_(case.model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad()
         if runtime is not None:
+            ranks = runtime.report(all_ranks=True)  # every rank's last report, on every rank
+            assert [r.step for r in ranks] == [6 * accumulate] * 2 and ranks[rank] == runtime.report()
             runtime.close()
         runs.append({"losses": losses, "placements": placements,
                      "params": [p.full_tensor() for p in case.model.parameters()],
