@@ -154,15 +154,17 @@ def _state_worker(rank: int, world: int, port: int, out: str, accumulate: int) -
         case = _gpt_sharded(3)
         optimizer = torch.optim.AdamW(case.model.parameters(), lr=1e-3)
         runtime = budget = None
+        unsharded_grads = 0
         if swap:
             # 70% of the rank's static bytes (its shards: half the model's) and room for the
             # activations: no plan of the activations alone meets it, so the state moves (R18 live).
-            # Accumulating without sync, FSDP2 holds the unsharded gradients from one micro-batch
-            # to the next, which the runtime does not count (a gap, docs/DESIGN.md R18): room for them
             one = build_model("gpt", "tiny", seed=3)
             trace = profile(one.model, one.inputs, one.loss_fn, name="gpt-tiny", state="adamw")
-            share = 0.7 if accumulate == 1 else 0.85
-            budget = int(static_bytes_of(case.model, optimizer) * share) + 2 * (trace.min_feasible_bytes - trace.static_bytes)
+            budget = int(static_bytes_of(case.model, optimizer) * 0.7) + 2 * (trace.min_feasible_bytes - trace.static_bytes)
+            # accumulating without sync, FSDP2 holds the unsharded gradients (the whole model's)
+            # from one micro-batch to the next, which the runtime does not count yet (a gap,
+            # docs/DESIGN.md R18): the audit meter may find that much more
+            unsharded_grads = 0 if accumulate == 1 else sum(p.numel() * 4 for p in one.model.parameters())
             runtime = SwapRuntime(budget=budget, policy="default", model=case.model, optimizer=optimizer,
                                   backend="cpu", audit=True)
         losses, placements = [], set()
@@ -180,7 +182,7 @@ def _state_worker(rank: int, world: int, port: int, out: str, accumulate: int) -
                     assert report.state is not None
                     placements |= set(report.state.placements)
                     assert report.peak_device_bytes is not None and report.peak_device_bytes <= budget
-                    assert report.measured_peak_bytes is not None and report.measured_peak_bytes <= budget, (
+                    assert report.measured_peak_bytes is not None and report.measured_peak_bytes <= budget + unsharded_grads, (
                         report.peak_device_bytes, report.measured_peak_bytes, budget)
                     # the step's collectives, counted off the dispatcher: in a synced step each of the
                     # 3 units reduce-scatters its whole (unsharded) fp32 gradient once
