@@ -47,13 +47,14 @@ __all__ = ["fully_shard", "ShardedPlan"]
 
 @dataclass(frozen=True)
 class ShardedPlan:
-    """What :func:`fully_shard` planned and wrapped: the plan of one rank's step, the units it
-    gave ``CPUOffloadPolicy`` and those kept unsharded after forward, the rank's budget, and the
+    """What :func:`fully_shard` planned and wrapped: the plan of one rank's step, its units (the
+    state groups), those it gave ``CPUOffloadPolicy`` and those kept unsharded after forward, the rank's budget, and the
     step the simulator predicts for it."""
 
     plan: SwapPlan
     world_size: int
     budget_bytes: int
+    units: tuple[str, ...]
     offloaded: tuple[str, ...]
     unsharded: tuple[str, ...]
     predicted_s: float
@@ -174,4 +175,5 @@ def _plan(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor],
         raise BudgetError(f"policy {plan.policy!r}'s plan does not fit {format_bytes(nbytes)} a rank in simulation; "
                           "try a larger budget or policy='default'")
     offloaded = tuple(sorted(g for g, w in plan.placement().items() if w == "full"))
-    return ShardedPlan(plan, world, nbytes, offloaded, tuple(sorted(plan.unsharded)), r.iteration_s, r.peak_bytes)
+    units = tuple(sorted(g.name for g in sharded.state))
+    return ShardedPlan(plan, world, nbytes, units, offloaded, tuple(sorted(plan.unsharded)), r.iteration_s, r.peak_bytes)

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from swapsched.errors import UserError
+from swapsched.runtime.shards import local_of, offloaded_by_fsdp
 from swapsched.zoo import ModelCase, build_model
 
 __all__ = ["RunResult", "NothingToSwap", "run_runtime", "DeviceMeter", "CompareRow", "compare_live",
@@ -206,12 +207,15 @@ class DeviceMeter:
 
     def _resident(self) -> int:
         seen: dict[int, int] = {}
-        tensors = [*self.model.parameters(), *self.model.buffers()]
-        tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
+        host = offloaded_by_fsdp(self.model)  # FSDP2's on the host (R18): not the device's
+        params = [p for p in self.model.parameters() if id(p) not in host]
+        tensors = [*params, *self.model.buffers()]
+        tensors += [p.grad for p in params if p.grad is not None]
         if self.optimizer is not None:
-            tensors += [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+            tensors += [v for p, st in self.optimizer.state.items() if id(p) not in host for v in st.values()
+                        if isinstance(v, torch.Tensor)]
         for t in tensors:
-            st = t.untyped_storage()
+            st = local_of(t).untyped_storage()  # a shard's own bytes, not its wrapper's
             seen[st.data_ptr()] = st.nbytes()
         return sum(seen.values())
 

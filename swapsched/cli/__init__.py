@@ -193,6 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", metavar="OUT", type=out_file, help="write one record per method as JSON")
     sp.add_argument("--plot", metavar="PNG", type=out_file, help="step time and peak memory per method")
     sp.add_argument("--no-progress", action="store_true", help="no per-step lines")
+    sp.add_argument("--world-size", type=positive_int, default=1, metavar="N",
+                    help="N gloo ranks of this machine under FSDP2 (R18), with AdamW: the model wrapped by "
+                         "swapsched.fully_shard and trained under the runtime; --compare adds fsdp, fsdp-offload and "
+                         "fsdp-partial, carried out by FSDP2; --budget is a rank's (bytes, or a share of its static "
+                         "bytes); --rounds x --round-steps timed steps after 6 warm-up steps (default 1)")
 
     sp = add("calibrate", cmd_calibrate, "Measure this machine's link and the runtime's host costs into a hardware YAML for the simulator.")
     sp.add_argument("--backend", choices=["cpu", "cuda"], default="cpu", help="backend whose copies are measured (default cpu)")

@@ -183,6 +183,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from swapsched.report import format_live, format_runs
     from swapsched.run import NothingToSwap, run_runtime
 
+    if args.world_size > 1:
+        return _run_sharded(args)
+
     common = dict(size=args.size, batch_size=args.batch_size, seq_len=args.seq_len)
     say_if_shrunk(args.model, args.size)
     progress = not args.no_progress
@@ -236,6 +239,23 @@ def cmd_run(args: argparse.Namespace) -> int:
                   budget_bytes=live.budget_bytes if args.compare else main_run.budget_bytes)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0 if main_run.loss_matches else 1
+
+
+def _run_sharded(args: argparse.Namespace) -> int:
+    """``run --world-size N``: FSDP2 on N gloo ranks (``run_sharded.py``)."""
+    from swapsched.run_sharded import format_sharded, run_sharded
+
+    if args.backend == "cuda" or args.policy != "default" or args.plot:
+        raise UserError("--world-size runs gloo ranks on the CPU backend with policy default (no --plot): "
+                        "leave --backend, --policy and --plot out")
+    say_if_shrunk(args.model, args.size)
+    rows = run_sharded(args.model, args.budget, args.world_size, size=args.size, batch_size=args.batch_size,
+                       seq_len=args.seq_len, compare=args.compare, rounds=args.rounds, round_steps=args.round_steps)
+    print(format_sharded(rows, args.world_size))
+    if args.json:
+        _write_json({"model": args.model, "size": args.size, "budget": args.budget, "world_size": args.world_size,
+                     "rows": [r.to_dict() for r in rows]}, args.json)
+    return 0 if all(r.bit_identical for r in rows if r.units) else 1
 
 
 def _run_json(r: Any) -> dict[str, Any]:

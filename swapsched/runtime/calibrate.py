@@ -165,21 +165,26 @@ def _collective_worker(rank: int, world: int, port: int, device: str, out: str) 
         dist.destroy_process_group()
 
 
+def free_port() -> int:
+    """A TCP port on this machine nothing listens on now (for the ranks' rendezvous)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def measure_collectives(world_size: int, backend_name: str = "cpu") -> tuple[float, float, list[tuple[int, float]]]:
     """R18: :func:`calibrate_collectives` over ``world_size`` ranks started on this machine."""
-    import socket
     import tempfile
 
     import torch.multiprocessing as mp
 
     if backend_name == "cuda" and torch.cuda.device_count() < world_size:
         raise UserError(f"--world-size {world_size}: this machine has {torch.cuda.device_count()} CUDA devices")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "collectives.pt")
-        mp.start_processes(_collective_worker, args=(world_size, port, backend_name, out), nprocs=world_size,
+        mp.start_processes(_collective_worker, args=(world_size, free_port(), backend_name, out), nprocs=world_size,
                            join=True, start_method="spawn")
         latency, bandwidth, points = torch.load(out)
     return latency, bandwidth, points

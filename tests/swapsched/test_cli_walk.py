@@ -76,6 +76,7 @@ CASES = [
     ("profile", "--override", "n_layer", "give KEY=VALUE"),
     ("profile", "--world-size", "0", "positive integer"),
     ("fit", "--world-size", "two", "positive integer"),
+    ("run", "--world-size", "0", "positive integer"),
     ("calibrate", "--world-size", "0", "positive integer"),
     ("fit", "1", "lstm", "unknown model 'lstm'"),
     ("fit", "--size", "huge", "huge"),
