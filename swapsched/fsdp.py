@@ -86,7 +86,7 @@ def fully_shard(model: nn.Module, inputs: tuple[Any, ...] | Any, loss_fn: Callab
     mp_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     on = next(model.parameters()).device.type
     hw = load_hardware(hardware or (DEFAULT_GPU_HARDWARE if on in ("meta", "cuda") else DEFAULT_CPU_HARDWARE))
-    if hw.collective_bytes_per_s is None:  # every rank: the process group's own all-gathers, timed (R18)
+    if hw.collective_bytes_per_s is None and world > 1:  # every rank: the group's own all-gathers, timed (R18)
         latency, bus, _ = calibrate_collectives("cpu" if on == "cpu" else f"cuda:{torch.cuda.current_device()}")
         hw = replace(hw, collective_bytes_per_s=bus, collective_latency_s=latency, gpus_per_node=world)
     plan: ShardedPlan | BaseException | None = None

@@ -91,8 +91,10 @@ class ExecuteStep(CopyingStep):
         # the model's, plus what the profiling found held by others; of the training state, what
         # the plan leaves on the device all step (R14), and what the state mover holds beyond it now
         moved_off = int(tr.static_bytes) - layout.step_static_bytes  # the state the plan keeps off the device
-        self.static_base = self.frame.static_bytes - moved_off  # the audit's base: the model's bytes it keeps
-        self.static = layout.step_static_bytes + (self.frame.state.transient if self.frame.state is not None else 0)
+        # R18: what FSDP2 holds between micro-batches now, in place of what the plan's trace counted
+        held, planned_held = self.frame.held[0], int(tr.meta.get("held_bytes", 0))
+        self.static_base = self.frame.static_bytes - moved_off + held  # the audit's base: the bytes the step starts with
+        self.static = layout.step_static_bytes - planned_held + held + (self.frame.state.transient if self.frame.state is not None else 0)
         self.room = self.budget - self.static  # for saved tensors
         self.out_at, self.prefetch_at = layout.out_at, layout.prefetch_at
         tb = event_tables(tr)  # the simulator's per-trace lists, shared

@@ -145,3 +145,7 @@ class StepFrame:
     host: StepHost
     # the training state the adopted plan moves (R13-R16): the unpack hook tells it where backward is
     state: StateMover | None = None
+    # R18: the bytes others hold on the device as the step starts beyond the model's static bytes
+    # (FSDP2's unsharded gradients between micro-batches without sync), now and the most a step
+    # of the run has started with (what the profiled trace counts in its static bytes, for plans)
+    held: tuple[int, int] = (0, 0)

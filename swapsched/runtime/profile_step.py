@@ -248,7 +248,7 @@ class ProfileStep(StepExecution):
     def finish(self) -> None:
         unowned = self.unowned()
         carried, carried_bytes = self.carried_bytes()
-        static = self.frame.static_bytes + self.cast_bytes + sum(unowned.values()) + carried_bytes
+        static = self.frame.static_bytes + self.cast_bytes + sum(unowned.values()) + carried_bytes + self.frame.held[1]
         if "unpack" not in self.recorder.kinds:  # a step without backward: no trace to learn from
             self.abort()
             return
@@ -258,8 +258,9 @@ class ProfileStep(StepExecution):
                                           exclude=frozenset(unowned), released=dict(self.released),
                                           freed=dict(self.freed), static_tensors=grads)
         self.trace = replace(self.trace, events=self._with_rebuilt(self.trace),
-                             meta={**self.trace.meta, "unowned_bytes": static - self.frame.static_bytes,
-                                   "unowned_tensors": len(unowned) + carried, "backward_passes": len(self.passes)})
+                             meta={**self.trace.meta, "unowned_bytes": static - self.frame.static_bytes - self.frame.held[1],
+                                   "unowned_tensors": len(unowned) + carried, "backward_passes": len(self.passes),
+                                   "held_bytes": self.frame.held[1]})
         remap = self.recorder.remap
         self.first_sight = {k + self.seen_before: v for k, v in remap.items()}
         self.producers = {remap[k]: v for k, v in self.producers.items() if k in remap}

@@ -9,6 +9,11 @@ accumulated on the host under ``no_sync()`` would never be reduced at all. So un
 DDP a gradient is complete only when backward ends: the mover keeps it on the device until then
 and copies the reduced one out, and the plan counts it there (every group's ``grad_at`` at the
 tail).
+
+On several ranks (DDP or FSDP2, R18) the run's first plan is refused on every rank alike
+(:func:`on_every_rank`), a rank's wait for another is bounded (:func:`bound_rank_waits`), a step's
+error says which rank failed (:func:`note_the_other_ranks`), and :func:`every_rank` gathers the
+ranks' reports.
 """
 
 from __future__ import annotations

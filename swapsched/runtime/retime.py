@@ -103,13 +103,21 @@ def nonnegative_fit(a: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def median_trace(traces: list[Trace]) -> Trace:
     """The last trace, with each gap's median over the traces that saw the same events with the
-    same bytes (a profiling step of another shape times other compute)."""
+    same bytes (a profiling step of another shape times other compute), and each gap's other
+    bytes (R3) the most any of them after the first held there: steps of one shape may hold
+    different transients (R18: a step that reduce-scatters under FSDP2, and one accumulating
+    without sync), and a plan must fit each; the first pays one-off costs (FSDP2's lazy
+    initialization, the allocator's growth) that later steps do not."""
     last = traces[-1]
     shape = ([(e.kind, e.tensor) for e in last.events], last.tensor_bytes.tolist())
     same = [t for t in traces if ([(e.kind, e.tensor) for e in t.events], t.tensor_bytes.tolist()) == shape]
     if len(same) < 2:
         return last
-    return _median_timing(last, [t.gaps for t in same], [t.tail_compute_s for t in same], "median_of_steps")
+    later = same[1:] if len(same) > 2 else same[-1:]
+    other = [max((t.events[i].other_bytes for t in later if t.events[i].other_bytes is not None), default=None)
+             for i in range(last.n_events)]
+    most = replace(last, events=tuple(replace(e, other_bytes=o) for e, o in zip(last.events, other, strict=True)))
+    return _median_timing(most, [t.gaps for t in same], [t.tail_compute_s for t in same], "median_of_steps")
 
 
 def _median_timing(trace: Trace, gaps: list, tails: list[float], meta_key: str) -> Trace:

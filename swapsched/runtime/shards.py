@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["local_of", "like", "is_sharded", "sharded_names", "offloaded_by_fsdp"]
+__all__ = ["local_of", "like", "is_sharded", "sharded_names", "offloaded_by_fsdp", "held_between_micro_batches"]
 
 
 def _dtensor() -> Any:
@@ -72,3 +72,23 @@ def offloaded_by_fsdp(model: nn.Module) -> set[int]:
         if group is not None:
             out |= {id(fp.sharded_param) for fp in group.fsdp_params if fp.offload_to_cpu}
     return out
+
+
+def held_between_micro_batches(model: nn.Module) -> int:
+    """The bytes of the unsharded gradients FSDP2 holds now for ``model``'s units: kept from a
+    backward that did not reduce-scatter them (``set_requires_gradient_sync(False)``) to the one
+    that does. Read off each unit's FSDP state, as :func:`offloaded_by_fsdp`."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return 0
+    total = 0
+    for mod in model.modules():
+        group = mod._get_fsdp_state()._fsdp_param_group if isinstance(mod, FSDPModule) else None
+        for fp in group.fsdp_params if group is not None else ():
+            unsharded = getattr(fp, "_unsharded_param", None)
+            grad = fp.unsharded_accumulated_grad if fp.unsharded_accumulated_grad is not None else \
+                (unsharded.grad if unsharded is not None else None)
+            if grad is not None:
+                total += local_of(grad).untyped_storage().nbytes()
+    return total

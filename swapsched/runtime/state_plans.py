@@ -20,7 +20,7 @@ from swapsched.runtime.backends import Backend
 from swapsched.runtime.budgets import ShapeBudgets
 from swapsched.runtime.profiler import optimizer_state_kind, state_groups, static_bytes_of
 from swapsched.runtime.replicas import gradients_complete_at_backward_end, replica
-from swapsched.runtime.shards import is_sharded
+from swapsched.runtime.shards import held_between_micro_batches, is_sharded
 from swapsched.runtime.state_mover import StateMover
 from swapsched.runtime.state_rest import to_device
 from swapsched.state import SHARD_PLACEMENTS, group_name
@@ -38,6 +38,7 @@ class RuntimeState:
         self.mover: StateMover | None = None
         # whether a DDP ran the model's forward (replicas.py): its gradients complete as backward ends
         self.data_parallel = False
+        self._held_most = 0  # held_by_others
         # calls of the model's forward that Dynamo traced (torch.compile): the side effect of the
         # traced hook replays at each compiled call
         self._compiled: list[bool] = []
@@ -51,6 +52,16 @@ class RuntimeState:
             return
         if not self.data_parallel and replica(module) is not None:
             self.data_parallel = True
+
+    def held_by_others(self) -> tuple[int, int]:
+        """R18: the bytes FSDP2 holds on the device now between micro-batches (its unsharded
+        gradients, ``shards.held_between_micro_batches``), and the most a step of this run has
+        started with (the accumulation recurs: plans leave room for it)."""
+        if self.model is None or not is_sharded(self.model):
+            return 0, 0
+        now = held_between_micro_batches(self.model)
+        self._held_most = max(self._held_most, now)
+        return now, self._held_most
 
     @property
     def distributed(self) -> bool:

@@ -228,7 +228,7 @@ class PolicyRuntime(TwoStages):
             self.state.profile_with_state_on_host(self.static_bytes, self.hardware.host_budget_bytes)
         frame = StepFrame(backend=self.backend, hardware=self.hardware, model=self.model, static_bytes=self.static_bytes,
                           static_keys=self._static_keys, min_bytes=self.min_bytes, strict=self.strict, audit=self.audit,
-                          step=self.steps, blocks=self.blocks, rebuilt=dict(self._rebuilt),
+                          step=self.steps, blocks=self.blocks, rebuilt=dict(self._rebuilt), held=self.state.held_by_others(),
                           # a real device marks its gaps until the trace is re-timed once (a few µs a hook;
                           # the emulated device's host clock times every step for free)
                           device_timed=not self.backend.emulated and self.retime_steps > 0 and self.trace is not None
