@@ -101,19 +101,19 @@ def nonnegative_fit(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     return np.asarray(nnls(a / scale, y)[0] / scale)
 
 
-def median_trace(traces: list[Trace]) -> Trace:
+def median_trace(traces: list[Trace], most_other: bool = False) -> Trace:
     """The last trace, with each gap's median over the traces that saw the same events with the
-    same bytes (a profiling step of another shape times other compute), and each gap's other
-    bytes (R3) the most any of them after the first held there: steps of one shape may hold
-    different transients (R18: a step that reduce-scatters under FSDP2, and one accumulating
-    without sync), and a plan must fit each; the first pays one-off costs (FSDP2's lazy
-    initialization, the allocator's growth) that later steps do not."""
+    same bytes (a profiling step of another shape times other compute). ``most_other`` (several
+    ranks, R18): each gap's other bytes (R3) the most any of them after the first held there:
+    a step that reduces its gradients holds more than one accumulating without sync (FSDP2's
+    reduce-scatter buffers), and a plan must fit both; the first pays one-off costs (FSDP2's
+    lazy initialization, the allocator's growth) that later steps do not."""
     last = traces[-1]
     shape = ([(e.kind, e.tensor) for e in last.events], last.tensor_bytes.tolist())
     same = [t for t in traces if ([(e.kind, e.tensor) for e in t.events], t.tensor_bytes.tolist()) == shape]
     if len(same) < 2:
         return last
-    later = same[1:] if len(same) > 2 else same[-1:]
+    later = (same[1:] if len(same) > 2 else same[-1:]) if most_other else same[-1:]
     other = [max((t.events[i].other_bytes for t in later if t.events[i].other_bytes is not None), default=None)
              for i in range(last.n_events)]
     most = replace(last, events=tuple(replace(e, other_bytes=o) for e, o in zip(last.events, other, strict=True)))

@@ -25,7 +25,7 @@ def test_median_trace_takes_each_gap_over_the_steps_of_the_last_ones_shape():
     assert two.gaps.tolist() == pytest.approx([2.0] * 4) and two.meta["median_of_steps"] == 2
 
 
-def test_median_trace_keeps_each_gaps_most_other_bytes_over_the_steps_of_its_shape():
+def test_on_several_ranks_median_trace_keeps_each_gaps_most_other_bytes_over_the_steps_of_its_shape():
     def step(other: list[int], size: int = 100):
         return make_trace([size, size], [("pack", 0, 1.0), ("pack", 1, 1.0), ("unpack", 1, 1.0), ("unpack", 0, 1.0)],
                           other=other)
@@ -33,7 +33,9 @@ def test_median_trace_keeps_each_gaps_most_other_bytes_over_the_steps_of_its_sha
     # a step that reduce-scatters holds more in its last gaps than one accumulating without sync:
     # the plan must fit both (R18); a step of another shape does not count, nor the first step
     # (one-off costs), where later ones are there to take the most over
-    merged = median_trace([step([50, 50, 50, 50]), step([5, 0, 7, 1]), step([9, 0, 2, 1], size=200), step([1, 3, 2, 8])])
+    steps = [step([50, 50, 50, 50]), step([5, 0, 7, 1]), step([9, 0, 2, 1], size=200), step([1, 3, 2, 8])]
+    merged = median_trace(steps, most_other=True)
     assert [e.other_bytes for e in merged.events] == [5, 3, 7, 8]
-    two = median_trace([step([50, 50, 50, 50]), step([1, 3, 2, 8])])  # the last's own, where there are two
+    assert [e.other_bytes for e in median_trace(steps).events] == [1, 3, 2, 8]  # one rank: the last step's
+    two = median_trace([step([50, 50, 50, 50]), step([1, 3, 2, 8])], most_other=True)  # the last's, where there are two
     assert [e.other_bytes for e in two.events] == [1, 3, 2, 8]
