@@ -103,8 +103,8 @@ def nonnegative_fit(a: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def median_trace(traces: list[Trace], most_other: bool = False) -> Trace:
     """The last trace, with each gap's median over the traces that saw the same events with the
-    same bytes (a profiling step of another shape times other compute). ``most_other`` (several
-    ranks, R18): each gap's other bytes (R3) the most any of them after the first held there:
+    same bytes (a profiling step of another shape times other compute). ``most_other`` (FSDP2's
+    shards, R18): each gap's other bytes (R3) the most any of them after the first held there:
     a step that reduces its gradients holds more than one accumulating without sync (FSDP2's
     reduce-scatter buffers), and a plan must fit both; the first pays one-off costs (FSDP2's
     lazy initialization, the allocator's growth) that later steps do not."""
@@ -114,7 +114,7 @@ def median_trace(traces: list[Trace], most_other: bool = False) -> Trace:
     if len(same) < 2:
         return last
     later = (same[1:] if len(same) > 2 else same[-1:]) if most_other else same[-1:]
-    other = [max((t.events[i].other_bytes for t in later if t.events[i].other_bytes is not None), default=None)
+    other = [max((b for b in (t.events[i].other_bytes for t in later) if b is not None), default=None)
              for i in range(last.n_events)]
     most = replace(last, events=tuple(replace(e, other_bytes=o) for e, o in zip(last.events, other, strict=True)))
     return _median_timing(most, [t.gaps for t in same], [t.tail_compute_s for t in same], "median_of_steps")

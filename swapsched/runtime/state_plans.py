@@ -57,16 +57,21 @@ class RuntimeState:
         """R18: the bytes FSDP2 holds on the device now between micro-batches (its unsharded
         gradients, ``shards.held_between_micro_batches``), and the most a step of this run has
         started with (the accumulation recurs: plans leave room for it)."""
-        if self.model is None or not is_sharded(self.model):
+        if self.model is None or not self.sharded:
             return 0, 0
         now = held_between_micro_batches(self.model)
         self._held_most = max(self._held_most, now)
         return now, self._held_most
 
     @property
+    def sharded(self) -> bool:
+        """Whether FSDP2 (or tensor parallel) shards the model's parameters (R18)."""
+        return self.model is not None and is_sharded(self.model)
+
+    @property
     def distributed(self) -> bool:
         """Whether the model trains on several ranks as one (DDP ran its forward, or FSDP2 shards it)."""
-        return self.data_parallel or (self.model is not None and is_sharded(self.model))
+        return self.data_parallel or self.sharded
 
     def refuse_compiled(self) -> None:
         """Before a step's first saved tensor: a model called through ``torch.compile`` saves its

@@ -129,7 +129,7 @@ class TwoStages:
     def _plan_profiled(self, profiled: list[tuple[Trace, dict[int, int]]]) -> None:
         """Plan on the median of the profiling steps' traces, or profile again with the blocks
         checkpointed whole (R9's first stage) where the budget needs them."""
-        trace = self.state.with_state(median_trace([trace for trace, _ in profiled], most_other=self.state.distributed))
+        trace = self.state.with_state(median_trace([trace for trace, _ in profiled], most_other=self.state.sharded))
         if self.blocks is not None and self.blocks.fell_short(trace, self.budget_bytes):
             self._checkpoint_blocks(self.blocks.names, {})  # whole, and profiled again
             return

@@ -34,8 +34,8 @@ def test_on_several_ranks_median_trace_keeps_each_gaps_most_other_bytes_over_the
     # the plan must fit both (R18); a step of another shape does not count, nor the first step
     # (one-off costs), where later ones are there to take the most over
     steps = [step([50, 50, 50, 50]), step([5, 0, 7, 1]), step([9, 0, 2, 1], size=200), step([1, 3, 2, 8])]
-    merged = median_trace(steps, most_other=True)
+    merged = median_trace(steps, most_other=True)  # FSDP2
     assert [e.other_bytes for e in merged.events] == [5, 3, 7, 8]
-    assert [e.other_bytes for e in median_trace(steps).events] == [1, 3, 2, 8]  # one rank: the last step's
+    assert [e.other_bytes for e in median_trace(steps).events] == [1, 3, 2, 8]  # one rank, or DDP: the last step's
     two = median_trace([step([50, 50, 50, 50]), step([1, 3, 2, 8])], most_other=True)  # the last's, where there are two
     assert [e.other_bytes for e in two.events] == [1, 3, 2, 8]
