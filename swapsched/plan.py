@@ -14,7 +14,7 @@ import numpy as np
 
 from swapsched.errors import UserError
 from swapsched.jsonfile import Fields, open_json, write_json
-from swapsched.state import PLACEMENTS
+from swapsched.state import PLACEMENTS, frozen_placement
 
 if TYPE_CHECKING:
     from swapsched.hardware import Hardware
@@ -144,12 +144,16 @@ class SwapPlan:
                     f"(R7: at or after the swap-out, at most tensor {t}'s first unpack)"
                 )
         groups = {g.name for g in trace.state}
+        frozen = {g.name for g in trace.state if g.frozen}
         for k, (group, where) in enumerate(self.state):
             if group not in groups:
                 raise PlanError(f"{source}: state[{k}]: trace {trace.name!r} has no state group {group!r}"
                                 + ("" if groups else " (it records no state: profile with --optimizer)"))
             if where not in PLACEMENTS:
                 raise PlanError(f"{source}: state[{k}]: placement {where!r} unknown; use one of {list(PLACEMENTS)}")
+            if group in frozen and where != frozen_placement(where):
+                raise PlanError(f"{source}: state[{k}]: group {group!r} is frozen (no gradient, no step): place it "
+                                "'device' or 'full' (on the host, fetched for each use)")
         for k, group in enumerate(self.unsharded):
             if trace.world_size == 1:
                 raise PlanError(f"{source}: unsharded[{k}]: trace {trace.name!r} is one device's step: nothing is sharded")

@@ -44,6 +44,10 @@ def shard_trace(trace: Trace, world_size: int, *, master_bytes: int = 4, gather_
     for g in trace.state:
         shard = math.ceil(g.params / world_size)
         states_per_param = g.optim_bytes / g.param_bytes if g.param_bytes else 0.0  # in elements, any dtype
+        if g.frozen:  # R13: its own dtype, no gradient to reduce, no state
+            groups.append(replace(g, params=shard, param_bytes=shard * (g.param_bytes // max(g.params, 1)),
+                                  gather_bytes=g.params * gather_bytes))
+            continue
         groups.append(replace(g, params=shard, param_bytes=shard * master_bytes, grad_bytes=shard * master_bytes,
                               optim_bytes=round(states_per_param * shard * master_bytes),
                               gather_bytes=g.params * gather_bytes, reduce_bytes=g.params * reduce_bytes))

@@ -31,7 +31,8 @@ from typing import Any
 from swapsched.errors import UserError
 from swapsched.segments import segment_of
 
-__all__ = ["StateGroup", "OptimizerKind", "OPTIMIZERS", "optimizer_kind", "group_name", "PLACEMENTS", "SHARD_PLACEMENTS", "FSDP2_PLACEMENTS", "allowed_placements", "check_groups"]
+__all__ = ["StateGroup", "OptimizerKind", "OPTIMIZERS", "optimizer_kind", "group_name", "PLACEMENTS", "SHARD_PLACEMENTS", "FSDP2_PLACEMENTS", "allowed_placements", "check_groups",
+           "FROZEN_SUFFIX", "module_of", "frozen_placement"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,11 @@ class StateGroup:
     #: (reduce dtype); the four sizes above are then this rank's shard. 0: not sharded.
     gather_bytes: int = 0
     reduce_bytes: int = 0
+    #: Frozen parameters (``requires_grad=False``: a LoRA model's base weights): no gradient, no
+    #: optimizer state, no step (``grad_bytes`` and ``optim_bytes`` are 0). Named after the
+    #: trainable group of the same modules with ``FROZEN_SUFFIX``; placed ``device`` or ``full``
+    #: (resting on the host, fetched for each use and let go after it: ``frozen_placement``).
+    frozen: bool = False
 
     @property
     def bytes(self) -> int:
@@ -119,6 +125,23 @@ def allowed_placements(meta: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(meta.get("placements", PLACEMENTS))
 
 
+#: R13: the suffix of a frozen group's name (the frozen parameters of the modules of the group
+#: named without it)
+FROZEN_SUFFIX = "/frozen"
+
+
+def module_of(group: str) -> str:
+    """The module path whose parameters group ``group`` holds (a frozen group's, without its suffix)."""
+    return group[: -len(FROZEN_SUFFIX)] if group.endswith(FROZEN_SUFFIX) else group
+
+
+def frozen_placement(where: str) -> str:
+    """What placement ``where`` means for a frozen group, which has no gradient or step: it rests
+    on the host and is fetched for each use where ``where`` keeps the parameter there between
+    uses (``full``, ``stream-full``), else it stays on the device."""
+    return "full" if where in ("full", "stream-full") else "device"
+
+
 def group_name(module: str) -> str:
     """The group a module's parameters belong to: its block (R9's naming), else the module."""
     where = segment_of(module)
@@ -138,6 +161,8 @@ def check_groups(groups: Sequence[StateGroup], n_events: int, static_bytes: int)
         names.add(g.name)
         if min(g.params, g.param_bytes, g.grad_bytes, g.optim_bytes, g.gather_bytes, g.reduce_bytes) < 0:
             return f"group {g.name!r} has negative bytes"
+        if g.frozen and (g.grad_bytes or g.optim_bytes or not g.name.endswith(FROZEN_SUFFIX)):
+            return f"frozen group {g.name!r} must be named ...{FROZEN_SUFFIX} and have no gradient or optimizer bytes"
         if not (0 <= g.forward_at <= g.forward_end < max(n_events, 1) and 0 <= g.backward_at <= g.grad_at <= n_events):
             return (f"group {g.name!r}: its events must satisfy 0 <= forward_at <= forward_end < n_events and "
                     f"backward_at <= grad_at <= n_events, got {g.forward_at}, {g.forward_end}, {g.backward_at}, {g.grad_at}")

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from swapsched.segments import Segment, rebuilt_selectively, segment_of
-from swapsched.state import StateGroup
+from swapsched.state import StateGroup, module_of
 from swapsched.trace_check import TIMINGS, TraceError, validate_trace
 
 if TYPE_CHECKING:
@@ -402,7 +402,8 @@ class Trace:
         """``(forward_at, forward_end, backward_at, grad_at)`` of state group ``group``
         (swapsched/state.py) from the saved tensors its modules packed; a group with none of its
         own is read in the first gap and its gradient completes at the tail."""
-        ids = [t.id for t in self.tensors if t.module == group or t.module.startswith(group + ".")]
+        module = module_of(group)  # a frozen group's modules are its trainable twin's
+        ids = [t.id for t in self.tensors if t.module == module or t.module.startswith(module + ".")]
         fp, fu, lu = self.first_pack, self.first_unpack, self.last_unpack
         n = self.n_events
         if not ids or n == 0:

@@ -41,7 +41,7 @@ from swapsched.env.state_parts import fetch_events, state_split, stream_in_bytes
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.policy import Policy
-from swapsched.state import OPTIMIZERS, allowed_placements
+from swapsched.state import OPTIMIZERS, allowed_placements, frozen_placement
 from swapsched.trace import Event, Trace
 
 __all__ = ["activation_view", "plan_state", "smallest_state_budget", "StatePeer", "PartialOffloadPeer", "PEERS", "state_floor",
@@ -114,7 +114,17 @@ def candidate_placements(trace: Trace) -> list[dict[str, str]]:
             mix.update({groups[j].name: top for j in order[:k]})
             out.append(mix)
     allowed = set(allowed_placements(trace.meta))
-    return [c for c in out if set(c.values()) <= allowed]
+    frozen = {g.name for g in groups if g.frozen}
+    seen: set[tuple[tuple[str, str], ...]] = set()
+    kept = []
+    for c in out:
+        # a frozen group (R13: no gradient, no step) rests on the host or stays on the device
+        c = {g: w for g, w in ((g, frozen_placement(w) if g in frozen else w) for g, w in c.items()) if w != "device"}
+        key = tuple(sorted(c.items()))
+        if set(c.values()) <= allowed and key not in seen:
+            seen.add(key)
+            kept.append(c)
+    return kept
 
 
 def _with_state(trace: Trace, act: SwapPlan, placement: dict[str, str], name: str, **options: Any) -> SwapPlan:
@@ -265,10 +275,14 @@ class StatePeer:
     placement: str
     host_step: str = "after-backward"
     param_return: str = "each"
+    #: where the peer puts frozen groups (R13); None: as ``placement`` means for them (``frozen_placement``)
+    frozen: str | None = None
 
     def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
         act = CheckpointAll().plan(trace, budget, hardware)
-        placement = {g.name: self.placement for g in trace.state}
+        frozen = self.frozen or frozen_placement(self.placement)
+        placement = {g.name: frozen if g.frozen else self.placement for g in trace.state}
+        placement = {g: w for g, w in placement.items() if w != "device"}
         return _with_state(trace, act, placement, self.name, host_step=self.host_step, param_return=self.param_return)
 
 
@@ -316,6 +330,9 @@ PEERS: dict[str, StatePeer | PartialOffloadPeer] = {
     "fsdp": StatePeer("fsdp", "device"),
     "fsdp-partial": PartialOffloadPeer(),
     "zero3-offload": StatePeer("zero3-offload", "full", param_return="all"),
+    # R13, frozen weights (LoRA): accelerate's device_map="auto" with CPU offload, frozen weights
+    # on the host fetched per module in forward and backward, the adapters on the device
+    "accelerate-offload": StatePeer("accelerate-offload", "device", frozen="full"),
 }
 
 
@@ -356,7 +373,7 @@ def _optimizer_floor(trace: Trace, hardware: Hardware) -> float:
     compute, ``D`` and ``H`` every parameter's step on the device and on the host), least at
     ``x = (I + D) / (D + H)``."""
     kind = OPTIMIZERS.get(str(trace.meta.get("optimizer", "adamw")), OPTIMIZERS["adamw"])
-    params = sum(g.params for g in trace.state)
+    params = sum(g.params for g in trace.state if not g.frozen)  # frozen groups do not step (R13)
     if not kind.touched_bytes_per_param or not params:
         return trace.ideal_s
     ideal, dev = trace.ideal_s, params / hardware.device_optimizer_rate(kind.touched_bytes_per_param)

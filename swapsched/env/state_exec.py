@@ -311,6 +311,11 @@ class StateExecution:
     def _grad_complete(self, j: int) -> None:
         w = self.where[j]
         g = self.groups[j]
+        if g.frozen:  # no gradient and no step (R13): backward is done with its parameters
+            if w == "full":
+                self.resident[j] = False
+                self.sim.used -= g.param_bytes
+            return
         # R18: sharded, the rank's shard of the gradient is there once its reduce-scatter lands
         ready = self.sim.t if self.coll is None else self.coll.grad_complete(j)
         if w in ("host-step", "full", "stream-full"):
@@ -368,7 +373,7 @@ class StateExecution:
         order = sorted(range(len(self.groups)), key=lambda j: (self.groups[j].grad_at, -self.groups[j].forward_at))
         for j in order:  # the device's steps, on the compute stream
             w = self.where[j]
-            if w not in ("device", "param", "stream", "stream-full"):
+            if w not in ("device", "param", "stream", "stream-full") or self.groups[j].frozen:
                 continue
             streamed = w in STREAM_IN_PARTS
             if streamed:
@@ -412,7 +417,7 @@ class StateExecution:
     @property
     def ideal_step_s(self) -> float:
         """R15: every group stepped on the device, as the ideal (infinite memory) step does."""
-        return sum(g.params for g in self.groups) / self.device_rate
+        return sum(g.params for g in self.groups if not g.frozen) / self.device_rate
 
     def spans(self) -> tuple[tuple[tuple[float, float, int], ...], ...]:
         """What ``--plot`` draws (``Timeline``'s state rows): copies out, copies in, host steps."""

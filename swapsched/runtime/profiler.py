@@ -33,7 +33,7 @@ from swapsched.precision import Precision, autocast_for
 from swapsched.runtime.recorder import ModulePath, OpNames, ProfileError, TraceRecorder, storage_key
 from swapsched.runtime.shards import local_of, offloaded_by_fsdp
 from swapsched.runtime.transients import OTHER_MEASURED, TransientMeter
-from swapsched.state import StateGroup, group_name, optimizer_kind
+from swapsched.state import FROZEN_SUFFIX, StateGroup, group_name, optimizer_kind
 from swapsched.trace import Trace
 
 __all__ = ["profile", "static_bytes_of", "state_groups", "optimizer_state_kind"]
@@ -86,7 +86,8 @@ def _optimizer_bytes(p: torch.Tensor, kind: str) -> int:
 
 
 def state_groups(model: nn.Module, trace: Trace, optimizer: str) -> tuple[StateGroup, ...]:
-    """R13: the model's trainable parameters per group (``state.group_name`` of their module),
+    """R13: the model's parameters per group (``state.group_name`` of their module; the frozen
+    ones in a group of their own, ``FROZEN_SUFFIX``),
     each storage once (a tied weight counts in the group that registers it first), with their
     gradients, the state ``optimizer`` keeps for them in their dtype, as torch.optim does
     (``state.OPTIMIZERS``; Adafactor: a row and a column per matrix, a whole copy per vector)
@@ -97,18 +98,20 @@ def state_groups(model: nn.Module, trace: Trace, optimizer: str) -> tuple[StateG
     host = offloaded_by_fsdp(model)  # FSDP2's to move, on the host (R18)
     for mod_name, mod in model.named_modules():
         for p in mod.parameters(recurse=False):
-            if not p.requires_grad or storage_key(p) in seen or id(p) in host:
+            if storage_key(p) in seen or id(p) in host:
                 continue
             seen.add(storage_key(p))
             nb = local_of(p).untyped_storage().nbytes()  # a shard's own bytes (R18), not its wrapper's
-            optim = _optimizer_bytes(p, kind.name)
-            acc = sizes.setdefault(group_name(mod_name), [0, 0, 0, 0])
-            for i, v in enumerate((local_of(p).numel(), nb, nb, optim)):
+            # a frozen parameter (a LoRA model's base weight): its own group, no gradient or state
+            trains = p.requires_grad
+            acc = sizes.setdefault(group_name(mod_name) + ("" if trains else FROZEN_SUFFIX), [0, 0, 0, 0])
+            for i, v in enumerate((local_of(p).numel(), nb, nb if trains else 0, _optimizer_bytes(p, kind.name) if trains else 0)):
                 acc[i] += v
     out = []
     for name, (params, param_bytes, grad_bytes, optim_bytes) in sizes.items():
         fa, fe, ba, ga = trace.group_events(name)
-        out.append(StateGroup(name, params, param_bytes, grad_bytes, optim_bytes, fa, fe, ba, ga))
+        out.append(StateGroup(name, params, param_bytes, grad_bytes, optim_bytes, fa, fe, ba, ga,
+                              frozen=name.endswith(FROZEN_SUFFIX)))
     return tuple(out)
 
 

@@ -75,11 +75,14 @@ class StorageIds:
 
 
 def is_parameter(t: torch.Tensor) -> bool:
-    """A parameter or a view of one: a leaf that requires grad, directly or through ``_base``;
-    or autocast's cached cast of one (see :func:`is_cached_cast`)."""
+    """A parameter or a view of one: a leaf that requires grad, or an ``nn.Parameter`` (a frozen
+    one too: a LoRA model's base weight, R13), directly or through ``_base``; or autocast's cached
+    cast of one (see :func:`is_cached_cast`)."""
+    base = t._base
+    if isinstance(t, torch.nn.Parameter) or isinstance(base, torch.nn.Parameter):
+        return True
     if t.is_leaf:
         return t.requires_grad
-    base = t._base
     if base is not None and base.is_leaf and base.requires_grad:
         return True
     return is_cached_cast(t)

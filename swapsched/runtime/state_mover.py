@@ -65,7 +65,7 @@ from swapsched.runtime.state_rest import (
     present_out,
 )
 from swapsched.runtime.transients import runtime_allocation
-from swapsched.state import PLACEMENTS, SHARD_PLACEMENTS, StateGroup, group_name
+from swapsched.state import FROZEN_SUFFIX, PLACEMENTS, SHARD_PLACEMENTS, StateGroup, frozen_placement, group_name, module_of
 
 __all__ = ["StateMover", "HOST_PLACEMENTS"]
 
@@ -111,9 +111,7 @@ class StateMover(GradientsToHost):
         names: dict[int, str] = {}
         for mod_name, mod in model.named_modules():
             for pname, p in mod.named_parameters(recurse=False):
-                if not p.requires_grad:
-                    continue
-                g = group_name(mod_name)
+                g = group_name(mod_name) + ("" if p.requires_grad else FROZEN_SUFFIX)  # R13: frozen apart
                 owner.setdefault(id(p), g)
                 names.setdefault(id(p), f"{mod_name}.{pname}" if mod_name else pname)
                 if all(q is not p for q in users.setdefault(g, [])):
@@ -129,7 +127,10 @@ class StateMover(GradientsToHost):
                 where = self.placement.get(owner[id(p)], "device")
                 if where == "device" or id(p) in self.params:
                     continue
-                if id(p) not in in_optimizer:
+                if not p.requires_grad and where != frozen_placement(where):
+                    raise UserError(f"group {owner[id(p)]!r} is frozen (no gradient, no step) and placed {where!r}: "
+                                    "a frozen group rests on the device or on the host ('full')")
+                if p.requires_grad and id(p) not in in_optimizer:
                     raise UserError(f"parameter {names[id(p)]!r} is placed ({where}) but not in the optimizer; "
                                     "give the optimizer that steps the model, or keep its group on the device")
                 if id(p) in shards and where not in SHARD_PLACEMENTS:
@@ -153,6 +154,12 @@ class StateMover(GradientsToHost):
         back_at = {grp.name: grp.backward_at for grp in groups}
         self.backward_order = sorted(self.users, key=lambda g: (back_at.get(g, 0), -order.get(g, 0)))
         self.backward_at = [back_at.get(g, 0) for g in self.backward_order]
+        # R13: frozen groups fetched for backward are let go once its last use of them is past
+        # (their ``grad_at``: no gradient tells it), in that order
+        grad_at = {grp.name: grp.grad_at for grp in groups}
+        self.frozen_done = sorted((grad_at.get(g, 0), g) for g, ps in self.users.items()
+                                  if g.endswith(FROZEN_SUFFIX) and any(mp.placement in _RELEASED for mp in ps))
+        self._next_frozen = 0
         self._check_host_step()
         self._to_rest_at_install(handover)
         self._install_hooks()
@@ -166,7 +173,7 @@ class StateMover(GradientsToHost):
     def _install_hooks(self) -> None:
         self._handles.append(self.model.register_forward_pre_hook(lambda m, a: self._forward_starts()))
         for g in self.users:
-            mod = self.model.get_submodule(g) if g else self.model
+            mod = self.model.get_submodule(module_of(g)) if module_of(g) else self.model
             self._handles.append(mod.register_forward_pre_hook(lambda m, a, g=g: self._enter(g)))
             self._handles.append(mod.register_forward_hook(lambda m, a, o, g=g: self._leave(g)))
         # each module inside a group that owns placed parameters: they are on the device before it
@@ -178,6 +185,8 @@ class StateMover(GradientsToHost):
             if owned and name not in groups:
                 self._handles.append(mod.register_forward_pre_hook(lambda m, a, owned=owned: self._touch(owned)))
         for mp in self.params.values():
+            if not mp.p.requires_grad:  # frozen: no gradient to hook (let go by at_unpack)
+                continue
             if mp.placement in HOST_PLACEMENTS or mp.placement in _RELEASED:
                 self._handles.append(mp.p.register_post_accumulate_grad_hook(lambda p, mp=mp: self._grad_ready(mp)))
             if mp.placement in HOST_PLACEMENTS:  # runs before autograd accumulates into p.grad
@@ -280,7 +289,7 @@ class StateMover(GradientsToHost):
         self.in_step = True
         self._waiting.clear()
         self._backward = False
-        self._next_backward = 0
+        self._next_backward = self._next_frozen = 0
         self._reduced = False
         self.peak_transient = self.transient
         self.copied = 0
@@ -374,6 +383,12 @@ class StateMover(GradientsToHost):
                 if mp.placement in _RELEASED:
                     self._ready(mp)
             self._issue_next(order, g)
+        # at a trace tensor's unpack (``t`` None): a parameter's comes with the next event's index,
+        # while the node that reads it may still be the last of the group's backward
+        while t is None and self._next_frozen < len(self.frozen_done) and self.frozen_done[self._next_frozen][0] <= event:
+            for mp in self.users[self.frozen_done[self._next_frozen][1]]:
+                self._release(mp)  # a kept tensor on its storage fetches it again (below)
+            self._next_frozen += 1
         if t is not None:
             kept = self._by_storage.get(t.untyped_storage()._cdata)
             if kept is not None and not (kept.resident and kept.fetch is None):

@@ -23,7 +23,7 @@ from swapsched.runtime.replicas import gradients_complete_at_backward_end, repli
 from swapsched.runtime.shards import held_between_micro_batches, is_sharded
 from swapsched.runtime.state_mover import StateMover
 from swapsched.runtime.state_rest import to_device
-from swapsched.state import SHARD_PLACEMENTS, group_name
+from swapsched.state import FROZEN_SUFFIX, SHARD_PLACEMENTS, group_name
 from swapsched.trace import Trace
 
 __all__ = ["RuntimeState"]
@@ -108,8 +108,8 @@ class RuntimeState:
         # every group full, fetched on demand and copied in the calling thread, not on the
         # throttled engines: no plan yet, and the profiling steps' gaps are the trace's compute
         model = present(self.model, "the model")
-        groups = {group_name(name) for name, mod in model.named_modules()
-                  if any(p.requires_grad for p in mod.parameters(recurse=False))}
+        groups = {group_name(name) + ("" if p.requires_grad else FROZEN_SUFFIX)  # R13: frozen ones too
+                  for name, mod in model.named_modules() for p in mod.parameters(recurse=False)}
         self.mover = StateMover(model, present(self.optimizer, "the optimizer"), self.backend, (), {g: "full" for g in groups})
         self.mover.eager = True
 

@@ -143,3 +143,35 @@ def test_after_backward_the_state_streams_in_once_backward_is_done():
     t = two_groups()
     r = simulate(t, SwapPlan.of(t, "hand", [], state={"blk.1": "stream"}, host_step="after-backward"), HW, 1000)
     assert r.iteration_s == pytest.approx(6.0, abs=1e-6)
+
+
+def frozen_and_trainable() -> Trace:
+    """two_groups' events; blk.0's modules hold only a frozen 100 B parameter (R13: no gradient,
+    no state), blk.1 a trainable one as two_groups'. Static: 100 + 400 B."""
+    t = make_trace([100, 100], [("pack", 0, 1.0), ("pack", 1, 1.0), ("unpack", 1, 1.0), ("unpack", 0, 1.0)],
+                   modules=["blk.0.fc", "blk.1.fc"])
+    frozen = StateGroup("blk.0/frozen", 25, 100, 0, 0, *t.group_events("blk.0/frozen"), frozen=True)
+    trains = StateGroup("blk.1", 25, 100, 100, 200, *t.group_events("blk.1"))
+    return replace(t, static_bytes=500, state=(frozen, trains), meta={"optimizer": "adamw"})
+
+
+def test_a_frozen_group_on_the_host_is_fetched_for_each_use_and_never_copied_out_or_stepped():
+    t = frozen_and_trainable()
+    assert t.group_events("blk.0/frozen") == t.group_events("blk.0") == (0, 0, 3, 4)  # its modules' events
+    kept = simulate(t, plan(t), HW, 1000)
+    r = simulate(t, plan(t, **{"blk.0/frozen": "full"}), HW, 1000)
+    # fetched for forward (issued as the step starts: 100 B at 100 B/s, event 0 waits 1 s) and
+    # again for backward; no gradient to copy out, nothing for the host to step
+    assert (r.d2h_bytes, r.h2d_bytes) == (0, 200) and r.state is not None
+    assert r.state.host_step_s == 0 and r.state.stall_s == pytest.approx(1.0) and r.iteration_s == pytest.approx(5.0, abs=1e-6)
+    assert (r.state.param_off_bytes, r.state.grad_off_bytes, r.state.optim_off_bytes) == (100, 0, 0)
+    assert r.peak_bytes <= kept.peak_bytes and kept.iteration_s == pytest.approx(4.0, abs=1e-6)
+
+
+def test_a_frozen_group_takes_no_placement_that_steps_or_copies_a_gradient():
+    from swapsched.plan import PlanError
+
+    t = frozen_and_trainable()
+    for where in ("param", "host-step", "stream", "stream-full"):
+        with pytest.raises(PlanError, match="is frozen"):
+            plan(t, **{"blk.0/frozen": where}).validate(t)

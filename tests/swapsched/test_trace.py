@@ -48,7 +48,7 @@ def _write(tmp_path, data) -> str:
     "mutate, message",
     [
         (lambda d: d.update(format="other"), "field format: expected 'swapsched.trace'"),
-        (lambda d: d.update(version=4), "field version: this swapsched reads versions 1, 2, 3, got 4"),
+        (lambda d: d.update(version=5), "field version: this swapsched reads versions 1, 2, 3, 4, got 5"),
         (lambda d: d.update(world_size=0), "field world_size: must be a positive integer"),
         (lambda d: d.update(state=[{"name": "x"}]), "field state[0].params: missing"),
         (lambda d: d.pop("static_bytes"), "field static_bytes: missing"),
