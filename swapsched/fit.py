@@ -112,8 +112,12 @@ class FitReport:
 
 
 def options_for(trace: Trace) -> dict[str, str]:
-    """The options of ``trace``'s table: one device's, or a sharded step's (R18)."""
-    return SHARDED_OPTIONS if trace.world_size > 1 else FIT_OPTIONS
+    """The options of ``trace``'s table: one device's, or a sharded step's (R18); with frozen
+    groups (R13: LoRA), accelerate's CPU offload of the frozen weights too."""
+    options = SHARDED_OPTIONS if trace.world_size > 1 else FIT_OPTIONS
+    if any(g.frozen for g in trace.state):
+        options = {**options, "accelerate-offload": "accelerate-offload"}
+    return options
 
 
 def device_budget(hardware: Hardware) -> int:

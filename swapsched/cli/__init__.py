@@ -59,6 +59,12 @@ def _add_execution(sp: argparse.ArgumentParser) -> None:
                     help="host memory this rank's swapped tensors may hold at once, like '64GiB' (R11; default unlimited)")
 
 
+#: --lora-rank of profile and fit (R13, frozen groups)
+LORA_HELP = ("LoRA adapters of rank R on every linear layer (HF PEFT, target_modules='all-linear'): the base "
+             "frozen in --dtype (its weights movable like the rest of the state), the adapters and their AdamW "
+             "state in fp32")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from swapsched import __version__
 
@@ -101,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--world-size", type=positive_int, default=1, metavar="N",
                     help="one rank of N under FSDP2 (R18): the state sharded per unit, each unit's all-gather and "
                          "reduce-scatter recorded, the compute on bf16 unsharded parameters (default 1: one device)")
+    sp.add_argument("--lora-rank", type=positive_int, metavar="R", help=LORA_HELP)
     sp.add_argument("--out", type=out_file, help="output trace (.json or .json.gz; default MODEL-SIZE.json.gz)")
 
     sp = add("fit", cmd_fit, "Will a model's training step fit this hardware, and how fast? One table: plain, every block "
@@ -117,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: unlimited)")
     sp.add_argument("--world-size", type=positive_int, default=1, metavar="N",
                     help="N ranks under FSDP2 (R18): one rank's step planned, the job's tokens a second (default 1)")
+    sp.add_argument("--lora-rank", type=positive_int, metavar="R", help=LORA_HELP)
     sp.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (hf: default 4096)")
     sp.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step (hf: default 1)")
     sp.add_argument("--optimizer", choices=["adamw", "sgd", "adafactor"], default="adamw", help="default adamw")

@@ -24,7 +24,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
         args.batch_size = args.batch_size or 1
     hws = [load_hardware(h) for h in args.hardware]
     # R18: a rank computes as FSDP2's MixedPrecisionPolicy runs it (no autocast copies)
-    precision = Precision(args.dtype, amp=args.amp and world == 1)
+    # R13: a LoRA base is frozen in --dtype (no fp32 master to keep); its adapters are fp32 (PEFT's)
+    precision = Precision(args.dtype, amp=args.amp and world == 1 and not args.lora_rank)
     for hw in hws:
         hw.peak_flops_for(precision.compute_dtype)  # a dtype the hardware lacks: one line, before any work
     talk = not args.no_progress and sys.stderr.isatty()

@@ -41,7 +41,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise UserError("--world-size shards the state per group: it needs the state recorded (leave out --no-state)")
     # R18: a rank computes as FSDP2's MixedPrecisionPolicy runs it, on unsharded parameters of
     # the compute dtype (no autocast copies); its fp32 shards are counted by shard_trace
-    precision = Precision(args.dtype or ("bf16" if for_gpu else "fp32"), amp=args.amp and world == 1)
+    # R13: a LoRA base is frozen in --dtype (no fp32 master to keep); its adapters are fp32 (PEFT's)
+    precision = Precision(args.dtype or ("bf16" if for_gpu else "fp32"), amp=args.amp and world == 1 and not args.lora_rank)
     target = load_hardware(args.hardware or (DEFAULT_GPU_HARDWARE if for_gpu else DEFAULT_CPU_HARDWARE))
     target.peak_flops_for(precision.compute_dtype)  # a dtype the hardware lacks: one line, before any work
     # the CPU's own measured step runs SDPA as it is; for a GPU, as the GPU's kernel would
@@ -87,6 +88,8 @@ def profile_case(args: argparse.Namespace, device: str, precision: Any, attentio
     def run_on(dev: str) -> Any:
         case = build_model(args.model, args.size, batch_size=args.batch_size, seq_len=args.seq_len, device=dev,
                            dtype=precision.param_dtype, attention=attention, overrides=dict(args.override or ()))
+        if getattr(args, "lora_rank", None):
+            case = with_lora(case, args.lora_rank)
         optimizer = None if args.state else _optimizer(args.optimizer, case.model)
         return profile(case.model, case.inputs, case.loss_fn, optimizer, device=dev, name=case.name, hardware=target,
                        precision=precision, attention=attention, state=args.optimizer if args.state else None), case
@@ -109,6 +112,21 @@ def profile_case(args: argparse.Namespace, device: str, precision: Any, attentio
             except Exception as exc2:
                 exc = exc2
         raise UserError(f"{args.model}: its training step fails on {device}: {one_line(exc)}") from None
+
+
+def with_lora(case: Any, rank: int) -> Any:
+    """``case`` with its model wrapped by HF PEFT's LoRA of ``rank`` on every linear layer: the
+    base frozen as built, the adapters in fp32 (PEFT's default); the state then holds frozen
+    groups (R13)."""
+    from dataclasses import replace
+
+    try:
+        import peft
+    except ImportError:
+        raise UserError("--lora-rank needs peft: pip install 'swapsched[hf]'") from None
+    model = peft.get_peft_model(case.model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                                                            target_modules="all-linear"))
+    return replace(case, model=model, name=f"{case.name}-lora{rank}")
 
 
 def _optimizer(name: str, model: Any) -> Any:

@@ -77,6 +77,8 @@ CASES = [
     ("profile", "--world-size", "0", "positive integer"),
     ("fit", "--world-size", "two", "positive integer"),
     ("run", "--world-size", "0", "positive integer"),
+    ("profile", "--lora-rank", "0", "positive integer"),
+    ("fit", "--lora-rank", "sixteen", "positive integer"),
     ("calibrate", "--world-size", "0", "positive integer"),
     ("fit", "1", "lstm", "unknown model 'lstm'"),
     ("fit", "--size", "huge", "huge"),
