@@ -76,3 +76,29 @@ def test_lora_moves_the_frozen_weights_and_trains_bit_identically(tmp_path):
     model.save_pretrained(tmp_path / "swapped")
     for name in ("adapter_model.safetensors", "adapter_config.json"):
         assert (tmp_path / "plain" / name).read_bytes() == (tmp_path / "swapped" / name).read_bytes(), name
+
+
+def _lora_trainer(tmp_path, name):
+    model, _ = _lora_llama()
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (24, 32), generator=torch.Generator().manual_seed(1))]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / name), per_device_train_batch_size=4, max_steps=6,
+                                          learning_rate=1e-3, report_to=[], save_strategy="no", logging_strategy="no",
+                                          use_cpu=True, seed=0, disable_tqdm=True)
+    return transformers.Trainer(model=model, args=args, train_dataset=data)
+
+
+def test_a_trainer_on_a_lora_model_moves_its_frozen_weights_and_trains_the_same(tmp_path):
+    from swapsched.integrations.hf import swap_trainer
+
+    plain, swapped = _lora_trainer(tmp_path, "plain"), _lora_trainer(tmp_path, "swapped")
+    frozen = sum(p.numel() * p.element_size() for p in swapped.model.parameters() if not p.requires_grad)
+    trace = profile(_lora_llama()[0], (BATCH,), _next_token, name="lora-llama", state="adamw")
+    runtime = swap_trainer(swapped, budget=trace.min_feasible_bytes - frozen // 2, policy="default", backend="cpu", audit=True)
+    plain.train()
+    swapped.train()
+    rep = runtime.report()
+    assert rep.mode == "execute" and rep.state is not None
+    assert any(g.endswith("/frozen") and w == "full" for g, w in rep.state.placements), rep.state
+    assert rep.peak_device_bytes <= rep.budget_bytes and rep.measured_peak_bytes <= rep.budget_bytes
+    for p, q in zip(plain.model.parameters(), swapped.model.parameters(), strict=True):
+        assert torch.equal(p, q)
