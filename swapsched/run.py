@@ -414,8 +414,9 @@ def compare_live(model: str, budget: str, policies: list[str], *, size: str | No
         for peer, what in (("zero-offload", "ZeRO-Offload's placement"), ("fsdp-offload", "FSDP2 CPUOffloadPolicy's placement"),
                            ("ao-offload", "torchao CPUOffloadOptimizer's placement")):
             methods.append(runtime_method(peer, peer, f"{what} executed by the swapsched runtime, not the peer's own code"))
-    for p in policies:
-        methods.append(runtime_method(p, p))
+    for p in policies:  # one row per method: a peer's placement is its row above already
+        if all(m.name != p for m in methods):
+            methods.append(runtime_method(p, p))
     refused: dict[str, str] = {}
     try:
         for m in methods:

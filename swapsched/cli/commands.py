@@ -214,8 +214,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         # each planner once: the swap-only forms of joint planners are left to compare; the
         # peers (checkpointing, selective checkpointing, save_on_cpu, checkpoint-offload) are rows of their own
+        # the state peers are rows of their own where the state moves (zero-offload, fsdp-offload,
+        # ao-offload), and the sharded and frozen-weight peers plan other steps (R18, R13)
         skip = {"optimal", "swapadvisor", "default-swap", "capuchin-swap", "checkpoint-all", "checkpoint-selective",
-                "checkpoint-offload", "swap-all", "no-swap", "local-search"}
+                "checkpoint-offload", "swap-all", "no-swap", "local-search", "zero-offload", "fsdp-offload", "ao-offload",
+                "fsdp", "fsdp-partial", "zero3-offload", "accelerate-offload"}
         others = args.compare_policies or [p for p in policy_names() if p not in skip]
         policies = [args.policy, *[p for p in others if p != args.policy]]
         bar = tqdm(desc="compare", unit="step", disable=not progress, file=sys.stderr)
