@@ -151,6 +151,7 @@ def _ddp_trainer_worker(rank: int, port: int, out: str, swap: bool) -> None:
                f"{out}/ddp{int(swap)}-{rank}.pt")
 
 
+@pytest.mark.slow  # 13 s; DDP with the state moving is tests/runtime/test_ddp.py's
 @pytest.mark.timeout(300)
 def test_a_trainer_on_two_processes_trains_bit_identically_with_the_state_moving(tmp_path):
     import torch.multiprocessing as mp

@@ -180,6 +180,9 @@ TINY_TRAIN = ("total_timesteps: 256\nn_envs: 1\nhardware: [h100-pcie5]\neval_eve
               "ppo: {n_steps: 64, batch_size: 32, n_epochs: 1, net_arch: [16, 16]}\n")
 
 
+# 80 s: the whole train-policy pipeline (PPO, validation, the search parts over the corpus); the
+# default run keeps test_ctrl_c_leaves_a_loadable_checkpoint and the agents' own tests
+@pytest.mark.slow
 def test_train_policy_writes_a_checkpoint_that_plans_and_resumes(tmp_path, capsys):
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(TINY_TRAIN)
