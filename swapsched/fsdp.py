@@ -40,7 +40,7 @@ from swapsched.policy import Policy
 from swapsched.runtime.calibrate import calibrate_collectives
 from swapsched.runtime.profiler import profile
 from swapsched.sharding import shard_trace
-from swapsched.state import FSDP2_PLACEMENTS
+from swapsched.state import FSDP2_PLACEMENTS, group_name
 
 __all__ = ["fully_shard", "ShardedPlan"]
 
@@ -120,8 +120,6 @@ def _units(model: nn.Module) -> dict[str, list[nn.Module]]:
     first; a module that shares a parameter with another group's (a tied weight) in one unit with
     it, named by the group that registers the parameter first (as the trace counts it), since
     FSDP2 manages each parameter in one unit."""
-    from swapsched.state import group_name
-
     owner: dict[int, str] = {}
     merged: dict[str, str] = {}  # a group -> the group whose unit it joins
 

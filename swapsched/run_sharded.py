@@ -151,7 +151,9 @@ class _Sharded:
         from swapsched.zoo import build_model
 
         shape = dict(size=spec["size"], batch_size=spec["batch_size"], seq_len=spec["seq_len"])
-        self.name, self.refused, self.times = name, None, []  # type: ignore[var-annotated]
+        self.name = name
+        self.refused: str | None = None
+        self.times: list[list[float]] = []
         self.case = build_model(spec["model"], seed=0, **shape)
         self.batches = build_model(spec["model"], seed=100 + rank, **shape).inputs  # this rank's data
         per_rank = static_bytes_of(self.case.model, make_optimizer(self.case.model, "adamw")) // torch.distributed.get_world_size()

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["local_of", "like", "is_sharded", "sharded_names", "offloaded_by_fsdp", "held_between_micro_batches"]
+__all__ = ["local_of", "like", "is_sharded", "sharded_ids", "offloaded_by_fsdp", "held_between_micro_batches"]
 
 
 def _dtensor() -> Any:
@@ -43,16 +43,15 @@ def like(ref: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     return dt(local, ref._spec, requires_grad=False)
 
 
-def is_sharded(model: nn.Module) -> bool:
-    """Whether any parameter of ``model`` is a DTensor (``fully_shard``, or tensor parallel)."""
-    dt = _dtensor()
-    return dt is not None and any(isinstance(p, dt) for p in model.parameters())
-
-
-def sharded_names(model: nn.Module) -> set[int]:
-    """The ids of ``model``'s DTensor parameters."""
+def sharded_ids(model: nn.Module) -> set[int]:
+    """The ids of ``model``'s DTensor parameters (``fully_shard``, or tensor parallel)."""
     dt = _dtensor()
     return set() if dt is None else {id(p) for p in model.parameters() if isinstance(p, dt)}
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether any parameter of ``model`` is a DTensor."""
+    return bool(sharded_ids(model))
 
 
 def offloaded_by_fsdp(model: nn.Module) -> set[int]:

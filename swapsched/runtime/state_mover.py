@@ -52,7 +52,7 @@ import torch.nn as nn
 
 from swapsched.errors import UserError
 from swapsched.runtime.backends import Backend, Ticket
-from swapsched.runtime.shards import local_of, sharded_names
+from swapsched.runtime.shards import local_of, sharded_ids
 from swapsched.runtime.state_grads import GradientsToHost
 from swapsched.runtime.state_rest import (
     _RELEASED,
@@ -120,7 +120,7 @@ class StateMover(GradientsToHost):
         if unknown:
             raise UserError(f"placement names group(s) {sorted(unknown)} that own no trainable parameter of the model")
         in_optimizer = {id(p) for grp in optimizer.param_groups for p in grp["params"]}
-        shards = sharded_names(model)
+        shards = sharded_ids(model)
         self.params: dict[int, _Param] = {}
         for ps in users.values():
             for p in ps:

@@ -66,14 +66,14 @@ def _worker(rank: int, world: int, port: int, out: str, budget: int) -> None:
             runtime.close()
             units = {}  # what FSDP2 was given per unit, read off its own state
             for name, mod in case.model.named_modules():
-                if isinstance(mod, swapsched_fsdp_module()) and mod._get_fsdp_state()._fsdp_param_group is not None:
+                if isinstance(mod, _fsdp_module_class()) and mod._get_fsdp_state()._fsdp_param_group is not None:
                     group = mod._get_fsdp_state()._fsdp_param_group
                     units[name] = (group.fsdp_params[0].offload_to_cpu, group.post_forward_mesh_info is not None)
             # the bytes FSDP2 keeps on the host: each offloaded shard's storage (padded to the
             # largest rank's), its gradient counted as large, AdamW's two moments and its step count
             host = sum(2 * fp.sharded_param.to_local().untyped_storage().nbytes() + 2 * fp.sharded_param.to_local().numel() * 4 + 4
                        for mod in case.model.modules()
-                       if isinstance(mod, swapsched_fsdp_module()) and mod._get_fsdp_state()._fsdp_param_group is not None
+                       if isinstance(mod, _fsdp_module_class()) and mod._get_fsdp_state()._fsdp_param_group is not None
                        for fp in mod._get_fsdp_state()._fsdp_param_group.fsdp_params if fp.offload_to_cpu)
             run.update(planned=planned, units=units, peaks=peaks, host=host)
         run["static"] = static_bytes_of(case.model, optimizer)
@@ -83,7 +83,7 @@ def _worker(rank: int, world: int, port: int, out: str, budget: int) -> None:
     dist.destroy_process_group()
 
 
-def swapsched_fsdp_module():
+def _fsdp_module_class():
     from torch.distributed.fsdp import FSDPModule
 
     return FSDPModule
