@@ -102,3 +102,38 @@ def test_a_trainer_on_a_lora_model_moves_its_frozen_weights_and_trains_the_same(
     assert rep.peak_device_bytes <= rep.budget_bytes and rep.measured_peak_bytes <= rep.budget_bytes
     for p, q in zip(plain.model.parameters(), swapped.model.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_a_lightning_module_around_a_lora_model_moves_its_frozen_weights_and_trains_the_same():
+    pl = pytest.importorskip("pytorch_lightning")
+    from swapsched.integrations.lightning import SwapCallback
+
+    class LoRA(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model, _ = _lora_llama()
+
+        def training_step(self, batch, batch_idx):
+            return _next_token(self.model(batch[0]))
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+    def fit(callbacks):
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(BATCH.repeat(6, 1)), batch_size=4)
+        module = LoRA()
+        pl.Trainer(max_steps=6, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                   limit_val_batches=0).fit(module, loader)
+        return module
+
+    frozen = sum(p.numel() * p.element_size() for p in _lora_llama()[0].parameters() if not p.requires_grad)
+    trace = profile(_lora_llama()[0], (BATCH,), _next_token, name="lora-llama", state="adamw")
+    swap = SwapCallback(budget=trace.min_feasible_bytes - frozen // 2, policy="default", backend="cpu", audit=True)
+    plain, swapped = fit([]), fit([swap])
+    rep = swap.runtime.report()
+    assert rep.mode == "execute" and rep.state is not None
+    assert any(g.endswith("/frozen") and w == "full" for g, w in rep.state.placements), rep.state
+    assert rep.peak_device_bytes <= rep.budget_bytes and rep.measured_peak_bytes <= rep.budget_bytes
+    for p, q in zip(plain.parameters(), swapped.parameters(), strict=True):
+        assert torch.equal(p, q)
