@@ -40,7 +40,7 @@ from swapsched.policy import Policy
 from swapsched.runtime.calibrate import calibrate_collectives
 from swapsched.runtime.profiler import profile
 from swapsched.sharding import shard_trace
-from swapsched.state import FSDP2_PLACEMENTS, group_name
+from swapsched.state import FROZEN_SUFFIX, FSDP2_PLACEMENTS, group_name
 
 __all__ = ["fully_shard", "ShardedPlan"]
 
@@ -103,15 +103,19 @@ def fully_shard(model: nn.Module, inputs: tuple[Any, ...] | Any, loss_fn: Callab
     assert isinstance(planned, ShardedPlan)
     placement = planned.plan.placement()
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())  # pinned host memory only beside CUDA
+
+    def policy_of(unit: str) -> Any:
+        # FSDP2 offloads a unit whole: its frozen part's group (R13) offloads it too
+        return offload if "full" in (placement.get(unit), placement.get(unit + FROZEN_SUFFIX)) else OffloadPolicy()
+
     for name, modules in units.items():  # the deepest first: FSDP2 wraps a unit's children before it
         if name == "":
             continue
         torch_fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, mp_policy=mp_policy,
-                          reshard_after_forward=name not in planned.unsharded,
-                          offload_policy=offload if placement.get(name) == "full" else OffloadPolicy())
+                          reshard_after_forward=name not in planned.unsharded, offload_policy=policy_of(name))
     root = "" in units
     torch_fully_shard(model, mesh=mesh, reshard_after_forward=not root or "" not in planned.unsharded, mp_policy=mp_policy,
-                      offload_policy=offload if root and placement.get("") == "full" else OffloadPolicy())
+                      offload_policy=policy_of("") if root else OffloadPolicy())
     return planned
 
 
@@ -172,6 +176,6 @@ def _plan(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor],
     if r.oom:
         raise BudgetError(f"policy {plan.policy!r}'s plan does not fit {format_bytes(nbytes)} a rank in simulation; "
                           "try a larger budget or policy='default'")
-    offloaded = tuple(sorted(g for g, w in plan.placement().items() if w == "full"))
-    units = tuple(sorted(g.name for g in sharded.state))
+    offloaded = tuple(sorted({g.removesuffix(FROZEN_SUFFIX) for g, w in plan.placement().items() if w == "full"}))
+    units = tuple(sorted({g.name.removesuffix(FROZEN_SUFFIX) for g in sharded.state}))
     return ShardedPlan(plan, world, nbytes, units, offloaded, tuple(sorted(plan.unsharded)), r.iteration_s, r.peak_bytes)
