@@ -10,8 +10,9 @@ joint over swap and recompute) are in ``floors.py``; the per-event tables
 and the states a tensor can be in, which the runtime reads too, in ``events.py``.
 
 State lives in flat preallocated arrays indexed by tensor id (``loc``, ``out_done``, ``in_done``)
-plus two FIFO queues for the copy engines; per-trace tables (what is allocated, freed, unpacked at
-each event) are computed once per trace and cached. The loop touches only Python lists and floats,
+plus two FIFO queues for the copy engines (when each is next free: ``copy_engines.py``, R6);
+per-trace tables (what is allocated, freed, unpacked at each event) are computed once per trace
+and cached. The loop touches only Python lists and floats,
 so the result is deterministic bit for bit.
 
 Locations of a tensor (``loc``): NOT_YET produced, RESIDENT, OUT (being copied to the host),
@@ -25,6 +26,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 
+from swapsched.env.copy_engines import CopyEngines
 from swapsched.env.events import DROPPED, FREED, HOST, IN, NOT_YET, OUT, RESIDENT, WAITING, event_tables
 from swapsched.env.result import SimResult, Timeline
 from swapsched.env.state_exec import StateExecution, run_to_steady_state
@@ -65,8 +67,6 @@ class Simulation:
         self.recompute_s = 0.0
         self.d2h_q: deque[tuple[float, int]] = deque()  # swap-outs in flight: (done time, tensor), FIFO
         self.waiting: deque[int] = deque()  # prefetches waiting for room, in issue order (R6)
-        self.d2h_free = 0.0
-        self.h2d_free = 0.0
         self.used = 0  # saved bytes on the device: resident + copying out + copying in (R3)
         self.cur_other = 0
         self.static = int(trace.static_bytes)
@@ -86,15 +86,12 @@ class Simulation:
         self.per_byte = hardware.copy_host_s_per_byte
         self.host_debt = 0.0
         self.host_s = 0.0
-        self.lat, self.wake = hardware.copy_latency_s, hardware.copy_wake_s  # R6
-        self.inv_d2h = 1.0 / hardware.link_bytes_per_s("d2h")  # R11: a rank's share of the host's bandwidth
-        self.inv_h2d = 1.0 / hardware.link_bytes_per_s("h2d")
+        self.engines = CopyEngines(hardware)  # R6, R10, R11
         # R11: host bytes held by swapped tensors (from the swap-out's issue to the step's end, as
         # the runtime's pool holds them), their peak, and the host budget a swap-out must fit
         self.host_used = self.host_peak = 0
         self.host_budget = hardware.host_budget_bytes
         self.host_skipped = 0
-        self.one_stream = hardware.copy_streams == 1  # R10: both directions queue on one transfer stream
         self.st: StateExecution | None = None  # R13-R16: the plan's state placements (schedule_state)
         self.record = record
         if record:
@@ -170,25 +167,13 @@ class Simulation:
             self.st.retire(now)
             self.st.admit()
 
-    def copy_span(self, d2h: bool, at: float, nbytes: int) -> tuple[float, float]:
-        """R6: (start, end) of a copy ready at ``at``, FIFO behind its engine's queue (R10: one stream for
-        both), the engine then busy until its end; one that finds its engine idle ends ``copy_wake_s`` later."""
-        free = max(self.d2h_free, self.h2d_free) if self.one_stream else self.d2h_free if d2h else self.h2d_free
-        start = max(at, free)
-        end = start + self.lat + nbytes * (self.inv_d2h if d2h else self.inv_h2d) + (self.wake if start > free else 0.0)
-        if d2h or self.one_stream:
-            self.d2h_free = end
-        if not d2h or self.one_stream:
-            self.h2d_free = end
-        return start, end
-
     def _start_swapin(self, k: int, at: float) -> None:
         """Allocate ``k``'s bytes at ``at`` and queue its copy on the host->device engine (R6)."""
         b = self.tb.bytes[k]
         self.used += b
         self._note_mem()
         self.host_debt += self.issue + b * self.per_byte
-        start, end = self.copy_span(False, max(at, self.out_done[k]), b)
+        start, end = self.engines.span(False, max(at, self.out_done[k]), b)
         self.in_done[k] = end
         self.loc[k] = IN
         self.h2d_bytes += b
@@ -250,7 +235,7 @@ class Simulation:
         self.host_used += b  # R11: held on the host until the step ends
         if self.host_used > self.host_peak:
             self.host_peak = self.host_used
-        start, end = self.copy_span(True, self.t, b)
+        start, end = self.engines.span(True, self.t, b)
         self.out_done[k] = end
         self.loc[k] = OUT
         self.host_debt += self.issue + b * self.per_byte

@@ -151,7 +151,7 @@ class StateExecution:
     def _copy(self, direction: str, nbytes: int, at: float, group: int = -1) -> float:
         """A state copy on the engine of ``direction`` (R6, FIFO behind what is queued); its end."""
         sim = self.sim
-        start, end = sim.copy_span(direction == "d2h", at, nbytes)
+        start, end = sim.engines.span(direction == "d2h", at, nbytes)
         if direction == "d2h":
             sim.d2h_bytes += nbytes
         else:

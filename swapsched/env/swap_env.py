@@ -232,8 +232,8 @@ class SwapEnv(gym.Env):
         stall = sim.stall_s
         dynamic = [
             min((sim.static + sim.cur_other + sim.used) / budget, 1.0),  # 5
-            min(max(sim.d2h_free - sim.t, 0.0) / ideal, 1.0),  # 8
-            min(max(sim.h2d_free - sim.t, 0.0) / ideal, 1.0),  # 9
+            min(max(sim.engines.d2h_free - sim.t, 0.0) / ideal, 1.0),  # 8
+            min(max(sim.engines.h2d_free - sim.t, 0.0) / ideal, 1.0),  # 9
             min(stall / ideal, 1.0) if stall < math.inf else 1.0,  # 10
             min(self.room / self.above, 1.0),  # 11
             self.pos / len(self.order),  # 12
