@@ -156,10 +156,10 @@ def _ddp_trainer_worker(rank: int, port: int, out: str, swap: bool) -> None:
 def test_a_trainer_on_two_processes_trains_bit_identically_with_the_state_moving(tmp_path):
     import torch.multiprocessing as mp
 
-    from tests.runtime.test_ddp import _free_port
+    from swapsched.runtime.calibrate import free_port
 
     for swap in (False, True):
-        mp.start_processes(_ddp_trainer_worker, args=(_free_port(), tmp_path, swap), nprocs=2, join=True,
+        mp.start_processes(_ddp_trainer_worker, args=(free_port(), tmp_path, swap), nprocs=2, join=True,
                            start_method="spawn")
     for rank in range(2):
         alone, swapped = (torch.load(tmp_path / f"ddp{s}-{rank}.pt") for s in (0, 1))

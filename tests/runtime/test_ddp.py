@@ -4,20 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from swapsched.runtime.calibrate import free_port
 from swapsched.zoo import build_model
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
@@ -47,7 +41,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_ddp_gradients_equal_single_process_reference(tmp_path):
-    mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
     # reference: one process, the mean of both shards' gradients (what DDP's all-reduce computes)
     case = build_model("mlp", "tiny", seed=0)
     grads = []
@@ -101,7 +95,7 @@ def _recompute_worker(rank: int, world: int, port: int, out: str, policy: str, b
 def test_ddp_with_recomputed_blocks_matches_the_single_process_reference(tmp_path, policy, budget):
     from tests.runtime.test_recompute import Blocks, X
 
-    mp.start_processes(_recompute_worker, args=(2, _free_port(), str(tmp_path), policy, budget), nprocs=2, join=True,
+    mp.start_processes(_recompute_worker, args=(2, free_port(), str(tmp_path), policy, budget), nprocs=2, join=True,
                        start_method="spawn")
     # reference: one process without swapsched, each step the mean of both ranks' gradients, with
     # the same dropout masks (the same seeds before each forward)
@@ -183,7 +177,7 @@ def test_ddp_with_the_state_moving_is_bit_identical_to_ddp_alone(tmp_path, accum
     # DDP reduces p.grad as backward ends: a gradient copied to the host as it completed kept the
     # rank's own (8e-3 off DDP alone after 8 steps), and one accumulated there under no_sync() was
     # never reduced (replicas.py)
-    mp.start_processes(_state_worker, args=(2, _free_port(), str(tmp_path), accumulate), nprocs=2, join=True,
+    mp.start_processes(_state_worker, args=(2, free_port(), str(tmp_path), accumulate), nprocs=2, join=True,
                        start_method="spawn")
     for rank in range(2):
         alone, swapped = torch.load(tmp_path / f"state{rank}.pt")
@@ -213,4 +207,4 @@ def _bucket_view_worker(rank: int, world: int, port: int) -> None:
 
 @pytest.mark.timeout(120)
 def test_ddp_gradients_in_bucket_views_cannot_move_and_say_so():
-    mp.start_processes(_bucket_view_worker, args=(1, _free_port()), nprocs=1, join=True, start_method="spawn")
+    mp.start_processes(_bucket_view_worker, args=(1, free_port()), nprocs=1, join=True, start_method="spawn")

@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from swapsched.runtime.calibrate import free_port
 from swapsched.zoo import build_model
-from tests.runtime.test_ddp import _free_port
+from tests.ranks import join_gloo, leave, run_ranks
 
 
 def _sharded(seed: int):
@@ -29,9 +30,7 @@ def _sharded(seed: int):
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     from swapsched.deploy import SwapRuntime
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+    join_gloo(rank, world, port)
     a, b = _sharded(0), _sharded(0)  # the same initial weights, sharded the same way
     torch.manual_seed(100 + rank)  # each rank its own data shard
     # a batch whose activations outweigh the layers FSDP all-gathers (what each gap holds beyond them, R3)
@@ -68,7 +67,7 @@ def _save_and_close(rt, equal: bool, path: str) -> None:
 
 
 def test_fsdp2_gradients_bit_identical_and_each_rank_within_its_budget(tmp_path):
-    mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
     for rank in range(2):
         r = torch.load(tmp_path / f"rank{rank}.pt")
         assert r["equal"], r
@@ -92,9 +91,7 @@ def _recompute_worker(rank: int, world: int, port: int, out: str, policy: str, b
     from swapsched.deploy import SwapRuntime
     from tests.runtime.test_recompute import X
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+    join_gloo(rank, world, port)
     a, b = _sharded_blocks(5), _sharded_blocks(5)
     # a slow link: the joint planner recomputes blocks (R9) under torch.utils.checkpoint, inside
     # FSDP2's all-gather and reshard hooks (or each block checkpointed selectively)
@@ -120,7 +117,7 @@ def _recompute_worker(rank: int, world: int, port: int, out: str, policy: str, b
 # busy loops); at 100 kB/s a swap costs ten times as much against the same recompute
 @pytest.mark.parametrize(("policy", "budget", "bandwidth"), [("default", "95%", 1e5), ("checkpoint-selective", "100%", 1e6)])
 def test_fsdp2_with_recomputed_blocks_is_bit_identical_and_within_budget(tmp_path, policy, budget, bandwidth):
-    mp.start_processes(_recompute_worker, args=(2, _free_port(), str(tmp_path), policy, budget, bandwidth), nprocs=2, join=True,
+    mp.start_processes(_recompute_worker, args=(2, free_port(), str(tmp_path), policy, budget, bandwidth), nprocs=2, join=True,
                        start_method="spawn")
     for rank in range(2):
         r = torch.load(tmp_path / f"rank{rank}.pt")
@@ -146,9 +143,7 @@ def _state_worker(rank: int, world: int, port: int, out: str, accumulate: int) -
     from swapsched.deploy import SwapRuntime
     from swapsched.runtime.profiler import profile, static_bytes_of
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+    join_gloo(rank, world, port)
     runs = []
     for swap in (False, True):
         case = _gpt_sharded(3)
@@ -203,19 +198,14 @@ def _state_worker(rank: int, world: int, port: int, out: str, accumulate: int) -
                      "params": [p.full_tensor() for p in case.model.parameters()],
                      "moments": [{k: v.full_tensor() if v.dim() else v for k, v in optimizer.state[p].items()}
                                  for p in case.model.parameters()]})
-    torch.save(runs, f"{out}/state{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    leave(runs, out, rank)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_fsdp2_with_the_state_moving_is_bit_identical_to_fsdp2_alone(tmp_path, accumulate):
     # was: RuntimeError: aten.copy_.default got mixed torch.Tensor and DTensor, on every rank
-    mp.start_processes(_state_worker, args=(2, _free_port(), str(tmp_path), accumulate), nprocs=2, join=True,
-                       start_method="spawn")
-    for rank in range(2):
-        alone, swapped = torch.load(tmp_path / f"state{rank}.pt", weights_only=False)
+    for alone, swapped in run_ranks(_state_worker, tmp_path, accumulate):
         assert swapped["placements"] and {w for _, w in swapped["placements"]} <= {"stream"}, swapped["placements"]
         assert all(torch.equal(a, b) for a, b in zip(alone["losses"], swapped["losses"], strict=True))
         assert all(torch.equal(a, b) for a, b in zip(alone["params"], swapped["params"], strict=True))
@@ -228,9 +218,7 @@ def _refused_placement_worker(rank: int, world: int, port: int, out: str) -> Non
     from swapsched.errors import UserError
     from swapsched.runtime.profiler import static_bytes_of
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+    join_gloo(rank, world, port)
     case = _gpt_sharded(0)
     optimizer = torch.optim.AdamW(case.model.parameters(), lr=1e-3)
     message, executed = "", 0
@@ -245,16 +233,12 @@ def _refused_placement_worker(rank: int, world: int, port: int, out: str) -> Non
                 executed += rt.report().mode == "execute"
         except UserError as exc:
             message = str(exc)
-    torch.save((message, executed), f"{out}/rank{rank}.pt")
-    dist.barrier()  # no collective is left waiting: both ranks reach this
-    dist.destroy_process_group()
+    leave((message, executed), out, rank)
 
 
 @pytest.mark.timeout(120)
 def test_a_placement_the_runtime_cannot_carry_out_on_shards_is_refused_naming_the_unit(tmp_path):
-    mp.start_processes(_refused_placement_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True,
-                       start_method="spawn")
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    results = run_ranks(_refused_placement_worker, tmp_path)
     assert results[0] == results[1], results
     message, executed = results[0]
     # the first group forward reaches (the token embedding) is named, with the placements shards take
@@ -266,9 +250,7 @@ def _one_rank_refused_worker(rank: int, world: int, port: int, out: str) -> None
     from swapsched.deploy import SwapRuntime
     from swapsched.errors import UserError
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+    join_gloo(rank, world, port)
     case = _sharded(0)
     rows = 32 if rank == 0 else 2048  # rank 1's batch: activations no 3 MB budget holds; rank 0's fit it
     x, y = torch.randn(rows, 256), torch.randint(0, 10, (rows,))
@@ -281,17 +263,13 @@ def _one_rank_refused_worker(rank: int, world: int, port: int, out: str) -> None
                 executed += rt.report().mode == "execute"
     except UserError as exc:
         message = f"{type(exc).__name__}: {exc}"
-    torch.save((message, executed), f"{out}/rank{rank}.pt")
-    dist.barrier()  # no collective is left waiting: both ranks reach this
-    dist.destroy_process_group()
+    leave((message, executed), out, rank)
 
 
 @pytest.mark.timeout(120)
 def test_a_budget_one_rank_refuses_is_the_same_budget_error_on_every_rank(tmp_path):
     # was: rank 1 raised as its plan was refused; rank 0 went on into the next step's all-gathers
-    mp.start_processes(_one_rank_refused_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True,
-                       start_method="spawn")
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    results = run_ranks(_one_rank_refused_worker, tmp_path)
     assert results[0] == results[1], results
     message, executed = results[0]
     assert executed == 0 and message.startswith("BudgetError: rank 1 of 2: the runtime's budget 3000000 is below"), message
@@ -305,10 +283,8 @@ def _dead_rank_worker(rank: int, world: int, port: int, out: str, user_timeout: 
 
     from swapsched.deploy import SwapRuntime
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     timeout = None if user_timeout is None else datetime.timedelta(seconds=user_timeout)
-    dist.init_process_group("gloo", rank=rank, world_size=world, **({} if timeout is None else {"timeout": timeout}))
-    torch.set_num_threads(1)
+    join_gloo(rank, world, port, **({} if timeout is None else {"timeout": timeout}))
     case = _sharded(0)
     x, y = torch.randn(256, 256), torch.randint(0, 10, (256,))
     said, t0 = "", time.perf_counter()
@@ -329,7 +305,7 @@ def _dead_rank_worker(rank: int, world: int, port: int, out: str, user_timeout: 
 @pytest.mark.parametrize("user_timeout", [None, 45.0])
 def test_a_rank_that_dies_makes_the_others_fail_with_a_clear_error(tmp_path, user_timeout):
     ctx = mp.get_context("spawn")  # processes of their own: start_processes would kill rank 0 as rank 1 exits
-    port = _free_port()
+    port = free_port()
     ranks = [ctx.Process(target=_dead_rank_worker, args=(r, 2, port, str(tmp_path), user_timeout)) for r in range(2)]
     for p in ranks:
         p.start()
@@ -365,9 +341,7 @@ def _resume_worker(rank: int, world: int, port: int, out: str) -> None:
     from swapsched.deploy import SwapRuntime
     from swapsched.runtime.profiler import profile, static_bytes_of
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+    join_gloo(rank, world, port)
     one = build_model("gpt", "tiny", seed=3)
     trace = profile(one.model, one.inputs, one.loss_fn, name="gpt-tiny", state="adamw")
     room = 2 * (trace.min_feasible_bytes - trace.static_bytes)  # the activations' (in fp32: more than bf16's)
@@ -410,16 +384,12 @@ def _resume_worker(rank: int, world: int, port: int, out: str) -> None:
         runs.append({"losses": losses, "placements": placements, "params": [p.full_tensor() for p in case.model.parameters()],
                      "moments": [{k: v.full_tensor() if v.dim() else v for k, v in optimizer.state[p].items()}
                                  for p in case.model.parameters()]})
-    torch.save(runs, f"{out}/resume{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    leave(runs, out, rank)
 
 
 @pytest.mark.timeout(300)
 def test_fsdp2_mixed_precision_schedule_and_checkpoint_resume_are_bit_identical_with_the_state_moving(tmp_path):
-    mp.start_processes(_resume_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
-    for rank in range(2):
-        alone, swapped = torch.load(tmp_path / f"resume{rank}.pt", weights_only=False)
+    for alone, swapped in run_ranks(_resume_worker, tmp_path):
         assert {w for _, w in swapped["placements"]} == {"stream"}, swapped["placements"]
         assert all(torch.equal(a, b) for a, b in zip(alone["losses"], swapped["losses"], strict=True))
         assert all(torch.equal(a, b) for a, b in zip(alone["params"], swapped["params"], strict=True))
@@ -430,24 +400,18 @@ def test_fsdp2_mixed_precision_schedule_and_checkpoint_resume_are_bit_identical_
 def _held_worker(rank: int, world: int, port: int, out: str) -> None:
     from swapsched.runtime.shards import held_between_micro_batches
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+    join_gloo(rank, world, port)
     case = _gpt_sharded(0)
     seen = [held_between_micro_batches(case.model)]
     for sync in (False, True):
         case.model.set_requires_gradient_sync(sync)
         case.loss_fn(case.model(*case.inputs)).backward()
         seen.append(held_between_micro_batches(case.model))
-    torch.save((seen, sum(p.numel() * 4 for p in case.model.parameters())), f"{out}/rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    leave((seen, sum(p.numel() * 4 for p in case.model.parameters())), out, rank)
 
 
 @pytest.mark.timeout(120)
 def test_what_fsdp2_holds_between_micro_batches_is_the_unsharded_gradients(tmp_path):
-    mp.start_processes(_held_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
-    for rank in range(2):
-        seen, whole = torch.load(tmp_path / f"rank{rank}.pt")
+    for seen, whole in run_ranks(_held_worker, tmp_path):
         # none before; the whole model's fp32 gradient after a backward without sync; none once reduced
         assert seen == [0, whole, 0], (seen, whole)

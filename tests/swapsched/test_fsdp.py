@@ -3,41 +3,26 @@ says, the same on every rank, training exactly as FSDP2 without the plan's offlo
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from swapsched.zoo import build_model
-from tests.runtime.test_ddp import _free_port
-
-
-def _plain_fsdp2(seed: int):
-    from torch.distributed.fsdp import fully_shard
-
-    case = build_model("gpt", "tiny", seed=seed)
-    for block in case.model.blocks:
-        fully_shard(block)
-    fully_shard(case.model)
-    return case
+from tests.ranks import join_gloo, leave, run_ranks
+from tests.runtime.test_fsdp import _gpt_sharded
 
 
 def _worker(rank: int, world: int, port: int, out: str, budget: int) -> None:
     import swapsched
     from swapsched.runtime.profiler import static_bytes_of
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+    join_gloo(rank, world, port)
     runs = []
     for helper in (False, True):
         if helper:
             case = build_model("gpt", "tiny", seed=3)
             planned = swapsched.fully_shard(case.model, case.inputs, case.loss_fn, budget=budget)
         else:
-            case = _plain_fsdp2(3)
+            case = _gpt_sharded(3)
         optimizer = torch.optim.AdamW(case.model.parameters(), lr=1e-3)
         runtime = None
         if helper:  # the activations planned live on the wrapped model, at the same budget a rank
@@ -78,9 +63,7 @@ def _worker(rank: int, world: int, port: int, out: str, budget: int) -> None:
             run.update(planned=planned, units=units, peaks=peaks, host=host)
         run["static"] = static_bytes_of(case.model, optimizer)
         runs.append(run)
-    torch.save(runs, f"{out}/rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    leave(runs, out, rank)
 
 
 def _fsdp_module_class():
@@ -91,8 +74,7 @@ def _fsdp_module_class():
 
 @pytest.mark.timeout(300)
 def test_fully_shard_wraps_every_rank_as_rank_0_planned_and_trains_exactly(tmp_path):
-    mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path), 1_800_000), nprocs=2, join=True, start_method="spawn")
-    runs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    runs = run_ranks(_worker, tmp_path, 1_800_000)
     assert runs[0][1]["planned"] == runs[1][1]["planned"]  # one plan, broadcast
     for plain, wrapped in runs:
         planned = wrapped["planned"]
@@ -115,24 +97,19 @@ def _refused_worker(rank: int, world: int, port: int, out: str) -> None:
     import swapsched
     from swapsched.budget import BudgetError
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+    join_gloo(rank, world, port)
     case = build_model("gpt", "tiny", seed=3)
     message = ""
     try:
         swapsched.fully_shard(case.model, case.inputs, case.loss_fn, budget=200_000)
     except BudgetError as exc:
         message = str(exc)
-    torch.save(message, f"{out}/rank{rank}.pt")
-    dist.barrier()  # no collective is left waiting: both ranks reach this
-    dist.destroy_process_group()
+    leave(message, out, rank)
 
 
 @pytest.mark.timeout(120)
 def test_a_budget_no_plan_fits_is_the_same_budget_error_on_every_rank(tmp_path):
-    mp.start_processes(_refused_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
-    messages = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    messages = run_ranks(_refused_worker, tmp_path)
     assert messages[0] == messages[1] and "is below what any plan can meet" in messages[0], messages
 
 
