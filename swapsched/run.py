@@ -268,6 +268,14 @@ class DeviceMeter:
         self.peak = base + state["peak"]
 
 
+def round_ratios(times: list[list[float]], base: list[list[float]]) -> tuple[float, float, float, float]:
+    """Interleaved rounds (``times``: each round's steps of a method; ``base``: the reference
+    method's in the same rounds): the method's median step, and the median, lowest and highest
+    over the rounds of its median step over the reference's in that round."""
+    ratios = [statistics.median(t) / statistics.median(b) for t, b in zip(times, base, strict=True)]
+    return statistics.median(t for ts in times for t in ts), statistics.median(ratios), min(ratios), max(ratios)
+
+
 @dataclass(frozen=True)
 class CompareRow:
     """One method of ``run --compare``: its median step over the plain step of the same rounds
@@ -459,10 +467,8 @@ def compare_live(model: str, budget: str, policies: list[str], *, size: str | No
     budget_bytes = runtimes[0].budget_bytes if budget.strip().endswith("%") else parse_budget(budget)
     rows = []
     for m in methods:
-        ratios = [statistics.median(a) / statistics.median(b) for a, b in zip(m.times, plain.times, strict=True)]
         n = min(len(m.losses), len(ref))
-        rows.append(CompareRow(m.name, statistics.median(t for ts in m.times for t in ts), statistics.median(ratios),
-                               min(ratios), max(ratios), peaks[m.name], peaks[m.name] <= budget_bytes,
+        rows.append(CompareRow(m.name, *round_ratios(m.times, plain.times), peaks[m.name], peaks[m.name] <= budget_bytes,
                                all(torch.equal(a, b) for a, b in zip(m.losses[:n], ref[:n], strict=True)), m.note))
     nan = float("nan")
     rows += [CompareRow(name, nan, nan, nan, nan, 0, False, False, f"refused: {why}") for name, why in refused.items()]

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -32,6 +31,7 @@ import torch
 
 from swapsched.budget import parse_budget
 from swapsched.errors import UserError
+from swapsched.run import round_ratios
 
 __all__ = ["ShardedRow", "run_sharded", "format_sharded", "SHARDED_METHODS"]
 
@@ -97,15 +97,13 @@ def run_sharded(model: str, budget: str, world_size: int, *, size: str | None = 
             rows.append(ShardedRow(name, float("nan"), float("nan"), float("nan"), float("nan"), 0, None, None,
                                    mine["budget"], False, 0, 0, False, mine["refused"]))
             continue
-        ratios = [statistics.median(t) / statistics.median(b) for t, b in zip(mine["times"], first["times"], strict=True)]
         peaks = [r[name] for r in ranks]
         peak = max(p["peak"] for p in peaks)
         runtime_peak = max(p["runtime_peak"] for p in peaks) if mine["runtime_peak"] is not None else None
         audit_peak = max(p["audit_peak"] for p in peaks) if mine["audit_peak"] is not None else None
         rows.append(ShardedRow(
-            name, statistics.median(t for ts in mine["times"] for t in ts), statistics.median(ratios), min(ratios),
-            max(ratios), peak, runtime_peak, audit_peak, mine["budget"], max(peak, runtime_peak or 0) <= mine["budget"],
-            mine["offloaded"], mine["units"], all(r[name]["params"] == r[methods[0]]["params"] for r in ranks),
+            name, *round_ratios(mine["times"], first["times"]), peak, runtime_peak, audit_peak, mine["budget"],
+            max(peak, runtime_peak or 0) <= mine["budget"], mine["offloaded"], mine["units"], all(r[name]["params"] == r[methods[0]]["params"] for r in ranks),
             mine.get("note", "")))
     return tuple(rows)
 
