@@ -59,10 +59,10 @@ def optimizer_state_kind(optimizer: torch.optim.Optimizer) -> str:
 
 
 
-def _optimizer_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+def _optimizer_state_bytes(optimizer: torch.optim.Optimizer | None, host: set[int]) -> int:
+    """The optimizer's state bytes, but for the parameters (by id) in ``host`` (FSDP2's on the host, R18)."""
     if optimizer is None:
         return 0
-    host = offloaded_by_fsdp(model)
     state = [v for p, s in optimizer.state.items() if id(p) not in host for v in s.values() if torch.is_tensor(v)]
     if state:
         return sum(local_of(v).numel() * v.element_size() for v in state)
@@ -133,7 +133,7 @@ def static_bytes_of(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         if k not in seen:
             seen.add(k)
             total += b.untyped_storage().nbytes()
-    return total + _optimizer_state_bytes(model, optimizer)
+    return total + _optimizer_state_bytes(optimizer, host)
 
 
 def _snapshot(model: nn.Module) -> tuple[Any, ...]:
