@@ -65,9 +65,9 @@ def on_every_rank(distributed: bool, act: Callable[[], None]) -> None:
     """Run ``act``. Where the model trains on several ranks (``distributed``: DDP or FSDP2, with
     the process group up), a :class:`UserError` (a ``BudgetError`` too) raised on any rank is
     raised on every rank: the lowest failing rank's, of its type and with its message, which
-    names that rank. A rank
-    whose plan fitted would otherwise go on into the next step's collectives, waiting for a rank
-    that has stopped. Every rank calls it at the same step (one collective)."""
+    names that rank. A rank whose plan fitted would otherwise go on into the next step's
+    collectives, waiting for a rank that has stopped. Every rank calls it at the same step (one
+    collective)."""
     import torch.distributed as dist
 
     if not (distributed and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
