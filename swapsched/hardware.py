@@ -87,6 +87,15 @@ class Hardware:
     # ... and how many of a node's ranks share one host's memory, link and CPU (None: all of them;
     # 1 on a GH200 node, where each superchip has its own Grace)
     gpus_per_host: int | None = None
+    # R19, the disk tier: the node's NVMe (its ranks share it), sequential reads and writes in
+    # large blocks at the runtime's queue depth with direct I/O, and the latency of one request.
+    # YAML, optional: None = no disk tier (``swapsched calibrate --disk DIR`` measures them).
+    disk_read_bytes_per_s: float | None = None
+    disk_write_bytes_per_s: float | None = None
+    disk_latency_s: float = 0.0
+    # R19: the bytes this rank's state may rest on the disk (None: the disk tier is off). Set per
+    # run (--disk-budget, SwapRuntime(disk_budget=)), not in YAML.
+    disk_budget_bytes: int | None = None
 
     def collective_rate(self, world_size: int) -> float:
         """R18: the bus bandwidth a collective over ``world_size`` ranks runs at."""
@@ -108,6 +117,8 @@ class Hardware:
         out = replace(self.with_host(ranks_per_host=ranks), host_optimizer_params_per_s=self.host_optimizer_rate() / ranks)
         if self.host_budget_bytes is not None:
             out = replace(out, host_budget_bytes=self.host_budget_bytes // ranks)
+        if self.disk_budget_bytes is not None:
+            out = replace(out, disk_budget_bytes=self.disk_budget_bytes // ranks)
         return out
 
     def host_optimizer_rate(self) -> float:
@@ -129,8 +140,25 @@ class Hardware:
         # every rank's copies in both directions (each stream) draw on the one memory
         return min(link, self.host_memory_bytes_per_s / (self.ranks_per_host * self.copy_streams))
 
-    def with_host(self, *, ranks_per_host: int | None = None, host_budget_bytes: int | None = None) -> Hardware:
-        """This hardware shared by ``ranks_per_host`` ranks, or with a host budget (R11)."""
+    def disk_bytes_per_s(self, direction: str) -> float:
+        """R19: the bandwidth one rank's disk I/O gets in ``direction`` (``"read"`` or ``"write"``):
+        the node's drives shared by its ranks. Raises where the profile gives no disk."""
+        rate = self.disk_read_bytes_per_s if direction == "read" else self.disk_write_bytes_per_s
+        if rate is None:
+            raise HardwareError(f"{self.name} gives no disk bandwidth (disk_read_bytes_per_s, disk_write_bytes_per_s): "
+                                "the disk tier cannot be timed on it; measure it with swapsched calibrate --disk DIR")
+        return rate / self.ranks_per_host
+
+    @property
+    def has_disk(self) -> bool:
+        """R19: the disk tier is on: a disk budget, and the rates to time it."""
+        return (self.disk_budget_bytes is not None and self.disk_read_bytes_per_s is not None
+                and self.disk_write_bytes_per_s is not None)
+
+    def with_host(self, *, ranks_per_host: int | None = None, host_budget_bytes: int | None = None,
+                  disk_budget_bytes: int | None = None) -> Hardware:
+        """This hardware shared by ``ranks_per_host`` ranks, or with a host budget (R11) or a
+        disk budget (R19: the disk tier on; the profile must give the disk's rates)."""
         out = self
         if ranks_per_host is not None:
             if ranks_per_host < 1:
@@ -141,6 +169,12 @@ class Hardware:
             if host_budget_bytes <= 0:
                 raise HardwareError(f"host budget must be positive, got {host_budget_bytes}")
             out = replace(out, host_budget_bytes=int(host_budget_bytes))
+        if disk_budget_bytes is not None:
+            if disk_budget_bytes <= 0:
+                raise HardwareError(f"disk budget must be positive, got {disk_budget_bytes}")
+            out.disk_bytes_per_s("read")  # a disk budget needs the disk's rates
+            out.disk_bytes_per_s("write")
+            out = replace(out, disk_budget_bytes=int(disk_budget_bytes))
         return out
 
     def for_executor(self, executor: str) -> Hardware:
@@ -195,7 +229,8 @@ class Hardware:
 
 _REQUIRED = ("d2h_bytes_per_s", "h2d_bytes_per_s", "copy_latency_s", "device_memory_bytes", "peak_flops", "memory_bytes_per_s")
 _OPTIONAL = ("host_memory_bytes_per_s", "bf16_peak_flops", "fp16_peak_flops", "host_optimizer_params_per_s", "copy_wake_s",
-             "collective_bytes_per_s", "internode_bytes_per_s", "collective_latency_s")
+             "collective_bytes_per_s", "internode_bytes_per_s", "collective_latency_s", "disk_read_bytes_per_s",
+             "disk_write_bytes_per_s", "disk_latency_s")
 #: R15: a node's CPU AdamW where a profile gives none. DeepSpeed's ZenFlow write-up: ZeRO-Offload
 #: stretches a Llama-2-7B step from 0.5 s to over 7 s, the CPU step being the difference: 6.7e9
 #: parameters in about 6.5 s, 1.0e9 parameters a second (fused, every core of a server node).
@@ -203,7 +238,7 @@ DEFAULT_HOST_OPTIMIZER_PARAMS_PER_S = 1.0e9
 KINDS = ("gpu", "cpu")
 _POSITIVE = ("d2h_bytes_per_s", "h2d_bytes_per_s", "device_memory_bytes", "peak_flops", "memory_bytes_per_s")
 #: Fields a run sets (the executor, the ranks on the node, the host budget), never a hardware file
-_PER_RUN = ("copy_streams", "ranks_per_host", "host_budget_bytes")
+_PER_RUN = ("copy_streams", "ranks_per_host", "host_budget_bytes", "disk_budget_bytes")
 EXECUTORS = ("hooks", "compiled")  # R10: who executes a plan, see Hardware.for_executor
 HOST_COSTS = ("hook_cost_s", "copy_issue_s", "wait_resume_s", "copy_host_s_per_byte")  # optional, 0 = not measured
 _NUMBER_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
@@ -251,7 +286,7 @@ def hardware_from_dict(data: Any, source: str) -> Hardware:
     kind = data.get("kind", "gpu")
     if kind not in KINDS:
         raise HardwareError(f"{source}: field kind: expected one of {list(KINDS)}, got {kind!r}")
-    for k in ("collective_bytes_per_s", "internode_bytes_per_s"):
+    for k in ("collective_bytes_per_s", "internode_bytes_per_s", "disk_read_bytes_per_s", "disk_write_bytes_per_s"):
         if k in vals and vals[k] <= 0:
             raise HardwareError(f"{source}: field {k}: must be > 0, got {data[k]!r}")
     counts: dict[str, Any] = {}

@@ -14,7 +14,7 @@ import numpy as np
 
 from swapsched.errors import UserError
 from swapsched.jsonfile import Fields, open_json, write_json
-from swapsched.state import PLACEMENTS, frozen_placement
+from swapsched.state import DISK_PLACEMENTS, DISK_TIERS, PLACEMENTS, frozen_placement
 
 if TYPE_CHECKING:
     from swapsched.hardware import Hardware
@@ -36,10 +36,10 @@ class BlockState(str, Enum):
 
 FORMAT = "swapsched.plan"
 #: 2 adds ``recompute`` (R9), 3 ``selective`` (R9, selective), 4 ``state`` and ``host_step``
-#: (R13-R16), 5 ``unsharded`` (R18); files of every earlier version still load (no state placed:
-#: all on the device; every unit resharded after forward).
-VERSION = 5
-READS = (1, 2, 3, 4, 5)
+#: (R13-R16), 5 ``unsharded`` (R18), 6 ``disk`` (R19); files of every earlier version still load
+#: (no state placed: all on the device; every unit resharded after forward; nothing on the disk).
+VERSION = 6
+READS = (1, 2, 3, 4, 5, 6)
 #: R15: when the host steps its groups. ``overlap``: each as soon as its gradient is on the host
 #: (during backward); ``after-backward``: once backward is done (``optimizer.step()``'s place in
 #: the user's loop, as ZeRO-Offload, FSDP2 and torchao run it).
@@ -81,19 +81,28 @@ class SwapPlan:
     #: R18, a sharded step: the units (state groups) kept unsharded from forward to backward
     #: (FSDP2's ``reshard_after_forward=False``); the others are resharded after forward
     unsharded: tuple[str, ...] = ()
+    #: R19: ``(group, tier)`` for each placed group whose host parts rest on the disk
+    #: (``swapsched/state.py``'s ``DISK_TIERS``)
+    disk: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def of(cls, trace: Trace, policy: str, evictions: Iterable[Eviction], *, recompute: Iterable[str] = (),
            selective: Iterable[str] = (), state: dict[str, str] | None = None, host_step: str = "overlap",
-           param_return: str = "each", unsharded: Iterable[str] = (), **meta: Any) -> SwapPlan:
+           param_return: str = "each", unsharded: Iterable[str] = (), disk: dict[str, str] | None = None,
+           **meta: Any) -> SwapPlan:
         placed = tuple(sorted((g, p) for g, p in (state or {}).items() if p != "device"))
         return cls(trace=trace.name, policy=policy, evictions=tuple(sorted(evictions)), meta=dict(meta),
                    recompute=tuple(sorted(set(recompute))), selective=tuple(sorted(set(selective))), state=placed,
-                   host_step=host_step, param_return=param_return, unsharded=tuple(sorted(set(unsharded))))
+                   host_step=host_step, param_return=param_return, unsharded=tuple(sorted(set(unsharded))),
+                   disk=tuple(sorted((disk or {}).items())))
 
     def placement(self) -> dict[str, str]:
         """Each placed group's placement (groups not named are on the device)."""
         return dict(self.state)
+
+    def on_disk(self) -> dict[str, str]:
+        """R19: each group resting on the disk, with its tier."""
+        return dict(self.disk)
 
     def recomputed(self, trace: Trace) -> list[int]:
         """Indices into ``trace.segments`` of the blocks this plan recomputes whole."""
@@ -154,6 +163,15 @@ class SwapPlan:
             if group in frozen and where != frozen_placement(where):
                 raise PlanError(f"{source}: state[{k}]: group {group!r} is frozen (no gradient, no step): place it "
                                 "'device' or 'full' (on the host, fetched for each use)")
+        placement = self.placement()
+        for k, (group, tier) in enumerate(self.disk):
+            if tier not in DISK_TIERS:
+                raise PlanError(f"{source}: disk[{k}]: tier {tier!r} unknown; use one of {list(DISK_TIERS)}")
+            if placement.get(group, "device") not in DISK_PLACEMENTS:
+                raise PlanError(f"{source}: disk[{k}]: group {group!r} is placed {placement.get(group, 'device')!r}, which "
+                                f"rests nothing on the host to put on the disk; place it one of {list(DISK_PLACEMENTS)}")
+            if group in frozen and tier != "state":
+                raise PlanError(f"{source}: disk[{k}]: group {group!r} is frozen (no optimizer state): its tier is 'state'")
         for k, group in enumerate(self.unsharded):
             if trace.world_size == 1:
                 raise PlanError(f"{source}: unsharded[{k}]: trace {trace.name!r} is one device's step: nothing is sharded")
@@ -206,6 +224,7 @@ class SwapPlan:
             "host_step": self.host_step,
             "param_return": self.param_return,
             "unsharded": list(self.unsharded),
+            "disk": [{"group": g, "tier": t} for g, t in self.disk],
         }
 
     def save(self, path: str | Path) -> Path:
@@ -249,7 +268,13 @@ def plan_from_dict(data: Any, source: str = "<dict>") -> SwapPlan:
         host_step=str(data.get("host_step", "overlap")) if version >= 4 else "overlap",
         param_return=str(data.get("param_return", "each")) if version >= 4 else "each",
         unsharded=tuple(sorted(set(block_names("unsharded", 5)))),
+        disk=_disk(f, data) if version >= 6 else (),
     )
+
+
+def _disk(f: Fields, data: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((f.get(item, "group", f"disk[{k}].group", str), f.get(item, "tier", f"disk[{k}].tier", str))
+                        for k, item in enumerate(f.get(data, "disk", "disk", list, optional=True) or [])))
 
 
 def _state(f: Fields, data: dict[str, Any], source: str) -> tuple[tuple[str, str], ...]:

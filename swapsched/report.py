@@ -55,7 +55,10 @@ def format_state(results: Iterable[CaseResult], policies: Sequence[str]) -> str:
     """Per case and policy, what its plan did with the training state (R13-R16): parameters,
     gradients and optimizer state off the device, where the optimizer stepped, the host's step
     time and the host's peak (the state's and the swapped activations'; a sharded step's: its
-    node's, R18), and a sharded step's collective time and the compute's wait for it."""
+    node's, R18), and a sharded step's collective time and the compute's wait for it; R19,
+    where a plan rests any of it on the disk, what it rests there."""
+    results = list(results)
+    disk = any(r.result is not None and r.result.state is not None and r.result.state.disk_bytes for r in results)
     body = []
     for r in results:
         res = r.result
@@ -66,9 +69,11 @@ def format_state(results: Iterable[CaseResult], policies: Sequence[str]) -> str:
                      format_bytes(st.param_off_bytes), format_bytes(st.grad_off_bytes), format_bytes(st.optim_off_bytes),
                      st.where_stepped, f"{1e3 * st.host_step_s:.3f}",
                      format_bytes(res.node_host_peak_bytes) + (f" ({res.host_ranks} ranks)" if res.host_ranks > 1 else ""),
-                     "-" if not st.gathered_bytes else f"{1e3 * st.collective_s:.1f} / {1e3 * st.collective_stall_s:.1f}"])
+                     "-" if not st.gathered_bytes else f"{1e3 * st.collective_s:.1f} / {1e3 * st.collective_stall_s:.1f}"]
+                    + ([format_bytes(st.disk_bytes) if st.disk_bytes else "-"] if disk else []))
+    disk = ["on disk"] if disk else []
     return format_grid(["trace", "budget", "hardware", "policy", "step ms", "params off", "grads off", "optim off",
-                        "stepped on", "host step ms", "host peak (node)", "collectives / stall ms"], body)
+                        "stepped on", "host step ms", "host peak (node)", "collectives / stall ms", *disk], body)
 
 
 def format_summary(summary: Sequence[PolicySummary]) -> str:

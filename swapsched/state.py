@@ -32,7 +32,7 @@ from swapsched.errors import UserError
 from swapsched.segments import segment_of
 
 __all__ = ["StateGroup", "OptimizerKind", "OPTIMIZERS", "optimizer_kind", "group_name", "PLACEMENTS", "SHARD_PLACEMENTS", "FSDP2_PLACEMENTS", "allowed_placements", "check_groups",
-           "FROZEN_SUFFIX", "module_of", "frozen_placement"]
+           "FROZEN_SUFFIX", "module_of", "frozen_placement", "DISK_TIERS", "DISK_PLACEMENTS", "allowed_disk_tiers"]
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,23 @@ def allowed_placements(meta: Mapping[str, Any]) -> tuple[str, ...]:
     """The placements a plan of a trace with ``meta`` may use (R18: a live sharded step's are
     ``SHARD_PLACEMENTS``); every one where the trace does not say."""
     return tuple(meta.get("placements", PLACEMENTS))
+
+
+#: R19, the disk tier: what of a group's state at rest on the host rests on the disk instead.
+#: ``optim``: its optimizer state, read for the group's step and written after it (DeepSpeed
+#: ZeRO-Infinity's ``offload_optimizer: nvme``); ``state``: the parameter's master too, read for
+#: each fetch of it (``offload_param: nvme``). The gradient stays on the host: the step that
+#: reads it follows its arrival.
+DISK_TIERS = ("optim", "state")
+#: ... and the placements that keep something on the host to put there (``param``'s parameter
+#: is copied out and back within one step: no rest on the disk)
+DISK_PLACEMENTS = ("stream", "host-step", "full", "stream-full")
+
+
+def allowed_disk_tiers(meta: Mapping[str, Any]) -> tuple[str, ...]:
+    """The disk tiers a plan of a trace with ``meta`` may use (R19: the live runtime reads and
+    writes the disk around the optimizer's step only: ``optim``); every one where it does not say."""
+    return tuple(meta.get("disk_tiers", DISK_TIERS))
 
 
 #: R13: the suffix of a frozen group's name (the frozen parameters of the modules of the group

@@ -36,16 +36,17 @@ from swapsched.agents.recompute import CheckpointAll
 from swapsched.budget import BudgetError, format_bytes
 from swapsched.env.collectives import unsharded_deltas
 from swapsched.env.floors import joint_floor
+from swapsched.env.result import SimResult
 from swapsched.env.simulator import simulate
-from swapsched.env.state_parts import fetch_events, state_split, stream_in_bytes
+from swapsched.env.state_parts import disk_parts, fetch_events, part_bytes, state_split, stream_in_bytes
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.policy import Policy
-from swapsched.state import OPTIMIZERS, allowed_placements, frozen_placement
+from swapsched.state import DISK_PLACEMENTS, OPTIMIZERS, allowed_disk_tiers, allowed_placements, frozen_placement
 from swapsched.trace import Event, Trace
 
 __all__ = ["activation_view", "plan_state", "smallest_state_budget", "StatePeer", "PartialOffloadPeer", "PEERS", "state_floor",
-           "candidate_placements", "UNSHARDED_SHARES"]
+           "candidate_placements", "UNSHARDED_SHARES", "spill_to_disk"]
 
 #: Shares of the groups (largest first) a one-placement candidate moves
 SHARES = (1 / 8, 1 / 4, 3 / 8, 1 / 2, 5 / 8, 3 / 4, 7 / 8, 1.0)
@@ -127,9 +128,57 @@ def candidate_placements(trace: Trace) -> list[dict[str, str]]:
     return kept
 
 
-def _with_state(trace: Trace, act: SwapPlan, placement: dict[str, str], name: str, **options: Any) -> SwapPlan:
+def spill_to_disk(trace: Trace, placement: dict[str, str], hardware: Hardware, leave: int = 0) -> dict[str, str]:
+    """R19: the groups of ``placement`` whose host parts rest on the disk, and their tiers: none
+    where the host budget holds the state (the disk is slower than the host); else the fewest
+    groups, the largest first, with their optimizer state there, then, as far as that is not
+    enough, their parameters' masters too, until the host (staging included) holds the rest.
+    All of them where even that is not enough (the simulator keeps on the device what the host
+    still cannot hold, R11). Only the tiers the trace allows (``allowed_disk_tiers``). ``leave``:
+    host bytes to leave the swapped activations (R11: they share the host budget)."""
+    if not hardware.has_disk or hardware.host_budget_bytes is None:
+        return {}
+    host = hardware.host_budget_bytes - leave
+    if state_split(trace.state, placement)[1] <= host:
+        return {}
+    movable = [g for g in trace.state if placement.get(g.name, "device") in DISK_PLACEMENTS]
+    disk: dict[str, str] = {}
+    for tier in allowed_disk_tiers(trace.meta):
+        order = sorted(movable, key=lambda g: (-part_bytes(g, disk_parts(placement[g.name], tier)), g.forward_at))
+        for g in order:
+            if state_split(trace.state, placement, disk)[1] <= host:
+                return disk
+            if g.frozen and tier != "state" or not disk_parts(placement[g.name], tier):
+                continue
+            disk[g.name] = tier
+    return disk
+
+
+def _with_state(trace: Trace, act: SwapPlan, placement: dict[str, str], name: str, hardware: Hardware | None = None,
+                leave: int = 0, **options: Any) -> SwapPlan:
+    """``act`` with ``placement`` of the state; on ``hardware`` with a disk, what the host budget
+    cannot hold on the disk, leaving ``leave`` bytes of it (R19, :func:`spill_to_disk`)."""
+    disk = {} if hardware is None else spill_to_disk(trace, placement, hardware, leave)
     return SwapPlan.of(trace, name, act.evictions, recompute=act.recompute, selective=act.selective, state=placement,
-                       **options, **act.meta)
+                       disk=disk, **options, **act.meta)
+
+
+def _placed(trace: Trace, act: SwapPlan, placement: dict[str, str], name: str, hardware: Hardware, budget: int,
+            **options: Any) -> tuple[SwapPlan, SimResult]:
+    """``act`` with ``placement`` (:func:`_with_state`), simulated. R19: where the state's spill
+    left the swapped activations no host room (they stayed on the device, out of memory), the
+    state spills again leaving them every evicted tensor's bytes."""
+    plan = _with_state(trace, act, placement, name, hardware, **options)
+    r = simulate(trace, plan, hardware, budget, validate=False)
+    if r.oom and r.host_skipped and hardware.has_disk and act.evictions:
+        sizes = trace.tensor_bytes
+        again = _with_state(trace, act, placement, name, hardware, leave=sum(int(sizes[e.tensor]) for e in act.evictions),
+                            **options)
+        if again.disk != plan.disk:
+            r2 = simulate(trace, again, hardware, budget, validate=False)
+            if not r2.oom:
+                return again, r2
+    return plan, r
 
 
 #: How many candidates (with their stream variants) the screen plans, the best of them once
@@ -154,8 +203,7 @@ def _screened(trace: Trace, budget: int, hardware: Hardware, screen: Policy, nam
             act_budget = max(int(budget * share), view.min_feasible_bytes)
             if view.min_feasible_bytes > budget or (share < 1.0 and act_budget >= budget):
                 continue
-            plan = _with_state(trace, CheckpointAll().plan(view, act_budget, hardware), placement, name)
-            r = simulate(trace, plan, hardware, budget, validate=False)
+            plan, r = _placed(trace, CheckpointAll().plan(view, act_budget, hardware), placement, name, hardware, budget)
             if first and not r.oom:
                 return [(r.iteration_s, c, placement, room, act_budget)]
             ranked.append((r.iteration_s, c, placement, room, act_budget))  # inf where it does not fit
@@ -165,8 +213,7 @@ def _screened(trace: Trace, budget: int, hardware: Hardware, screen: Policy, nam
         if k >= SCREENED and scored:
             break
         view = activation_view(trace, placement, room)
-        r = simulate(trace, _with_state(trace, screen.plan(view, act_budget, hardware), placement, name), hardware,
-                     budget, validate=False)
+        _, r = _placed(trace, screen.plan(view, act_budget, hardware), placement, name, hardware, budget)
         step = min(checkpointed, r.iteration_s)  # OOM is inf
         if math.isfinite(step):
             scored.append((step, c, placement, room, act_budget))
@@ -216,16 +263,17 @@ def plan_state(trace: Trace, budget: int, hardware: Hardware, *, inner: Policy, 
         keep = _unsharded(trace, budget, hardware, screen, placement, room, act_budget, name)
         view = activation_view(trace, placement, room, keep)
         for pol in (inner, screen, CheckpointAll()):
-            plan = _with_state(trace, pol.plan(view, act_budget, hardware), placement, name, unsharded=keep)
-            r = simulate(trace, plan, hardware, budget, validate=False)
+            plan, r = _placed(trace, pol.plan(view, act_budget, hardware), placement, name, hardware, budget,
+                              unsharded=keep)
             if not r.oom and (best is None or r.iteration_s < best[0]):
                 best = (r.iteration_s, plan)
     assert best is not None  # the finalist's screened plan fits (the screen's or every block checkpointed)
     # the peers' own rules are candidates too: default is never slower than a peer that fits
-    allowed = set(allowed_placements(trace.meta))
+    allowed, tiers = set(allowed_placements(trace.meta)), set(allowed_disk_tiers(trace.meta))
     for peer in PEERS.values():
         plan = peer.plan(trace, budget, hardware)
-        if not set(plan.placement().values()) <= allowed:
+        if (not set(plan.placement().values()) <= allowed or not set(plan.on_disk().values()) <= tiers
+                or plan.disk and not hardware.has_disk):  # R19: no disk, no disk peer (it is zero3-offload then)
             continue
         r = simulate(trace, plan, hardware, budget, validate=False)
         if not r.oom and r.iteration_s < best[0]:
@@ -243,9 +291,10 @@ def _screened_plan(trace: Trace, budget: int, hardware: Hardware, screen: Policy
     """The screen's plan of ``placement`` with ``keep`` unsharded, or every block checkpointed
     where that does not fit (as :func:`_screened`)."""
     view = activation_view(trace, placement, room, keep)
-    plan = _with_state(trace, screen.plan(view, act_budget, hardware), placement, name, unsharded=keep)
-    if simulate(trace, plan, hardware, budget, validate=False).oom:
-        plan = _with_state(trace, CheckpointAll().plan(view, act_budget, hardware), placement, name, unsharded=keep)
+    plan, r = _placed(trace, screen.plan(view, act_budget, hardware), placement, name, hardware, budget, unsharded=keep)
+    if r.oom:
+        plan, _ = _placed(trace, CheckpointAll().plan(view, act_budget, hardware), placement, name, hardware, budget,
+                          unsharded=keep)
     return plan
 
 
@@ -277,13 +326,17 @@ class StatePeer:
     param_return: str = "each"
     #: where the peer puts frozen groups (R13); None: as ``placement`` means for them (``frozen_placement``)
     frozen: str | None = None
+    #: R19: the disk tier of every group (None: nothing on the disk)
+    disk: str | None = None
 
     def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
         act = CheckpointAll().plan(trace, budget, hardware)
         frozen = self.frozen or frozen_placement(self.placement)
         placement = {g.name: frozen if g.frozen else self.placement for g in trace.state}
         placement = {g: w for g, w in placement.items() if w != "device"}
-        return _with_state(trace, act, placement, self.name, host_step=self.host_step, param_return=self.param_return)
+        disk = {g: self.disk for g in placement} if self.disk is not None else {}
+        plan = _with_state(trace, act, placement, self.name, host_step=self.host_step, param_return=self.param_return)
+        return replace(plan, disk=tuple(sorted(disk.items())))
 
 
 #: The peers by name: ZeRO-Offload (gradients out as they complete, the fp32 step on the host
@@ -333,6 +386,11 @@ PEERS: dict[str, StatePeer | PartialOffloadPeer] = {
     # R13, frozen weights (LoRA): accelerate's device_map="auto" with CPU offload, frozen weights
     # on the host fetched per module in forward and backward, the adapters on the device
     "accelerate-offload": StatePeer("accelerate-offload", "device", frozen="full"),
+    # R19, the disk tier: DeepSpeed ZeRO-Infinity (ZeRO-3 with offload_param and offload_optimizer
+    # to NVMe): every group's parameters and optimizer state on the disk, the parameters read for
+    # each use, the CPU Adam after backward reading and writing its state there, the parameters
+    # back together
+    "zero-infinity": StatePeer("zero-infinity", "full", param_return="all", disk="state"),
 }
 
 

@@ -16,6 +16,7 @@ from swapsched.cli.arguments import (
     budget,
     budgets,
     csv_list,
+    disk_budget,
     host_budget,
     in_file,
     out_dir,
@@ -57,6 +58,9 @@ def _add_execution(sp: argparse.ArgumentParser) -> None:
                          "compiled (CompileBackend: no hook costs, one transfer stream); default hooks")
     sp.add_argument("--host-budget", type=host_budget, metavar="BYTES",
                     help="host memory this rank's swapped tensors may hold at once, like '64GiB' (R11; default unlimited)")
+    sp.add_argument("--disk-budget", type=disk_budget, metavar="BYTES",
+                    help="turn the disk tier on (R19): the state this rank may rest on the NVMe drive the --hardware "
+                         "profile describes, like '1TiB', where the host budget cannot hold it (default: no disk)")
 
 
 #: --lora-rank of profile and fit (R13, frozen groups)

@@ -10,7 +10,7 @@ from typing import Any
 
 from swapsched.errors import UserError
 
-__all__ = ["Parser", "csv_list", "budgets", "host_budget", "ranks", "budget", "out_file", "out_dir", "in_file",
+__all__ = ["Parser", "csv_list", "budgets", "host_budget", "disk_budget", "ranks", "budget", "out_file", "out_dir", "in_file",
            "policy_list", "positive", "positive_int", "positive_float", "override"]
 
 
@@ -41,16 +41,21 @@ def budgets(value: str) -> list[str]:
     return items
 
 
-def host_budget(value: str) -> int:
+def host_budget(value: str, what: str = "host budget", example: str = "'64GiB' (pinned host memory for this rank)") -> int:
     """A host budget (R11): bytes, like '64GiB' (a percentage has nothing to be a share of)."""
     from swapsched.budget import BudgetError, parse_budget
 
     if value.strip().endswith("%"):
-        raise argparse.ArgumentTypeError(f"host budget {value!r}: give bytes, like '64GiB' (pinned host memory for this rank)")
+        raise argparse.ArgumentTypeError(f"{what} {value!r}: give bytes, like {example}")
     try:
         return parse_budget(value)
     except BudgetError as exc:
-        raise argparse.ArgumentTypeError(str(exc).replace("budget", "host budget", 1)) from None
+        raise argparse.ArgumentTypeError(str(exc).replace("budget", what, 1)) from None
+
+
+def disk_budget(value: str) -> int:
+    """A disk budget (R19): bytes, like '1TiB'."""
+    return host_budget(value, "disk budget", "'1TiB' (what this rank's state may rest on the drive)")
 
 
 def override(value: str) -> tuple[str, str]:

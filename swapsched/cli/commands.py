@@ -35,13 +35,13 @@ def _write_json(data: Any, path: str) -> None:
 
 
 def _load_case(trace_path: str, hardware: str, budget: str, executor: str = "hooks",
-               host_budget: int | None = None) -> tuple[Any, Any, int]:
+               host_budget: int | None = None, disk_budget: int | None = None) -> tuple[Any, Any, int]:
     from swapsched.budget import parse_budget
     from swapsched.hardware import load_hardware
     from swapsched.trace_file import load_trace
 
     trace = load_trace(trace_path)
-    hw = load_hardware(hardware).for_executor(executor).with_host(host_budget_bytes=host_budget)
+    hw = load_hardware(hardware).for_executor(executor).with_host(host_budget_bytes=host_budget, disk_budget_bytes=disk_budget)
     return trace, hw, parse_budget(budget, trace)
 
 
@@ -62,6 +62,10 @@ def _print_result(r: dict[str, Any]) -> None:
               f"{st['where_stepped']} (device {1e3 * st['device_step_s']:.3f} ms, host {1e3 * st['host_step_s']:.3f} ms); "
               f"host peak {format_bytes(r['host_peak_bytes'])}" + (f"; {st['skipped']} group(s) kept for the host budget"
                                                                   if st["skipped"] else ""))
+        if st.get("disk_bytes") or st.get("disk_skipped"):  # R19
+            print(f"disk: {format_bytes(st['disk_bytes'])} at rest, read {format_bytes(st['disk_read_bytes'])}, written "
+                  f"{format_bytes(st['disk_written_bytes'])} a step; staging {format_bytes(st['staging_bytes'])} of the host "
+                  "peak" + (f"; {st['disk_skipped']} group(s) kept on the host for the disk budget" if st["disk_skipped"] else ""))
         if st.get("gathered_bytes"):  # R18: one rank of a sharded step
             print(f"collectives (one rank of the job): all-gathered {format_bytes(st['gathered_bytes'])}, reduce-scattered "
                   f"{format_bytes(st['reduced_bytes'])}, {1e3 * st['collective_s']:.3f} ms on their streams, "
@@ -75,7 +79,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from swapsched.env.simulator import simulate
     from swapsched.plan import load_plan
 
-    trace, hw, budget = _load_case(args.trace, args.hardware, args.budget, args.executor, args.host_budget)
+    trace, hw, budget = _load_case(args.trace, args.hardware, args.budget, args.executor, args.host_budget, args.disk_budget)
     plan = load_plan(args.plan, trace)
     res = simulate(trace, plan, hw, budget, record=bool(args.plot), validate=False)
     d = res.to_dict()
@@ -98,7 +102,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from swapsched.agents.evaluate import run_policy
     from swapsched.agents.registry import get_policy
 
-    trace, hw, budget = _load_case(args.trace, args.hardware, args.budget, args.executor, args.host_budget)
+    trace, hw, budget = _load_case(args.trace, args.hardware, args.budget, args.executor, args.host_budget, args.disk_budget)
     policy = get_policy(args.policy, seed=args.seed, search_seconds=args.search_seconds)
     plan, res, plan_s = run_policy(policy, trace, budget, hw)
     plan.save(args.out)
@@ -131,7 +135,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from swapsched.trace_file import load_trace
 
     policies = expand_policies(args.policies)
-    hws = [load_hardware(h).for_executor(args.executor).with_host(ranks_per_host=r, host_budget_bytes=args.host_budget)
+    hws = [load_hardware(h).for_executor(args.executor).with_host(ranks_per_host=r, host_budget_bytes=args.host_budget,
+                                                                       disk_budget_bytes=args.disk_budget)
            for h in args.hardware for r in args.ranks_per_host]
     traces = [load_trace(t) for t in args.traces] if args.traces else [*load_corpus("train"), *load_corpus("test")]  # the zoo's
     rows = compare(traces, args.budgets, hws, policies, seed=args.seed, search_seconds=args.search_seconds,

@@ -27,6 +27,13 @@ class StateCost:
     collective_stall_s: float = 0.0
     gathered_bytes: int = 0
     reduced_bytes: int = 0
+    # R19, the disk tier: what rests on the disk, what the step read and wrote there, and the
+    # host's staging buffers for it (in host_bytes); groups the disk budget could not hold
+    disk_bytes: int = 0
+    disk_read_bytes: int = 0
+    disk_written_bytes: int = 0
+    staging_bytes: int = 0
+    disk_skipped: int = 0
 
     @property
     def off_bytes(self) -> int:
@@ -54,6 +61,9 @@ class Timeline:
     state_d2h: tuple[tuple[float, float, int], ...] = ()
     state_h2d: tuple[tuple[float, float, int], ...] = ()
     host_steps: tuple[tuple[float, float, int], ...] = ()
+    # R19: the disk's reads and writes (start, end, group index)
+    disk_reads: tuple[tuple[float, float, int], ...] = ()
+    disk_writes: tuple[tuple[float, float, int], ...] = ()
 
 
 @dataclass(frozen=True)

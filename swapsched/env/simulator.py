@@ -124,6 +124,8 @@ class Simulation:
         Before the first event."""
         assert self.next_event == 0, "state scheduled after the step started"
         self.st = StateExecution(self, plan, carry)
+        if self.host_budget is not None:  # R11: the swapped activations have what the state leaves of it
+            self.host_budget -= self.st.result.host_bytes
 
     @property
     def done(self) -> bool:
@@ -432,7 +434,7 @@ class Simulation:
         timeline = None
         if self.record:
             timeline = Timeline(tuple(self._mem), tuple(self._compute), tuple(self._d2h), tuple(self._h2d), tuple(self._stalls),
-                                tuple(self._recomputes), *(st.spans() if st is not None else ((), (), ())))
+                                tuple(self._recomputes), *(st.spans() if st is not None else ((), (), (), (), ())))
         return SimResult(
             iteration_s=math.inf if oom else self.t,
             ideal_s=ideal,

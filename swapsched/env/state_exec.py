@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from swapsched.env.collectives import Collectives
+from swapsched.env.disk_tier import DiskTier
 from swapsched.env.result import SimResult, StateCost
 from swapsched.env.state_parts import (
     HOST_PARTS,
@@ -76,15 +77,20 @@ class StateExecution:
         self.device_rate = hw.device_optimizer_rate(kind.touched_bytes_per_param) if kind.touched_bytes_per_param else math.inf
         self.host_rate = hw.host_optimizer_rate() if kind.touched_bytes_per_param else math.inf
         self.result = StateResult()
+        self.carry = dict(carry or {})  # group -> time its parameter is ready on the host/device (this step's clock)
+        requested = [placement.get(g.name, "device") for g in self.groups]
+        # R19: what rests on the disk (under its budget), its staging counted on the host first
+        self.disk = DiskTier(self.groups, requested, plan.on_disk(), hw, self.carry)
         # R11: a group whose state the host budget cannot hold stays on the device
-        host_room = math.inf if hw.host_budget_bytes is None else hw.host_budget_bytes
+        host_room = math.inf if hw.host_budget_bytes is None else hw.host_budget_bytes - self.disk.staging_bytes
         self.where: list[str] = []
-        for g in self.groups:
-            w = placement.get(g.name, "device")
-            need = part_bytes(g, HOST_PARTS[w])
+        for j, g in enumerate(self.groups):
+            w = requested[j]
+            need = part_bytes(g, HOST_PARTS[w]) - self.disk.nbytes(j)
             if need > host_room:
                 w = "device"
                 self.result.skipped += 1
+                self.disk.drop(j)
             else:
                 host_room -= need
                 self.result.host_bytes += need
@@ -96,8 +102,8 @@ class StateExecution:
                 r.grad_off += g.grad_bytes
             if w in ("host-step", "full", "stream", "stream-full"):
                 r.optim_off += g.optim_bytes
+        self.result.host_bytes += self.disk.staging_bytes
         n = sim.tb.n
-        self.carry = dict(carry or {})  # group -> time its parameter is ready on the host/device (this step's clock)
         self.next_carry: dict[int, float] = {}
         self.resident = [w in ("device", "param", "host-step", "stream") for w in self.where]  # its parameter
         self.fetch_done: list[float | None] = [None] * len(self.groups)  # an issued fetch's end
@@ -160,10 +166,22 @@ class StateExecution:
             (self.d2h_spans if direction == "d2h" else self.h2d_spans).append((start, end, group))
         return end
 
-    def _out(self, nbytes: int, group: int = -1) -> None:
-        """Copy ``nbytes`` of the device's state to the host; they go when the copy lands."""
+    def _out(self, nbytes: int, group: int = -1) -> float:
+        """Copy ``nbytes`` of the device's state to the host; they go when the copy lands (its end)."""
         end = self._copy("d2h", nbytes, self.sim.t, group)
         heapq.heappush(self.frees, (end, nbytes))
+        return end
+
+    def _in(self, j: int, nbytes: int, at: float, parts: tuple[str, ...] | None = None) -> float:
+        """Copy ``nbytes`` of group ``j`` to the device once they are on the host (``at``): R19,
+        those of ``parts`` (else all) resting on the disk are read into staging first; its end."""
+        on_disk = self.disk.nbytes(j, parts)
+        if on_disk:
+            at = max(at, self.disk.read(j, on_disk))
+        end = self._copy("h2d", nbytes, at, j)
+        if on_disk:
+            self.disk.release(end)
+        return end
 
     def retire(self, now: float) -> None:
         """Copies out that landed by ``now`` give their bytes back (called from the sim's drain)."""
@@ -192,7 +210,7 @@ class StateExecution:
             return True
         sim.used += b
         sim._note_mem()
-        self.fetch_done[j] = self._copy("h2d", b, max(sim.t, self.carry.get(j, 0.0)), j)
+        self.fetch_done[j] = self._in(j, b, max(sim.t, self.carry.get(j, 0.0)), ("param_bytes",))
         return True
 
     def admit(self) -> None:
@@ -214,7 +232,7 @@ class StateExecution:
             sim.used += b
             sim._note_mem()
             self.admitted.append(j)
-            self.optim_done[j] = self._copy("h2d", b, max(sim.t, self.not_before.get(j, 0.0)), j)
+            self.optim_done[j] = self._in(j, b, max(sim.t, self.not_before.get(j, 0.0)))
 
     def give_room(self, event: int) -> bool:
         """R4 with the state placed: the compute needs room; a state copy out in flight lands
@@ -337,9 +355,15 @@ class StateExecution:
             self.admit()
 
     def _host_step(self, j: int, ready: float) -> None:
-        """R15: the host steps group ``j`` once its gradient is there and the host is free."""
+        """R15: the host steps group ``j`` once its gradient is there and the host is free; R19:
+        and once what of it rests on the disk is read, written back after the step."""
         start = max(self.host_free, ready)
+        on_disk = self.disk.nbytes(j)
+        if on_disk:
+            start = max(start, self.disk.read(j, on_disk))
         end = start + self.groups[j].params / self.host_rate
+        if on_disk:
+            self.disk.write(j, on_disk, end, held=True)
         self.result.host_step_s += end - start
         self.host_free = end
         if self.sim.record:
@@ -384,7 +408,7 @@ class StateExecution:
                         return False
                     sim.used += b
                     sim._note_mem()
-                    self.optim_done[j] = self._copy("h2d", b, max(sim.t, self.not_before.get(j, 0.0)))
+                    self.optim_done[j] = self._in(j, b, max(sim.t, self.not_before.get(j, 0.0)))
                 if j in self.admitted:
                     self.admitted.remove(j)
                 before = sim.t
@@ -397,7 +421,9 @@ class StateExecution:
                 g = self.groups[j]
                 if w == "stream-full":
                     sim.used -= g.grad_bytes  # the step has read it
-                self._out(part_bytes(g, STREAM_OUT_PARTS[w]), j)
+                landed = self._out(part_bytes(g, STREAM_OUT_PARTS[w]), j)
+                if self.disk.nbytes(j):  # R19: on through staging to the disk
+                    self.disk.write(j, self.disk.nbytes(j), landed)
             self.retire(sim.t)
             self.admit()
         if self.host_after_backward:
@@ -420,19 +446,25 @@ class StateExecution:
         return sum(g.params for g in self.groups if not g.frozen) / self.device_rate
 
     def spans(self) -> tuple[tuple[tuple[float, float, int], ...], ...]:
-        """What ``--plot`` draws (``Timeline``'s state rows): copies out, copies in, host steps."""
-        return tuple(self.d2h_spans), tuple(self.h2d_spans), tuple(self.host_spans)
+        """What ``--plot`` draws (``Timeline``'s state rows): copies out, copies in, host steps,
+        the disk's reads and writes."""
+        return (tuple(self.d2h_spans), tuple(self.h2d_spans), tuple(self.host_spans), tuple(self.disk.reads),
+                tuple(self.disk.writes))
 
     def cost(self) -> StateCost:
         r = self.result
         c = self.coll
+        d = self.disk
         return StateCost(r.param_off, r.grad_off, r.optim_off, r.host_bytes, r.host_step_s, r.device_step_s, r.stall_s,
-                         r.skipped, *(() if c is None else (c.busy_s, c.stall_s, c.gathered_bytes, c.reduced_bytes)))
+                         r.skipped, *((0.0, 0.0, 0, 0) if c is None else (c.busy_s, c.stall_s, c.gathered_bytes, c.reduced_bytes)),
+                         disk_bytes=d.disk_bytes, disk_read_bytes=d.read_bytes, disk_written_bytes=d.written_bytes,
+                         staging_bytes=d.staging_bytes, disk_skipped=d.skipped)
 
     def carry_for_next(self, step_s: float) -> dict[int, float]:
         """When each group's parameter is ready in the next step's clock (R16): only what is
         still under way when this step ends."""
-        return {j: t - step_s for j, t in self.next_carry.items() if t > step_s}
+        # R19: and when each group's copy on the disk is current (``disk_tier``'s keys)
+        return {j: t - step_s for j, t in {**self.next_carry, **self.disk.next_ready}.items() if t > step_s}
 
 
 def run_to_steady_state(step: Callable[[dict[int, float] | None], tuple[SimResult, StateExecution | None]]) -> SimResult:

@@ -20,6 +20,10 @@ Per placement (``swapsched/state.py``), what is on the device:
   ``stream``'s state) for the device step, the gradient let go after it and the parameter and
   state copied out.
 
+R19, the disk tier: a group placed on the disk rests there the parts ``disk_parts`` names (its
+optimizer state; with tier ``state`` its parameter's master too), and the host holds them only
+in staging while they are read or written (``STAGING_SLOTS`` of the largest group's).
+
 Fetches go one group ahead (R14): a group's forward fetch is issued as the previous fetched
 group's forward starts (the first at the step's start), its backward fetch as the previous one's
 backward starts (the first as backward starts); a sharded step's all-gathers alike (R18).
@@ -30,7 +34,8 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["STATIC_PARTS", "HOST_PARTS", "STREAM_IN_PARTS", "STREAM_OUT_PARTS", "state_split", "resident_parts",
-           "part_bytes", "stream_in_bytes", "one_ahead", "fetch_events", "by_event"]
+           "part_bytes", "stream_in_bytes", "one_ahead", "fetch_events", "by_event", "disk_parts", "STAGING_SLOTS",
+           "staging_bytes", "host_need"]
 
 #: The parts of a group the step's static bytes hold under each placement (module docstring)
 STATIC_PARTS = {"device": ("param_bytes", "grad_bytes", "optim_bytes"), "param": ("grad_bytes", "optim_bytes"),
@@ -44,14 +49,43 @@ STREAM_IN_PARTS = {"stream": ("optim_bytes",), "stream-full": ("param_bytes", "g
 STREAM_OUT_PARTS = {"stream": ("optim_bytes",), "stream-full": ("param_bytes", "optim_bytes")}
 
 
-def state_split(trace_state: tuple, placement: dict[str, str]) -> tuple[int, int]:
-    """(device-static bytes, host bytes) of the state under ``placement`` (module docstring)."""
+#: R19: the groups a disk's staging buffers hold at once: one being read, one being stepped, one
+#: being written (ZeRO-Infinity's ``buffer_count``, planned rather than set)
+STAGING_SLOTS = 3
+
+
+def disk_parts(placement: str, tier: str | None) -> tuple[str, ...]:
+    """R19: the parts of a group placed ``placement`` that rest on the disk under ``tier``
+    (None: not on the disk): of its host parts, the optimizer state, and with ``state`` the
+    parameter's master; never the gradient."""
+    if tier is None:
+        return ()
+    parts = ("optim_bytes",) if tier == "optim" else ("param_bytes", "optim_bytes")
+    return tuple(p for p in parts if p in HOST_PARTS[placement])
+
+
+def host_need(group: Any, placement: str, tier: str | None) -> int:
+    """What the host holds for ``group`` all step (R11): its host parts less those on the disk."""
+    return part_bytes(group, HOST_PARTS[placement]) - part_bytes(group, disk_parts(placement, tier))
+
+
+def staging_bytes(trace_state: tuple, placement: dict[str, str], disk: dict[str, str]) -> int:
+    """R19: the host's staging buffers for the disk: ``STAGING_SLOTS`` (or one a group, where
+    fewer are on it) of the largest group's bytes on it."""
+    sizes = [part_bytes(g, disk_parts(placement.get(g.name, "device"), disk.get(g.name))) for g in trace_state]
+    return min(STAGING_SLOTS, sum(1 for b in sizes if b)) * max(sizes, default=0)
+
+
+def state_split(trace_state: tuple, placement: dict[str, str], disk: dict[str, str] | None = None) -> tuple[int, int]:
+    """(device-static bytes, host bytes) of the state under ``placement`` (module docstring),
+    with ``disk``'s groups resting their disk parts on the disk (R19: the host holds staging)."""
     static = host = 0
+    disk = disk or {}
     for g in trace_state:
         where = placement.get(g.name, "device")
         static += part_bytes(g, STATIC_PARTS[where])
-        host += part_bytes(g, HOST_PARTS[where])
-    return static, host
+        host += host_need(g, where, disk.get(g.name))
+    return static, host + (staging_bytes(trace_state, placement, disk) if disk else 0)
 
 
 def resident_parts(placement: str) -> tuple[str, ...]:

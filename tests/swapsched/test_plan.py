@@ -57,12 +57,12 @@ def test_prefetch_event_by_lead(two_tensors):
     assert lead_eviction(two_tensors, 0, 2, make_hw()) == Eviction(0, 0, 1)
 
 
-def test_a_recompute_plan_round_trips_as_version_5_and_version_1_to_3_files_still_load(tmp_path, one_block):
+def test_a_recompute_plan_round_trips_as_version_6_and_version_1_to_3_files_still_load(tmp_path, one_block):
     plan = SwapPlan.of(one_block, "hand", [Eviction(0, 0, 4)], recompute=["blk.0"])
     p = plan.save(tmp_path / "p.json")
     data = json.loads(p.read_text())
-    assert data["version"] == 5 and data["recompute"] == ["blk.0"] and data["selective"] == [] and data["state"] == []
-    assert data["unsharded"] == []
+    assert data["version"] == 6 and data["recompute"] == ["blk.0"] and data["selective"] == [] and data["state"] == []
+    assert data["unsharded"] == [] and data["disk"] == []
     back = load_plan(p, one_block)
     assert back == plan and back.recomputed(one_block) == [0]
     v1 = tmp_path / "v1.json"  # as swapsched wrote plans before recompute
@@ -79,10 +79,13 @@ def test_a_recompute_plan_round_trips_as_version_5_and_version_1_to_3_files_stil
     v4 = tmp_path / "v4.json"  # before sharding: an "unsharded" key there is not read
     v4.write_text(json.dumps({**data, "version": 4, "unsharded": ["blk.0"]}))
     assert load_plan(v4).unsharded == ()
-    v6 = tmp_path / "v6.json"
-    v6.write_text(json.dumps({**data, "version": 6}))
-    with pytest.raises(PlanError, match="reads versions 1, 2, 3, 4, 5, got 6"):
-        load_plan(v6)
+    v5 = tmp_path / "v5.json"  # before the disk tier: a "disk" key there is not read
+    v5.write_text(json.dumps({**data, "version": 5, "disk": [{"group": "blk.0", "tier": "optim"}]}))
+    assert load_plan(v5).disk == ()
+    v7 = tmp_path / "v7.json"
+    v7.write_text(json.dumps({**data, "version": 7}))
+    with pytest.raises(PlanError, match="reads versions 1, 2, 3, 4, 5, 6, got 7"):
+        load_plan(v7)
     # a unit kept unsharded names a unit of a sharded trace
     with pytest.raises(PlanError, match="one device's step: nothing is sharded"):
         SwapPlan.of(one_block, "hand", [], unsharded=["blk.0"]).validate(one_block)
@@ -153,7 +156,7 @@ def test_a_prefetch_at_its_own_swap_out_is_valid(two_tensors):
 @pytest.mark.parametrize("data, message", [
     ([], "expected a JSON object at the top level"),
     ({"format": "swapsched.trace", "version": 1}, "is this a swapsched plan"),
-    ({"format": "swapsched.plan", "version": 0}, "reads versions 1, 2, 3, 4, 5, got 0"),
+    ({"format": "swapsched.plan", "version": 0}, "reads versions 1, 2, 3, 4, 5, 6, got 0"),
 ])
 def test_a_file_that_is_not_a_plan_says_what_it_is(tmp_path, data, message):
     p = tmp_path / "p.json"
