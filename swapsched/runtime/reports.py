@@ -159,14 +159,24 @@ class StateStepReport:
     optimizer_step_s: float | None  # the last optimizer.step(), fetches and copies back included
     copied_bytes: int  # bytes of state copied either way in the last step and its optimizer step
     peak_transient_bytes: int  # the most state bytes on the device beyond the resident part
+    # R19: the optimizer state resting on the disk now, what the last optimizer step read and wrote
+    # there and how long it waited for the disk, and the host's staging buffers for it
+    disk_bytes: int = 0
+    disk_read_bytes: int = 0
+    disk_written_bytes: int = 0
+    disk_wait_s: float = 0.0
+    staging_bytes: int = 0
 
     def __str__(self) -> str:
         where = ", ".join(f"{g}: {w}" for g, w in self.placements[:4]) + (", ..." if len(self.placements) > 4 else "")
         step = f"; last optimizer step {1e3 * self.optimizer_step_s:.1f} ms" if self.optimizer_step_s is not None else ""
+        disk = (f"; on the disk {format_bytes(self.disk_bytes)} (last step read {format_bytes(self.disk_read_bytes)}, wrote "
+                f"{format_bytes(self.disk_written_bytes)}, waited {1e3 * self.disk_wait_s:.1f} ms)"
+                if self.disk_bytes or self.disk_written_bytes else "")
         return (f"state off the device: parameters {format_bytes(self.param_bytes_off)}, gradients "
                 f"{format_bytes(self.grad_bytes_off)}, optimizer {format_bytes(self.optimizer_bytes_off)} "
                 f"({len(self.placements)} group(s): {where}); {len(self.host_stepped)} stepped on the host{step}; "
-                f"copied {format_bytes(self.copied_bytes)}")
+                f"copied {format_bytes(self.copied_bytes)}{disk}")
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,9 @@ import torch.nn as nn
 
 from swapsched.errors import UserError
 from swapsched.runtime.backends import Backend, Ticket
+from swapsched.runtime.disk_store import DiskStore
 from swapsched.runtime.shards import local_of, sharded_ids
+from swapsched.runtime.state_disk import StateOnDisk
 from swapsched.runtime.state_grads import GradientsToHost
 from swapsched.runtime.state_rest import (
     _RELEASED,
@@ -75,10 +77,12 @@ class StateMover(GradientsToHost):
     called with each change of the state's device bytes beyond the resident part (the executing
     step's accounting adds them to its static bytes). ``handover``: what the last mover left on
     the host (a change of plan, ``StateAtRest.hand_over``): it stays there where this placement
-    keeps it on the host."""
+    keeps it on the host. ``disk``: R19, the store and the groups (with their tiers) whose
+    optimizer state rests on the disk (``state_disk.py``)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, backend: Backend,
-                 groups: Sequence[StateGroup], placement: Mapping[str, str], handover: Handover | None = None):
+                 groups: Sequence[StateGroup], placement: Mapping[str, str], handover: Handover | None = None,
+                 disk: tuple[DiskStore, Mapping[str, str]] | None = None):
         bad = {w for w in placement.values() if w not in PLACEMENTS}
         if bad:
             raise UserError(f"unknown placement(s) {sorted(bad)}; use one of {', '.join(PLACEMENTS)}")
@@ -160,9 +164,16 @@ class StateMover(GradientsToHost):
         self.frozen_done = sorted((grad_at.get(g, 0), g) for g, ps in self.users.items()
                                   if g.endswith(FROZEN_SUFFIX) and any(mp.placement in _RELEASED for mp in ps))
         self._next_frozen = 0
+        # R19: the groups whose optimizer state rests on the disk (``disk``: the store, group -> tier),
+        # checked before anything moves
+        self.disk_tiers = dict(disk[1]) if disk is not None else {}
+        self._disk_stepping = False
+        self.disk = StateOnDisk(self, disk[0], self.disk_tiers) if self.disk_tiers and disk is not None else None
         self._check_host_step()
         self._to_rest_at_install(handover)
         self._install_hooks()
+        if self.disk is not None:
+            self.disk.rest_all()
 
     # ------------------------------------------------------------------ setup
     def _host_buffer(self, like: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -18,9 +19,11 @@ from swapsched.errors import UserError, present
 from swapsched.plan import SwapPlan
 from swapsched.runtime.backends import Backend
 from swapsched.runtime.budgets import ShapeBudgets
+from swapsched.runtime.disk_store import DiskStore
 from swapsched.runtime.profiler import optimizer_state_kind, state_groups, static_bytes_of
 from swapsched.runtime.replicas import gradients_complete_at_backward_end, replica
 from swapsched.runtime.shards import held_between_micro_batches, is_sharded
+from swapsched.runtime.state_disk import LIVE_DISK_TIERS
 from swapsched.runtime.state_mover import StateMover
 from swapsched.runtime.state_rest import to_device
 from swapsched.state import FROZEN_SUFFIX, SHARD_PLACEMENTS, group_name
@@ -33,9 +36,11 @@ class RuntimeState:
     """The model, its optimizer and the mover the adopted plan needs (module docstring)."""
 
     def __init__(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None, backend: Backend,
-                 budgets: ShapeBudgets) -> None:
+                 budgets: ShapeBudgets, disk: str | Path | None = None) -> None:
         self.model, self.optimizer, self.backend, self.budgets = model, optimizer, backend, budgets
         self.mover: StateMover | None = None
+        # R19: the files the optimizer state rests in where a plan puts it on the disk
+        self.disk = None if disk is None else DiskStore(disk, pin=not backend.emulated)
         # whether a DDP ran the model's forward (replicas.py): its gradients complete as backward ends
         self.data_parallel = False
         self._held_most = 0  # held_by_others
@@ -126,6 +131,7 @@ class RuntimeState:
         meta = {**trace.meta, "optimizer": kind}
         if is_sharded(model):  # R18: what the runtime carries out on FSDP2's shards
             meta["placements"] = list(SHARD_PLACEMENTS)
+        meta["disk_tiers"] = list(LIVE_DISK_TIERS)  # R19: what the runtime rests on the disk
         trace = replace(trace, state=state_groups(model, trace, kind), meta=meta)
         return gradients_complete_at_backward_end(trace) if self.data_parallel else trace
 
@@ -134,8 +140,12 @@ class RuntimeState:
         hands what rests on the host from one mover to the next, so that no moment of it holds
         the whole state on the device."""
         placement = {g: w for g, w in plan.placement().items() if w != "device"}
-        if self.mover is not None and self.mover.placement == placement:
+        tiers = plan.on_disk()
+        if self.mover is not None and self.mover.placement == placement and self.mover.disk_tiers == tiers:
             return
+        if tiers and self.disk is None:
+            raise UserError(f"plan {plan.policy!r} rests state on the disk (R19): give the runtime a directory for it "
+                            "(SwapRuntime(disk='/path/on/nvme', disk_budget=...))")
         if placement and (self.model is None or self.optimizer is None):
             raise UserError(f"plan {plan.policy!r} moves the training state (R13): give the runtime the model "
                             "and its optimizer (SwapRuntime(model=..., optimizer=...))")
@@ -144,7 +154,8 @@ class RuntimeState:
         try:
             if placement:
                 self.mover = StateMover(present(self.model, "the model"), present(self.optimizer, "the optimizer"),
-                                        self.backend, trace.state, placement, handover)
+                                        self.backend, trace.state, placement, handover,
+                                        None if self.disk is None else (self.disk, tiers))
         finally:
             if handover is not None and old is not None:  # what the new placement keeps on the device, back there
                 to_device(old.optimizer, old.device, handover, keep=set(self.mover.params) if self.mover else set())
@@ -157,6 +168,7 @@ class RuntimeState:
             self._forward_hook = None
         mover, self.mover = self.mover, None
         if mover is None:
+            self._close_disk()
             return
         need = mover.host_bytes()
         total, held = (0, 0) if self.backend.emulated else self.backend.memory()
@@ -167,3 +179,10 @@ class RuntimeState:
                           "on the host (p.data is a host tensor there)", stacklevel=3)
         else:
             mover.remove()
+        self._close_disk()
+
+    def _close_disk(self) -> None:
+        """R19: the run's files removed (the movers brought what rested there back first)."""
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None

@@ -39,6 +39,7 @@ from swapsched.errors import UserError
 from swapsched.runtime.backends import Backend, Ticket
 from swapsched.runtime.reports import StateStepReport
 from swapsched.runtime.shards import like, local_of
+from swapsched.runtime.state_disk import StateOnDisk
 from swapsched.state import StateGroup
 
 __all__ = ["StateAtRest", "Handover", "to_device", "HOST_PLACEMENTS"]
@@ -131,6 +132,8 @@ class StateAtRest:
     _t_step: float
     _host_state: set[int]
     _streamed: dict[int, torch.Tensor]
+    disk: StateOnDisk | None  # R19: the groups whose optimizer state rests on the disk
+    _disk_stepping: bool  # stepping them one at a time (state_disk.py): our hooks stand aside
 
     def _bytes(self, delta: int) -> None:
         raise NotImplementedError
@@ -174,7 +177,8 @@ class StateAtRest:
         return StateStepReport(
             placements=tuple(sorted(self.placement.items())), param_bytes_off=off[0], grad_bytes_off=off[1],
             optimizer_bytes_off=off[2], host_stepped=tuple(sorted(g for g, w in self.placement.items() if w in _HOST_STEPPED)),
-            optimizer_step_s=self.optimizer_step_s, copied_bytes=self.copied, peak_transient_bytes=self.peak_transient)
+            optimizer_step_s=self.optimizer_step_s, copied_bytes=self.copied, peak_transient_bytes=self.peak_transient,
+            **({} if self.disk is None else self.disk.report()))
 
     # ------------------------------------------------------------------ at rest
     def _check_host_step(self) -> None:
@@ -245,6 +249,9 @@ class StateAtRest:
         """Take the hooks off and leave every tensor where it rests, for the next placement's mover
         (``to_device`` brings back what no placement keeps on the host)."""
         self.settle()
+        if self.disk is not None:  # R19: what rests on the disk back in host memory first
+            self.disk.remove()
+            self.disk = None
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -302,6 +309,8 @@ class StateAtRest:
     def _step_pre_hook(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Before the user's ``optimizer.step()``: each group where it steps. A step given a
         closure (Lightning's) runs forward and backward inside it: the groups are placed after it."""
+        if self._disk_stepping:
+            return None
         # args as torch's step wrapper passes them: the optimizer itself first, then step's own
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if closure is None:
@@ -325,9 +334,14 @@ class StateAtRest:
         if self.in_step:  # stepped inside runtime.step() (Lightning): backward's work first comes to rest
             self._to_rest()
         self.settle()
+        if self.disk is not None:
+            self.disk.begin()
+            self.disk.step_on_host()  # R19: host-stepped groups on the disk, one at a time
         tickets: list[Ticket] = []
         with torch.no_grad():
             for mp in self.params.values():
+                if self.disk is not None and mp.placement in ("stream", "stream-full"):
+                    self.disk.before_stream_in(mp.group)
                 if mp.placement == "stream":
                     tickets += self._state_in(mp)
                 elif mp.placement == "stream-full":
@@ -344,17 +358,24 @@ class StateAtRest:
                     tickets += self._state_in(mp)
                     mp.p.data = mp.dev
                     mp.p.grad = dgrad
+        on_disk = self.disk is not None and self.disk.streaming
         for t in tickets:
-            self.backend.wait_for_use(t)
+            (self.backend.wait_host if on_disk else self.backend.wait_for_use)(t)
+        if on_disk and self.disk is not None:
+            self.disk.streamed_in()  # their host copies go: the files are current
 
     def _after_optimizer_step(self) -> None:
         """The stepped tensors back where they rest: streamed state out, ``stream-full``'s
         parameter out to its master, ``host-step``'s master copied back to its device copy (R16:
         the next forward waits for it)."""
+        if self._disk_stepping:
+            return
         tickets: list[Ticket] = []
         with torch.no_grad():
             for mp in self.params.values():
                 if mp.placement in ("stream", "stream-full"):
+                    if self.disk is not None:
+                        self.disk.before_stream_out(mp.group)
                     tickets += self._state_out(mp)
                 if mp.placement == "stream-full":
                     tickets.append(self.backend.copy_out_into(_alias(present_dev(mp)), present_host(mp)))
@@ -375,6 +396,9 @@ class StateAtRest:
                     mp.p.grad, mp.step_grad = mp.step_grad, None
                 elif mp.placement == "host-step":
                     mp.dev_version = mp.p._version
+        if self.disk is not None:
+            self.disk.streamed_out()
+            self.disk.after_step()
         self.optimizer_step_s = time.perf_counter() - self._t_step
 
     def _state_tensors(self, mp: _Param) -> Iterable[tuple[str, torch.Tensor]]:

@@ -19,6 +19,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Literal, overload
 
 import torch
@@ -32,6 +33,7 @@ from swapsched.policy import Policy
 from swapsched.runtime.accounting import StepExecution
 from swapsched.runtime.backends import Backend, resolve_backend, runtime_devices
 from swapsched.runtime.budgets import ShapeBudgets
+from swapsched.runtime.disk_store import with_disk
 from swapsched.runtime.execute_step import ExecuteStep
 from swapsched.runtime.frame import GradientsKept, Phase, SavedTensorHooks, StepFrame
 from swapsched.runtime.layout import PlanLayout
@@ -59,45 +61,39 @@ UNHOOK_AFTER = 2
 class PolicyRuntime(TwoStages):
     """Executes a swap plan in real training; see the module docstring.
 
-    ``budget``: ``"60%"`` of the profiled activation peak, or bytes (``"6GiB"``). ``policy``: the
-    object that plans (anything with ``plan(trace, budget, hardware) -> SwapPlan``; names such as
-    ``"default"`` are resolved by ``swapsched.SwapRuntime`` or ``swapsched.get_policy``, one layer up);
-    ``None`` plans nothing: every tensor stays until a plan is given with ``use_plan``.
-    ``hardware``: the profile the policy plans for (default: ``cpu-emulated`` on the CPU backend,
-    ``h100-pcie5`` on CUDA; best: one written by ``swapsched calibrate``). ``backend``: ``"cuda"``,
-    ``"cpu"`` or ``None`` (CUDA when available). ``bandwidth``: throttle of the CPU backend's copy
-    engines, bytes/s; without ``hardware`` the plan is made for that link.
-    ``min_bytes``: saved tensors smaller than this always stay (the plan's evictions of them are
-    dropped before it runs, which can leave the guard work to do; by default nothing is dropped,
-    since policies already weigh each copy's latency). ``model``/``optimizer``: counted in ``static_bytes`` (parameters,
-    gradients, optimizer state), so that budgets cover the whole device; without them the budget
-    covers the saved activations alone. With both and a byte budget no plan of the activations
-    alone meets, the policy places the training state too and the runtime moves it (R13-R17,
-    ``state_mover.py``): the user's ``optimizer.step()`` steps host-placed groups on the host. With ``model`` the profiling steps also record each saved
-    tensor's module, so the policy may recompute blocks (R9): a plan that does runs those blocks
-    under ``torch.utils.checkpoint`` (see ``runtime/recompute.py``), profiles the steps again as
-    they now run, and has the policy plan the swaps of what the blocks leave saved. ``profile_steps``: steps run under ``save_on_cpu``
-    semantics before planning; the trace takes each gap's median over them (the first step of a
-    process pays one-off costs, allocator growth and kernel selection, that later steps do not).
-    ``retime_steps``: on the CPU backend, after this many executed steps the trace's gaps are
-    re-measured from them, the policy plans again on them (a plan given by ``use_plan`` stays) and
-    the prediction is redone; after every further this many steps the gaps are re-measured and the
-    prediction follows (the plan stays). With a ``hardware`` that has no host costs (the shipped
-    profiles), the host's costs are fitted from the executed steps at the same points
-    (``fitted_host_costs``). 0: keep the profiled timing.
-    ``audit``: measure the memory really held, independently of the accounting, into
-    ``report().measured_peak_bytes`` (on the CPU backend a finalizer per saved storage: slower).
-    ``strict``: a step that leaves the profiled trace raises :class:`DivergenceError` where it
-    leaves it, instead of finishing on demand and profiling again (``report().divergence`` says
-    where either way). ``background_planning``: a shape after the first one planned runs at once
-    on a plan borrowed from its family (the one the simulator times fastest on its trace), while
-    the policy plans it on a thread; its plan is used from the first step that starts after it is
-    ready (:meth:`wait_for_plans` waits for them). False: the policy plans it between steps.
+    ``budget``: ``"60%"`` of the profiled activation peak, or bytes (``"6GiB"``). ``policy``: the object that plans (anything
+    with ``plan(trace, budget, hardware) -> SwapPlan``; names such as ``"default"`` are resolved by ``swapsched.SwapRuntime``
+    or ``swapsched.get_policy``, one layer up); ``None`` plans nothing: every tensor stays until a plan is given with
+    ``use_plan``. ``hardware``: the profile the policy plans for (default: ``cpu-emulated`` on the CPU backend, ``h100-pcie5``
+    on CUDA; best: one written by ``swapsched calibrate``). ``backend``: ``"cuda"``, ``"cpu"`` or ``None`` (CUDA when
+    available). ``bandwidth``: throttle of the CPU backend's copy engines, bytes/s; without ``hardware`` the plan is made for
+    that link. ``min_bytes``: saved tensors smaller than this always stay (the plan's evictions of them are dropped before it
+    runs, which can leave the guard work to do; by default nothing is dropped, since policies already weigh each copy's
+    latency). ``model``/``optimizer``: counted in ``static_bytes`` (parameters, gradients, optimizer state), so that budgets
+    cover the whole device; without them the budget covers the saved activations alone. With both and a byte budget no plan of
+    the activations alone meets, the policy places the training state too and the runtime moves it (R13-R17,
+    ``state_mover.py``): the user's ``optimizer.step()`` steps host-placed groups on the host. With ``model`` the profiling
+    steps also record each saved tensor's module, so the policy may recompute blocks (R9): a plan that does runs those blocks
+    under ``torch.utils.checkpoint`` (see ``runtime/recompute.py``), profiles the steps again as they now run, and has the
+    policy plan the swaps of what the blocks leave saved. ``profile_steps``: steps run under ``save_on_cpu`` semantics before
+    planning; the trace takes each gap's median over them (the first step of a process pays one-off costs, allocator growth
+    and kernel selection, that later steps do not). ``retime_steps``: on the CPU backend, after this many executed steps the
+    trace's gaps are re-measured from them, the policy plans again on them (a plan given by ``use_plan`` stays) and the
+    prediction is redone; after every further this many steps the gaps are re-measured and the prediction follows (the plan
+    stays). With a ``hardware`` that has no host costs (the shipped profiles), the host's costs are fitted from the executed
+    steps at the same points (``fitted_host_costs``). 0: keep the profiled timing. ``audit``: measure the memory really held,
+    independently of the accounting, into ``report().measured_peak_bytes`` (on the CPU backend a finalizer per saved storage:
+    slower). ``strict``: a step that leaves the profiled trace raises :class:`DivergenceError` where it leaves it, instead of
+    finishing on demand and profiling again (``report().divergence`` says where either way). ``background_planning``: a shape
+    after the first one planned runs at once on a plan borrowed from its family (the one the simulator times fastest on its
+    trace), while the policy plans it on a thread; its plan is used from the first step that starts after it is ready
+    (:meth:`wait_for_plans` waits for them). False: the policy plans it between steps. ``disk``: R19, a directory on a local
+    drive where plans rest the optimizer state the ``host_budget`` cannot hold (``disk_budget`` bytes:
+    ``disk_store.with_disk``).
 
-    Only what the runtime owns is evicted. Storages the profiling steps find alive after autograd
-    let go of them (the caller's inputs and outputs, module buffers) and autocast's cached casts of
-    parameters stay resident; their bytes are counted once, in the trace's ``static_bytes``, and
-    reported as ``unowned_bytes``.
+    Only what the runtime owns is evicted. Storages the profiling steps find alive after autograd let go of them (the caller's
+    inputs and outputs, module buffers) and autocast's cached casts of parameters stay resident; their bytes are counted once,
+    in the trace's ``static_bytes``, and reported as ``unowned_bytes``.
     """
 
     def __init__(self, budget: str | int = "60%", policy: Policy | None = None, hardware: Hardware | str | None = None,
@@ -105,7 +101,8 @@ class PolicyRuntime(TwoStages):
                  model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  profile_steps: int = 3, retime_steps: int = 3, audit: bool = False, strict: bool = False,
                  background_planning: bool = True, host_budget: str | int | None = None, unhook: bool = True,
-                 quick_policy: Policy | None = None):
+                 quick_policy: Policy | None = None, disk: str | Path | None = None,
+                 disk_budget: str | int | None = None):
         self.strict = bool(strict)
         self.unhook = bool(unhook)  # a plan that moves nothing may run without hooks (may_unhook)
         # the budget in bytes per shape (budgets.py); "device" (CUDA) is resolved at the first step
@@ -128,6 +125,9 @@ class PolicyRuntime(TwoStages):
                             "('6GiB') or a share of the step's activation peak ('60%')")
         hw, self.backend = runtime_devices(name, backend if isinstance(backend, Backend) else None, hardware, bandwidth,
                                            host_budget)
+        if disk_budget is not None and disk is None:
+            raise UserError("disk_budget= is the room on the drive given as disk='/path/on/nvme': give both")
+        hw = hw if disk is None else with_disk(hw, disk, disk_budget)
         # the layouts per shape, each shape's first plan, and the policy's plans made on a thread
         # while steps run on a plan borrowed at once from the family (plans.py)
         self.plans = ShapePlans(hw, budgets, policy, quick_policy, min_bytes=min_bytes, background=background_planning)
@@ -143,7 +143,7 @@ class PolicyRuntime(TwoStages):
         self.static_bytes = static_bytes_of(model, optimizer) if model is not None else 0
         self.model = model
         # R13-R17: whether the state moves, its trace, and the mover of each plan (state_plans.py)
-        self.state = RuntimeState(model, optimizer, self.backend, self.plans.budgets)
+        self.state = RuntimeState(model, optimizer, self.backend, self.plans.budgets, disk)
         # R9: the blocks the plan recomputes run under torch.utils.checkpoint (the model's own
         # modules are wrapped, so only with a model); block -> the bytes its recompute rebuilds
         self.blocks = BlockCheckpoints(model) if model is not None else None

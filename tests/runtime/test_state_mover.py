@@ -92,15 +92,16 @@ def _optimizer(model: nn.Module, variant: str) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def train(placement: dict[str, str] | None, variant: str = "clip", steps: int = 10) -> dict[str, Any]:
+def train(placement: dict[str, str] | None, variant: str = "clip", steps: int = 10, disk: Any = None) -> dict[str, Any]:
     """``steps`` optimizer steps of :class:`TiedLM` in the loop ``variant`` names, under a mover
-    with ``placement`` (None: the plain loop); what a user can read after it."""
+    with ``placement`` (None: the plain loop) and ``disk`` (R19: its store and tiers); what a
+    user can read after it."""
     torch.manual_seed(0)
     model = TiedLM()
     opt = _optimizer(model, variant)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if variant == "scheduler" else None
     backend = CpuBackend()
-    mover = StateMover(model, opt, backend, (), placement) if placement else None
+    mover = StateMover(model, opt, backend, (), placement, disk=disk) if placement else None
     h = Harness(mover)
     gen = torch.Generator().manual_seed(1)
     losses, evals = [], []
@@ -130,6 +131,8 @@ def train(placement: dict[str, str] | None, variant: str = "clip", steps: int = 
                         p.add_(1.0)  # clobbered, so that only the reload can make the run continue right
                 model.load_state_dict(ckpt["model"])
                 opt.load_state_dict(ckpt["opt"])
+        if disk is not None:
+            opt.state_dict()  # R19: as a checkpoint reads it, the state resting on the disk back first
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
         state = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.named_parameters()}
         return {"losses": losses, "evals": evals, "params": params, "state": state, "mover": mover, "model": model}

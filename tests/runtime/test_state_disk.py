@@ -1,0 +1,131 @@
+"""runtime/state_disk.py and disk_store.py: the optimizer state resting on the disk (R19) trains
+bit-identically to the plain loop under every placement that keeps it on the host, really
+leaves memory between steps, and its files live and die with the run."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from swapsched.errors import UserError
+from swapsched.runtime.backends import CpuBackend
+from swapsched.runtime.disk_store import DiskError, DiskStore
+from swapsched.runtime.state_mover import StateMover
+from tests.runtime.test_state_mover import TiedLM, _placement, assert_same_run, train
+
+ON_DISK = ("host-step", "full", "stream", "stream-full")
+
+
+@pytest.fixture(scope="module")
+def plain() -> dict[str, dict[str, Any]]:
+    return {}
+
+
+@pytest.mark.parametrize("variant", ["clip", "scheduler", "param-groups", "state-dict", "accumulate"])
+@pytest.mark.parametrize("where", ON_DISK)
+def test_the_state_on_the_disk_trains_bit_identically(where: str, variant: str, tmp_path: Path,
+                                                      plain: dict[str, dict[str, Any]]) -> None:
+    if variant not in plain:
+        plain[variant] = train(None, variant)
+    store = DiskStore(tmp_path)
+    placement = _placement(where)
+    tiers = {g: "optim" for g, w in placement.items() if w != "device"}
+    try:
+        moved = train(placement, variant, disk=(store, tiers))
+        assert_same_run(moved, plain[variant])
+        assert store.written_bytes > 0 and store.read_bytes > 0  # it went there and came back
+    finally:
+        store.close()
+    assert not store.dir.exists()
+
+
+def test_between_steps_the_state_is_in_its_file_and_not_in_memory(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = TiedLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    backend, store = CpuBackend(), DiskStore(tmp_path)
+    mover = StateMover(model, opt, backend, (), {"layers.0": "host-step", "layers.1": "stream"},
+                       disk=(store, {"layers.0": "optim", "layers.1": "optim"}))
+    try:
+        x = torch.randint(0, 40, (4, 6))
+        for _ in range(2):
+            from tests.runtime.test_state_mover import Harness
+
+            Harness(mover).train_step(model, x)
+            opt.step()
+            opt.zero_grad()
+        store.settle()
+        for block in (model.layers[0], model.layers[1]):
+            for p in block.parameters():
+                assert opt.state[p]["exp_avg"].numel() == 0 and opt.state[p]["exp_avg_sq"].numel() == 0
+                assert opt.state[p]["step"].item() == 2  # the scalar step count stays in memory
+        w = model.layers[0].up.weight
+        expected = sum(2 * p.numel() * 4 for b in (model.layers[0], model.layers[1]) for p in b.parameters())
+        assert store.resting_bytes == expected and w.numel() > 0
+        assert sorted(f.name for f in store.dir.iterdir()) == ["layers.0.bin", "layers.1.bin"]
+        assert sum(f.stat().st_size for f in store.dir.iterdir()) >= expected
+        report = mover.report(())
+        assert report.disk_bytes == expected and report.disk_written_bytes >= expected
+        assert report.disk_read_bytes >= expected  # the second step read what the first wrote
+        mover.remove()  # everything back in memory (and on the device)
+        assert opt.state[w]["exp_avg"].numel() == w.numel()
+    finally:
+        store.close()
+        backend.shutdown()
+
+
+def test_a_second_run_on_the_same_directory_never_reads_the_first_ones_files(tmp_path: Path) -> None:
+    a, b = DiskStore(tmp_path), DiskStore(tmp_path)
+    try:
+        assert a.dir != b.dir and a.dir.parent == b.dir.parent == tmp_path
+        x = torch.ones(1000)
+        a.write("g", [x])
+        assert "g" not in b
+        b.load("g")  # nothing of b's: nothing read
+        assert b.read_bytes == 0
+    finally:
+        a.close()
+        b.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_write_leaves_the_state_whole_in_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = DiskStore(tmp_path)
+
+    def full(*args: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwritev", full)
+    x = torch.arange(5000, dtype=torch.float32)
+    try:
+        store.write("g", [x])
+        with pytest.raises(DiskError, match="the disk is full; its state is back in host memory"):
+            store.settle()
+        assert torch.equal(x, torch.arange(5000, dtype=torch.float32)) and "g" not in store
+    finally:
+        store.close()
+
+
+def test_bad_directories_and_tiers_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="does not exist"):
+        DiskStore(tmp_path / "missing")
+    torch.manual_seed(0)
+    model = TiedLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    backend, store = CpuBackend(), DiskStore(tmp_path)
+    try:
+        with pytest.raises(UserError, match="rests the optimizer state there"):
+            StateMover(model, opt, backend, (), {"layers.0": "full"}, disk=(store, {"layers.0": "state"}))
+        with pytest.raises(UserError, match="rests nothing on the host"):
+            StateMover(model, opt, backend, (), {"layers.0": "param"}, disk=(store, {"layers.0": "optim"}))
+        # refused before anything moved: the model still trains on the device, its state there
+        assert all(p.device.type == "cpu" and p.grad is None for p in model.parameters())
+        assert not opt._optimizer_step_pre_hooks and not opt._optimizer_state_dict_pre_hooks
+    finally:
+        store.close()
+        backend.shutdown()
