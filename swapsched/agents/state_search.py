@@ -100,12 +100,16 @@ def activation_view(trace: Trace, placement: dict[str, str], stream_room: int = 
     return out
 
 
-def candidate_placements(trace: Trace) -> list[dict[str, str]]:
+def candidate_placements(trace: Trace, fine: bool = False) -> list[dict[str, str]]:
     """The placements ``default`` screens (module docstring), all on the device first; those
-    the trace allows (R18: a live sharded step's ``allowed_placements``)."""
+    the trace allows (R18: a live sharded step's ``allowed_placements``). ``fine``: each share's
+    neighbours too (one group more, one fewer): where the host's budget binds (R11, R19), the
+    device's and the host's room leave a narrow band of shares that fit both."""
     groups = trace.state
     order = sorted(range(len(groups)), key=lambda j: (-groups[j].bytes, j))
     counts = sorted({max(1, round(len(groups) * f)) for f in SHARES})
+    if fine:
+        counts = sorted({c + d for c in counts for d in (-1, 0, 1) if 1 <= c + d <= len(groups)})
     out: list[dict[str, str]] = [{}]
     for kind in ("stream", "param", "host-step", "full", "stream-full"):
         out += [{groups[j].name: kind for j in order[:k]} for k in counts]
@@ -196,7 +200,8 @@ def _screened(trace: Trace, budget: int, hardware: Hardware, screen: Policy, nam
     ``SCREENED`` best are planned by ``screen`` too, and score the better of the two. ``first``:
     stop at the first that fits."""
     ranked: list[tuple[float, int, dict[str, str], int, int]] = []
-    for c, placement in enumerate(candidate_placements(trace)):
+    fine = hardware.host_budget_bytes is not None and hardware.host_budget_bytes < sum(g.bytes for g in trace.state)
+    for c, placement in enumerate(candidate_placements(trace, fine)):
         streams = any(w in ("stream", "stream-full") for w in placement.values())
         for room, share in STREAM_VARIANTS if streams else ((0, 1.0),):
             view = activation_view(trace, placement, room)
@@ -249,7 +254,9 @@ def plan_state(trace: Trace, budget: int, hardware: Hardware, *, inner: Policy, 
         host = hardware.host_budget_bytes
         why = ("" if host is None else
                f"; the host budget, {format_bytes(host)}, keeps on the device every group whose host part does not fit "
-               f"in it (R11): the whole state needs {format_bytes(sum(g.bytes for g in trace.state))} of host memory")
+               f"in it (R11): the whole state needs {format_bytes(sum(g.bytes for g in trace.state))} of host memory"
+               + (f", less what the disk budget ({format_bytes(hardware.disk_budget_bytes or 0)}) holds beside staging "
+                  "buffers for it (R19)" if hardware.has_disk else ""))
         least = smallest_state_budget(trace, hardware, screen, above=budget)
         found = ("" if least is None else
                  f"the smallest budget at which a placement fits is {format_bytes(least)} ({least} bytes), to within 1%; ")

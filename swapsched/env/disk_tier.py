@@ -6,9 +6,9 @@ asks for them.
   names, as far as the disk budget holds them in the plan's order of groups (the largest first
   is the planner's business); one the budget cannot hold rests them on the host (counted in
   ``skipped``).
-- Every read and write passes through one of ``STAGING_SLOTS`` host staging buffers (as many as
-  there are groups on the disk, where fewer), each the size of the largest group's disk parts
-  (counted in the host budget, R11). A read takes a slot
+- Every read and write passes through one of ``STAGING_SLOTS`` host staging buffers in flight,
+  each its group's size: the host budget counts the ``STAGING_SLOTS`` largest groups' bytes on
+  the disk (R11, ``state_parts.staging_bytes``). A read takes a slot
   once one is free and the group's copy on the disk is current (its last write landed: what the
   previous step left under way is carried); the slot is held until the bytes have gone on (to
   the device, or through the host's step and back to the disk).
@@ -54,22 +54,17 @@ class DiskTier:
             self.disk_bytes += need
             self.parts.append(parts)
         self.groups = groups
-        self.slot_bytes = max((part_bytes(g, p) for g, p in zip(groups, self.parts, strict=True)), default=0)
+        sizes = sorted((part_bytes(g, p) for g, p in zip(groups, self.parts, strict=True)), reverse=True)
+        self.staging_bytes = sum(sizes[:STAGING_SLOTS])
         self.engines: DiskEngines | None = None
         self.ready = {j: carry.get(_key(j), 0.0) for j in range(len(groups))}
-        if self.slot_bytes:
+        if self.staging_bytes:
             self.engines = DiskEngines(hardware, write_free=max(self.ready.values(), default=0.0))
-        self.n_slots = min(STAGING_SLOTS, sum(1 for p in self.parts if p))
-        self.slots = [0.0] * self.n_slots  # when each staging buffer is next free
+        self.slots = [0.0] * min(STAGING_SLOTS, sum(1 for p in self.parts if p))  # when each buffer is next free
         self.next_ready: dict[int, float] = {}
         self.read_bytes = self.written_bytes = 0
         self.reads: list[tuple[float, float, int]] = []
         self.writes: list[tuple[float, float, int]] = []
-
-    @property
-    def staging_bytes(self) -> int:
-        """The host's staging buffers (module docstring); 0 where nothing rests on the disk."""
-        return self.n_slots * self.slot_bytes
 
     def drop(self, j: int) -> None:
         """Group ``j`` stays on the device after all (the host budget could not hold it, R11)."""

@@ -22,7 +22,7 @@ Per placement (``swapsched/state.py``), what is on the device:
 
 R19, the disk tier: a group placed on the disk rests there the parts ``disk_parts`` names (its
 optimizer state; with tier ``state`` its parameter's master too), and the host holds them only
-in staging while they are read or written (``STAGING_SLOTS`` of the largest group's).
+in staging while they are read or written (``STAGING_SLOTS`` buffers in flight, each its group's size).
 
 Fetches go one group ahead (R14): a group's forward fetch is issued as the previous fetched
 group's forward starts (the first at the step's start), its backward fetch as the previous one's
@@ -50,7 +50,8 @@ STREAM_OUT_PARTS = {"stream": ("optim_bytes",), "stream-full": ("param_bytes", "
 
 
 #: R19: the groups a disk's staging buffers hold at once: one being read, one being stepped, one
-#: being written (ZeRO-Infinity's ``buffer_count``, planned rather than set)
+#: being written (ZeRO-Infinity's ``buffer_count``, planned rather than set); each buffer is its
+#: group's size
 STAGING_SLOTS = 3
 
 
@@ -70,10 +71,10 @@ def host_need(group: Any, placement: str, tier: str | None) -> int:
 
 
 def staging_bytes(trace_state: tuple, placement: dict[str, str], disk: dict[str, str]) -> int:
-    """R19: the host's staging buffers for the disk: ``STAGING_SLOTS`` (or one a group, where
-    fewer are on it) of the largest group's bytes on it."""
+    """R19: the host's staging buffers for the disk: at most ``STAGING_SLOTS`` in flight, each the
+    size of its group's bytes there, so at most the ``STAGING_SLOTS`` largest groups' together."""
     sizes = [part_bytes(g, disk_parts(placement.get(g.name, "device"), disk.get(g.name))) for g in trace_state]
-    return min(STAGING_SLOTS, sum(1 for b in sizes if b)) * max(sizes, default=0)
+    return sum(sorted(sizes, reverse=True)[:STAGING_SLOTS])
 
 
 def state_split(trace_state: tuple, placement: dict[str, str], disk: dict[str, str] | None = None) -> tuple[int, int]:

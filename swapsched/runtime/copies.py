@@ -61,7 +61,10 @@ class CopyingStep(StepExecution):
         # bytes of device storages of ours that died: finalizers append (maybe on a copy thread),
         # the step's thread subtracts them from the accounting
         self.deaths: deque[int] = deque()
-        self.host_held = 0  # R11: host bytes of this step's swapped tensors (held until the step ends)
+        # R11: host bytes of this step's swapped tensors (held until the step ends), beside the
+        # state the mover keeps on the host and its disk's staging (R19): they share the host budget
+        state = frame.state
+        self.host_held = 0 if state is None else state.host_bytes() + state.staging_bytes()
         self.host_skipped = 0
 
     def _count_deaths(self) -> None:

@@ -6,8 +6,9 @@ tensor's whole storage at an offset aligned to ``ALIGN``.
 - **Where the files live.** Under the user's directory, in a directory of the run's own
   (``swapsched-<pid>-<random>``): a second run on the same directory never reads the first one's
   files. The directory is removed at :meth:`close` and at interpreter exit.
-- **How bytes move.** Through ``STAGING_SLOTS`` staging buffers aligned to ``ALIGN`` (pinned where
-  the backend pins): with ``O_DIRECT`` where the filesystem allows it (no page cache: the host
+- **How bytes move.** Through at most ``STAGING_SLOTS`` staging buffers at once, each aligned to
+  ``ALIGN`` and the size of its key's file (pinned where the backend pins; a buffer of the same
+  size is used again): with ``O_DIRECT`` where the filesystem allows it (no page cache: the host
   holds only the slots), else buffered I/O, said once. One reader thread and one writer thread
   (``os.preadv`` / ``os.pwritev`` release the GIL), each FIFO as the simulator's engines
   (``env/disk_tier.py``); a read of a key waits for its write in flight.
@@ -88,11 +89,10 @@ class _Slot:
 
 
 class DiskStore:
-    """Tensors at rest in files under ``directory`` (module docstring); ``slot_bytes``: the
-    staging buffers' size (the largest key's bytes; they grow to a larger key); ``pin``: pinned
-    staging and storages (the CUDA backend)."""
+    """Tensors at rest in files under ``directory`` (module docstring); ``pin``: pinned staging
+    and storages (the CUDA backend)."""
 
-    def __init__(self, directory: str | Path, *, slot_bytes: int = 0, pin: bool = False):
+    def __init__(self, directory: str | Path, *, pin: bool = False):
         root = Path(directory).expanduser()
         if not root.is_dir():
             raise UserError(f"disk directory {str(root)!r} does not exist; create it on the drive to use (a local NVMe "
@@ -106,9 +106,8 @@ class DiskStore:
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="swapsched-disk-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="swapsched-disk-write")
         self._lock = threading.Lock()
-        self.slot_bytes = _up(slot_bytes)
         self._free: list[_Slot] = []
-        self._made = 0
+        self._alive: list[_Slot] = []  # every staging buffer, free or in use
         self._layout: dict[str, list[_Tensor]] = {}  # keys whose file is current
         self._memory: set[str] = set()  # ... whose tensors hold their bytes in memory too
         self._writes: dict[str, tuple[Future[None], _Slot]] = {}
@@ -130,33 +129,29 @@ class DiskStore:
 
     @property
     def staging_bytes(self) -> int:
-        """The staging buffers made so far (host memory, R11)."""
-        return self._made * (self.slot_bytes + ALIGN)
+        """The staging buffers alive now (host memory, R11)."""
+        return sum(slot.raw.numel() for slot in self._alive)
 
     # ------------------------------------------------------------------ staging
     def _slot(self, nbytes: int) -> _Slot:
-        """A free staging buffer of at least ``nbytes``: a new one while fewer than
-        ``STAGING_SLOTS`` exist, else the one the oldest write in flight frees."""
-        if nbytes > self.slot_bytes:  # a larger key: every buffer is made again at its size
-            self._drain()
-            self._free.clear()
-            self._made = 0
-            self.slot_bytes = _up(nbytes)
-        while not self._free:
-            if self._made < STAGING_SLOTS:
-                self._made += 1
-                return _Slot(self.slot_bytes, self.pin)
-            key = next(iter(self._writes))
-            self._finish_write(key)
-        return self._free.pop()
-
-    def _drain(self) -> None:
-        for key in list(self._writes):
-            self._finish_write(key)
-        for key in list(self._reads):
-            future, slot = self._reads.pop(key)
-            future.result()
-            self._free.append(slot)
+        """A staging buffer of ``nbytes``: a free one of that size, else a new one while fewer
+        than ``STAGING_SLOTS`` are alive (a free one of another size let go for it), else the
+        one the oldest write in flight frees is waited for."""
+        nbytes = _up(nbytes)
+        while True:
+            same = next((slot for slot in self._free if slot.view.numel() == nbytes), None)
+            if same is not None:
+                self._free.remove(same)
+                return same
+            if self._free and len(self._alive) >= STAGING_SLOTS:
+                self._alive.remove(self._free.pop())
+            if len(self._alive) < STAGING_SLOTS:
+                slot = _Slot(nbytes, self.pin)
+                self._alive.append(slot)
+                return slot
+            if not self._writes:
+                raise AssertionError("every staging buffer is taken by reads ahead")  # callers read one ahead
+            self._finish_write(next(iter(self._writes)))
 
     # ------------------------------------------------------------------ writes
     def write(self, key: str, tensors: Sequence[torch.Tensor]) -> None:
@@ -289,9 +284,10 @@ class DiskStore:
 
     def load_all(self) -> None:
         """Every key back in memory (a checkpoint reads the state; a change of plan hands it over)."""
-        for key in list(self._layout):
-            self.prefetch(key)
-        for key in list(self._layout):
+        keys = [key for key in self._layout if key in self]
+        for k, key in enumerate(keys):
+            if k + 1 < len(keys):
+                self.prefetch(keys[k + 1])  # one read ahead: a staging buffer each
             self.load(key)
 
     def forget(self, key: str) -> None:
@@ -326,6 +322,7 @@ class DiskStore:
         self._writes.clear()
         self._reads.clear()
         self._free.clear()
+        self._alive.clear()
         shutil.rmtree(self.dir, ignore_errors=True)
         atexit.unregister(self.close)
 

@@ -260,8 +260,9 @@ class StepReport:
     # predicted shape at its first saved tensor, and what it did after the step (the policy's plan,
     # a re-layout); plans made on the planner thread are not in it
     planning_s: float = 0.0
-    # R11: host bytes this step's swapped tensors held (the pool's buffers, until the step's end),
-    # and planned swap-outs left on the device because the host budget had no room
+    # R11: host bytes this step held: its swapped tensors (the pool's buffers, until the step's
+    # end), the state the plan keeps on the host and the disk's staging buffers (R19); and planned
+    # swap-outs left on the device because the host budget had no room
     host_peak_bytes: int = 0
     host_skipped: int = 0
     # the plan moved nothing and the shape's steps had followed it: the hooks came off after the

@@ -277,6 +277,10 @@ class StateAtRest:
             total += sum(v.numel() * v.element_size() for _, v in self._state_tensors(mp) if id(v) in self._host_state)
         return total
 
+    def staging_bytes(self) -> int:
+        """R19: the host's staging buffers for the disk now."""
+        return 0 if self.disk is None else self.disk.store.staging_bytes
+
     def _enter_at_rest(self, g: str) -> None:
         """A forward outside ``runtime.step()`` (evaluation): the group's parameters on the device
         for it, synchronously, and back to rest after (``_leave_at_rest``). Under
