@@ -114,7 +114,8 @@ class NothingToSwap(UserError):
 
 def run_runtime(model: str, policy: Any, budget: str, steps: int, *, size: str | None = None, batch_size: int | None = None,
                 seq_len: int | None = None, backend: str | None = None, bandwidth: float | None = None,
-                hardware: str | None = None, on_step: Callable[..., None] | None = None, optimizer: str = "sgd") -> RunResult:
+                hardware: str | None = None, on_step: Callable[..., None] | None = None, optimizer: str = "sgd",
+                memory: dict[str, Any] | None = None) -> RunResult:
     from swapsched.deploy import SwapRuntime
     from swapsched.runtime.backends import resolve_backend
 
@@ -123,7 +124,7 @@ def run_runtime(model: str, policy: Any, budget: str, steps: int, *, size: str |
     case, ref = _pair(model, size, batch_size, seq_len, device)
     opt_a, opt_b = make_optimizer(case.model, optimizer), make_optimizer(ref.model, optimizer)
     rt = SwapRuntime(budget=budget, policy=policy, backend=backend, bandwidth=bandwidth, hardware=hardware,
-                     model=case.model, optimizer=opt_a)
+                     model=case.model, optimizer=opt_a, **(memory or {}))
     name = getattr(rt.policy, "name", str(policy))
     if steps <= rt.profile_steps:
         raise UserError(f"--steps must exceed the {rt.profile_steps} profiling steps, got {steps}")
@@ -367,8 +368,10 @@ class _Method:
 def compare_live(model: str, budget: str, policies: list[str], *, size: str | None = None, batch_size: int | None = None,
                  seq_len: int | None = None, backend: str | None = None, bandwidth: float | None = None,
                  hardware: str | None = None, rounds: int = 6, round_steps: int = 2, seed: int = 0,
-                 progress: Callable[[str], None] | None = None, optimizer: str = "sgd") -> LiveComparison:
-    """Every method of ``--compare`` (module docstring) on ``model`` at ``budget``, interleaved."""
+                 progress: Callable[[str], None] | None = None, optimizer: str = "sgd",
+                 memory: dict[str, Any] | None = None) -> LiveComparison:
+    """Every method of ``--compare`` (module docstring) on ``model`` at ``budget``, interleaved;
+    ``memory``: the runtimes' ``host_budget``, ``disk`` and ``disk_budget`` (R11, R19)."""
     import random
 
     from swapsched.budget import parse_budget
@@ -391,7 +394,7 @@ def compare_live(model: str, budget: str, policies: list[str], *, size: str | No
         # audited in the metered step only (below): the audit meter's dispatch mode slows every op,
         # and timed rounds under it put a moving state's rows at 3-4x their step (gpt tiny, AdamW)
         rt = SwapRuntime(budget=budget, policy=policy, backend=backend, bandwidth=bandwidth, hardware=hardware,
-                         model=case.model, optimizer=opt)
+                         model=case.model, optimizer=opt, **(memory or {}))
         runtimes.append(rt)
         return _Method(name, case, rt.step, note or f"swapsched runtime, link: {rt.backend.link()}", rt, opt)
 
@@ -420,7 +423,9 @@ def compare_live(model: str, budget: str, policies: list[str], *, size: str | No
         # CPUOffloadPolicy, torchao's CPUOffloadOptimizer, DeepSpeed's ZeRO-Offload) offloads from a
         # CUDA device and is not run here; each row says so
         for peer, what in (("zero-offload", "ZeRO-Offload's placement"), ("fsdp-offload", "FSDP2 CPUOffloadPolicy's placement"),
-                           ("ao-offload", "torchao CPUOffloadOptimizer's placement")):
+                           ("ao-offload", "torchao CPUOffloadOptimizer's placement"),
+                           *((("zero-infinity", "ZeRO-Infinity's placement (offload_optimizer: nvme)"),)
+                             if (memory or {}).get("disk") else ())):
             methods.append(runtime_method(peer, peer, f"{what} executed by the swapsched runtime, not the peer's own code"))
     for p in policies:  # one row per method: a peer's placement is its row above already
         if all(m.name != p for m in methods):

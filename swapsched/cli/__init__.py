@@ -18,6 +18,7 @@ from swapsched.cli.arguments import (
     csv_list,
     disk_budget,
     host_budget,
+    in_dir,
     in_file,
     out_dir,
     out_file,
@@ -205,6 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", metavar="OUT", type=out_file, help="write one record per method as JSON")
     sp.add_argument("--plot", metavar="PNG", type=out_file, help="step time and peak memory per method")
     sp.add_argument("--no-progress", action="store_true", help="no per-step lines")
+    sp.add_argument("--host-budget", type=host_budget, metavar="BYTES",
+                    help="with --optimizer adamw: the host memory the runtime's state and swapped tensors may hold, like "
+                         "'2GiB' (R11; default unlimited)")
+    sp.add_argument("--disk", type=in_dir, metavar="DIR",
+                    help="with --host-budget: a directory on a local drive where plans rest the optimizer state the host "
+                         "budget cannot hold (R19); --compare adds zero-infinity")
+    sp.add_argument("--disk-budget", type=disk_budget, metavar="BYTES",
+                    help="with --disk: what the state may rest there, like '100GiB' (default nine tenths of its free space)")
     sp.add_argument("--world-size", type=positive_int, default=1, metavar="N",
                     help="N gloo ranks of this machine under FSDP2 (R18), with AdamW: the model wrapped by "
                          "swapsched.fully_shard and trained under the runtime; --compare adds fsdp, fsdp-offload and "
@@ -218,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--world-size", type=positive_int, default=1, metavar="N",
                     help="also time all-gathers over N ranks started on this machine (gloo on cpu, NCCL on cuda), "
                          "for sharded steps (R18); default 1: no collectives")
+    sp.add_argument("--disk", type=in_dir, metavar="DIR",
+                    help="also measure the drive under DIR (R19): direct-I/O reads and writes of 1 GiB in 16 MiB "
+                         "requests and one block's latency, for the disk tier (about a second on an NVMe drive)")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     sp.add_argument("--out", default="calibrated.yaml", type=out_file, help="hardware YAML to write (default calibrated.yaml)")
 

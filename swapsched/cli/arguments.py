@@ -10,7 +10,7 @@ from typing import Any
 
 from swapsched.errors import UserError
 
-__all__ = ["Parser", "csv_list", "budgets", "host_budget", "disk_budget", "ranks", "budget", "out_file", "out_dir", "in_file",
+__all__ = ["Parser", "csv_list", "budgets", "host_budget", "disk_budget", "ranks", "budget", "out_file", "out_dir", "in_file", "in_dir",
            "policy_list", "positive", "positive_int", "positive_float", "override"]
 
 
@@ -107,6 +107,13 @@ def out_file(value: str) -> str:
 def out_dir(value: str) -> str:
     """An argparse type: a folder the command can write files in."""
     _writable(Path(value))
+    return value
+
+
+def in_dir(value: str) -> str:
+    """An argparse type: a directory that exists."""
+    if not Path(value).is_dir():
+        raise argparse.ArgumentTypeError(f"{value}: no such directory")
     return value
 
 

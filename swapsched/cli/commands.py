@@ -189,9 +189,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     from swapsched.run import NothingToSwap, run_runtime
 
     if args.world_size > 1:
+        if args.host_budget is not None or args.disk is not None:
+            raise UserError("--host-budget and --disk are one device's (R11, R19): leave them out with --world-size")
         return _run_sharded(args)
 
-    common = dict(size=args.size, batch_size=args.batch_size, seq_len=args.seq_len)
+    common: dict[str, Any] = dict(size=args.size, batch_size=args.batch_size, seq_len=args.seq_len)
+    if args.disk_budget is not None and args.disk is None or args.disk is not None and args.host_budget is None:
+        raise UserError("--disk-budget is the room under --disk, and --disk holds what --host-budget cannot: give "
+                        "--host-budget with --disk, and --disk with --disk-budget")
+    memory = {k: v for k, v in (("host_budget", args.host_budget), ("disk", args.disk), ("disk_budget", args.disk_budget))
+              if v is not None}
+    if memory:
+        common["memory"] = memory
     say_if_shrunk(args.model, args.size)
     progress = not args.no_progress
 
@@ -223,7 +232,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         # ao-offload), and the sharded and frozen-weight peers plan other steps (R18, R13)
         skip = {"optimal", "swapadvisor", "default-swap", "capuchin-swap", "checkpoint-all", "checkpoint-selective",
                 "checkpoint-offload", "swap-all", "no-swap", "local-search", "zero-offload", "fsdp-offload", "ao-offload",
-                "fsdp", "fsdp-partial", "zero3-offload", "accelerate-offload"}
+                "fsdp", "fsdp-partial", "zero3-offload", "accelerate-offload", "zero-infinity"}
         others = args.compare_policies or [p for p in policy_names() if p not in skip]
         policies = [args.policy, *[p for p in others if p != args.policy]]
         bar = tqdm(desc="compare", unit="step", disable=not progress, file=sys.stderr)
@@ -283,7 +292,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     resolve_backend(args.backend)  # a clear error where there is no CUDA device
     cal = calibrate(args.backend, bandwidth=args.bandwidth, name=args.name, progress=not args.no_progress,
-                    world_size=args.world_size)
+                    world_size=args.world_size, disk=args.disk)
     hw = cal.hardware
     cal.save(args.out)  # each number with where it came from
     print(f"d2h {hw.d2h_bytes_per_s / 1e9:.3f} GB/s   h2d {hw.h2d_bytes_per_s / 1e9:.3f} GB/s   "
@@ -293,6 +302,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if hw.collective_bytes_per_s is not None:
         print(f"collectives over {args.world_size} ranks: {hw.collective_bytes_per_s / 1e9:.3f} GB/s bus bandwidth, "
               f"latency {1e6 * hw.collective_latency_s:.1f} us")
+    if hw.disk_read_bytes_per_s is not None and hw.disk_write_bytes_per_s is not None:
+        print(f"disk under {args.disk}: read {hw.disk_read_bytes_per_s / 1e9:.3f} GB/s   write "
+              f"{hw.disk_write_bytes_per_s / 1e9:.3f} GB/s   latency {1e6 * hw.disk_latency_s:.1f} us")
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

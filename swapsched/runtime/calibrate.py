@@ -40,6 +40,7 @@ from swapsched.errors import UserError
 from swapsched.hardware import DEFAULT_GPU_HARDWARE, Hardware, load_hardware
 from swapsched.plan import Eviction, SwapPlan, on_demand_plan
 from swapsched.runtime.backends import Backend, CpuBackend, CudaBackend, copy_wake_s
+from swapsched.runtime.disk_store import measure_disk
 from swapsched.runtime.retime import nonnegative_fit
 from swapsched.runtime.swapper import PolicyRuntime
 from swapsched.trace import Trace
@@ -358,11 +359,17 @@ def calibrate_host(backend_name: str, bandwidth: float | None = None, rounds: in
     return HostCosts(max(med(hooks), 0.0), issue, per_byte, resume)
 
 
+#: R19: what ``calibrate --disk`` writes and reads back (large enough to pass a drive's DRAM cache)
+DISK_PROBE_BYTES = 1024 * 2**20
+
+
 def calibrate(backend_name: str = "cpu", bandwidth: float | None = None, name: str | None = None,
-              base: str = "cpu-emulated", progress: bool = False, world_size: int = 1) -> Calibration:
+              base: str = "cpu-emulated", progress: bool = False, world_size: int = 1,
+              disk: str | Path | None = None) -> Calibration:
     """Measure link and hooks; the result keeps ``base``'s compute peaks (used for roofline only).
     ``progress``: a bar over the link and the host-cost rounds (35-60 s in all on a CPU);
-    ``world_size`` > 1: the collectives too, over that many ranks on this machine (R18)."""
+    ``world_size`` > 1: the collectives too, over that many ranks on this machine (R18); ``disk``:
+    the drive under that directory too (R19, ``disk_store.measure_disk``)."""
     from tqdm import tqdm
 
     rounds = 32
@@ -401,4 +408,11 @@ def calibrate(backend_name: str = "cpu", bandwidth: float | None = None, name: s
                f"{COLLECTIVE_SIZES[-1] // 2**20} MiB over {world_size} ranks of this machine, least squares")
         provenance.update(collective_bytes_per_s=how, collective_latency_s=how,
                           gpus_per_node="the ranks calibrate ran on this machine")
+    if disk is not None:
+        read, write, latency, direct = measure_disk(disk, nbytes=DISK_PROBE_BYTES)
+        hw = replace(hw, disk_read_bytes_per_s=read, disk_write_bytes_per_s=write, disk_latency_s=latency)
+        how = (f"measured by swapsched calibrate --disk on {time.strftime('%Y-%m-%d')}: {DISK_PROBE_BYTES // 2**20} MiB in "
+               f"16 MiB sequential requests, {'direct I/O' if direct else 'buffered, the page cache dropped between'}")
+        provenance.update(disk_read_bytes_per_s=how, disk_write_bytes_per_s=f"{how}, fsync'd",
+                          disk_latency_s=f"{how}: the median of 8 reads of one 4 KiB block")
     return Calibration(hw, tuple(d2h), tuple(h2d), host, provenance)
