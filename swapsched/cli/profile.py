@@ -10,7 +10,7 @@ from typing import Any
 
 from swapsched.errors import UserError
 
-__all__ = ["cmd_profile", "cmd_inspect", "print_summary", "profile_case", "say_if_shrunk"]
+__all__ = ["cmd_profile", "cmd_inspect", "print_summary", "profile_case", "say_if_shrunk", "summary"]
 
 
 def say_if_shrunk(model: str, size: str | None) -> None:
@@ -54,7 +54,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         trace = shard_trace(trace, world, gather_bytes=precision.param_dtype.itemsize)
     out = args.out or f"{trace.name}.json.gz"
     save_trace(trace, out)
-    print_summary(trace.summary())
+    print_summary(summary(trace))
     print(f"precision    {precision} (compute {precision.compute_dtype}); attention {_kernels_used(trace.meta)}")
     if world > 1:
         print(f"sharded      one rank of {world}: fp32 shards of the state, parameters all-gathered in "
@@ -139,6 +139,19 @@ def _optimizer(name: str, model: Any) -> Any:
     return torch.optim.AdamW(params) if name == "adamw" else torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
+def summary(trace: Any) -> dict[str, Any]:
+    """``Trace.summary()`` and, for a trace with its state, the least host memory the state needs
+    with a disk (R19): every group off the device with its master and optimizer state on the disk,
+    the host holding the gradients and the staging buffers."""
+    from swapsched.env.state_parts import state_split
+
+    s = trace.summary()
+    if trace.state:
+        tiers = {g.name: "state" for g in trace.state}
+        s["host_bytes_with_disk"] = state_split(trace.state, dict.fromkeys(tiers, "full"), tiers)[1]
+    return s
+
+
 def print_summary(s: dict[str, Any]) -> None:
     from swapsched.budget import format_bytes
 
@@ -156,14 +169,15 @@ def print_summary(s: dict[str, Any]) -> None:
           + ("  (the state kept)" if s.get("state_bytes") else ""))
     if s.get("state_bytes"):
         print(f"             smallest feasible with the state movable {format_bytes(s['min_feasible_bytes_movable'])}, "
-              f"with {format_bytes(s['state_bytes'])} of host memory")
+              f"with {format_bytes(s['state_bytes'])} of host memory, or {format_bytes(s['host_bytes_with_disk'])} with "
+              "a disk (--disk-budget: the gradients and the staging buffers)")
     print(f"compute      forward {1e3 * c['forward']:.3f} ms   backward {1e3 * c['backward']:.3f} ms   step {1e3 * c['total']:.3f} ms")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from swapsched.trace_file import load_trace
 
-    s = load_trace(args.trace).summary()
+    s = summary(load_trace(args.trace))
     if args.json:
         print(json.dumps(s, indent=2))
     else:

@@ -3,9 +3,8 @@ staging buffers, and the disk's reads and writes, as :class:`~swapsched.env.stat
 asks for them.
 
 - A group placed on the disk (``SwapPlan.disk``) rests there the parts ``state_parts.disk_parts``
-  names, as far as the disk budget holds them in the plan's order of groups (the largest first
-  is the planner's business); one the budget cannot hold rests them on the host (counted in
-  ``skipped``).
+  names, as far as the disk budget holds them (``state_parts.held``: one it cannot hold rests
+  them on the host, counted in ``skipped``).
 - Every read and write passes through one of ``STAGING_SLOTS`` host staging buffers in flight,
   each its group's size: the host budget counts the ``STAGING_SLOTS`` largest groups' bytes on
   the disk (R11, ``state_parts.staging_bytes``). A read takes a slot
@@ -23,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from swapsched.env.copy_engines import DiskEngines
-from swapsched.env.state_parts import STAGING_SLOTS, disk_parts, part_bytes
+from swapsched.env.state_parts import STAGING_SLOTS, Held, part_bytes
 from swapsched.hardware import Hardware
 
 __all__ = ["DiskTier"]
@@ -37,25 +36,12 @@ def _key(j: int) -> int:
 class DiskTier:
     """The disk tier of one simulated step (module docstring)."""
 
-    def __init__(self, groups: Sequence[Any], where: Sequence[str], tiers: dict[str, str], hardware: Hardware,
-                 carry: dict[int, float]):
-        room = hardware.disk_budget_bytes if hardware.has_disk else 0
-        assert room is not None
-        self.parts: list[tuple[str, ...]] = []
-        self.skipped = 0
-        self.disk_bytes = 0
-        for g, w in zip(groups, where, strict=True):
-            parts = disk_parts(w, tiers[g.name]) if g.name in tiers else ()
-            need = part_bytes(g, parts)
-            if parts and need > room:
-                parts, need = (), 0
-                self.skipped += 1
-            room -= need
-            self.disk_bytes += need
-            self.parts.append(parts)
+    def __init__(self, groups: Sequence[Any], held: Held, hardware: Hardware, carry: dict[int, float]):
+        self.parts: list[tuple[str, ...]] = list(held.parts)  # as the budgets hold them (state_parts.held)
+        self.skipped = held.disk_skipped
+        self.disk_bytes = sum(part_bytes(g, p) for g, p in zip(groups, self.parts, strict=True))
         self.groups = groups
-        sizes = sorted((part_bytes(g, p) for g, p in zip(groups, self.parts, strict=True)), reverse=True)
-        self.staging_bytes = sum(sizes[:STAGING_SLOTS])
+        self.staging_bytes = held.staging
         self.engines: DiskEngines | None = None
         self.ready = {j: carry.get(_key(j), 0.0) for j in range(len(groups))}
         if self.staging_bytes:
@@ -65,11 +51,6 @@ class DiskTier:
         self.read_bytes = self.written_bytes = 0
         self.reads: list[tuple[float, float, int]] = []
         self.writes: list[tuple[float, float, int]] = []
-
-    def drop(self, j: int) -> None:
-        """Group ``j`` stays on the device after all (the host budget could not hold it, R11)."""
-        self.disk_bytes -= part_bytes(self.groups[j], self.parts[j])
-        self.parts[j] = ()
 
     def nbytes(self, j: int, parts: Sequence[str] | None = None) -> int:
         """What of group ``j`` (of ``parts``, else all it rests there) is on the disk."""

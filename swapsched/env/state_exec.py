@@ -31,11 +31,11 @@ from swapsched.env.collectives import Collectives
 from swapsched.env.disk_tier import DiskTier
 from swapsched.env.result import SimResult, StateCost
 from swapsched.env.state_parts import (
-    HOST_PARTS,
     STREAM_IN_PARTS,
     STREAM_OUT_PARTS,
     by_event,
     fetch_events,
+    held,
     part_bytes,
     state_split,
     stream_in_bytes,
@@ -78,31 +78,19 @@ class StateExecution:
         self.host_rate = hw.host_optimizer_rate() if kind.touched_bytes_per_param else math.inf
         self.result = StateResult()
         self.carry = dict(carry or {})  # group -> time its parameter is ready on the host/device (this step's clock)
-        requested = [placement.get(g.name, "device") for g in self.groups]
-        # R19: what rests on the disk (under its budget), its staging counted on the host first
-        self.disk = DiskTier(self.groups, requested, plan.on_disk(), hw, self.carry)
-        # R11: a group whose state the host budget cannot hold stays on the device
-        host_room = math.inf if hw.host_budget_bytes is None else hw.host_budget_bytes - self.disk.staging_bytes
-        self.where: list[str] = []
-        for j, g in enumerate(self.groups):
-            w = requested[j]
-            need = part_bytes(g, HOST_PARTS[w]) - self.disk.nbytes(j)
-            if need > host_room:
-                w = "device"
-                self.result.skipped += 1
-                self.disk.drop(j)
-            else:
-                host_room -= need
-                self.result.host_bytes += need
-            self.where.append(w)
-            r = self.result
+        # R19 then R11: what the disk and host budgets hold of the plan (state_parts.held)
+        h = held(self.groups, placement, plan.on_disk(), hw)
+        self.disk = DiskTier(self.groups, h, hw, self.carry)
+        self.where: list[str] = list(h.where)
+        r = self.result
+        r.skipped, r.host_bytes = h.skipped, h.host
+        for g, w in zip(self.groups, self.where, strict=True):
             if w in ("param", "full", "stream-full"):
                 r.param_off += g.param_bytes
             if w in ("host-step", "full", "stream-full"):
                 r.grad_off += g.grad_bytes
             if w in ("host-step", "full", "stream", "stream-full"):
                 r.optim_off += g.optim_bytes
-        self.result.host_bytes += self.disk.staging_bytes
         n = sim.tb.n
         self.next_carry: dict[int, float] = {}
         self.resident = [w in ("device", "param", "host-step", "stream") for w in self.where]  # its parameter

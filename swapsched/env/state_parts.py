@@ -31,11 +31,16 @@ backward starts (the first as backward starts); a sharded step's all-gathers ali
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, replace
 from typing import Any
+
+from swapsched.hardware import Hardware
+from swapsched.plan import SwapPlan
 
 __all__ = ["STATIC_PARTS", "HOST_PARTS", "STREAM_IN_PARTS", "STREAM_OUT_PARTS", "state_split", "resident_parts",
            "part_bytes", "stream_in_bytes", "one_ahead", "fetch_events", "by_event", "disk_parts", "STAGING_SLOTS",
-           "staging_bytes", "host_need"]
+           "staging_bytes", "host_need", "Held", "held", "as_held"]
 
 #: The parts of a group the step's static bytes hold under each placement (module docstring)
 STATIC_PARTS = {"device": ("param_bytes", "grad_bytes", "optim_bytes"), "param": ("grad_bytes", "optim_bytes"),
@@ -129,3 +134,58 @@ def by_event(n: int, pairs: list[tuple[int, int]]) -> list[tuple[int, ...]]:
         if 0 <= i < n:
             out[i] += (j,)
     return out
+
+
+@dataclass(frozen=True)
+class Held:
+    """What of a state plan the disk and host budgets hold (:func:`held`)."""
+
+    where: tuple[str, ...]  # each group's placement (``device`` where the host could not hold it)
+    parts: tuple[tuple[str, ...], ...]  # each group's parts on the disk
+    skipped: int  # groups kept on the device for the host budget (R11)
+    disk_skipped: int  # groups resting on the host for the disk budget (R19)
+    staging: int  # the disk's staging buffers (R19)
+    host: int  # what the host holds for the state, staging included
+
+
+def held(groups: tuple, placement: dict[str, str], tiers: dict[str, str], hardware: Hardware) -> Held:
+    """R19 then R11: each group's disk parts as far as the disk budget holds them, in the groups'
+    order (one it cannot hold rests them on the host), the staging buffers for what is there,
+    then each group's placement as far as the host budget holds the rest (one it cannot hold
+    stays on the device). The one home of this rule: the simulator runs, and the runtime carries
+    out (:func:`as_held`), what it leaves."""
+    room = hardware.disk_budget_bytes if hardware.has_disk else 0
+    assert room is not None
+    parts: list[tuple[str, ...]] = []
+    disk_skipped = 0
+    for g in groups:
+        on = disk_parts(placement.get(g.name, "device"), tiers.get(g.name))
+        if on and part_bytes(g, on) > room:
+            on = ()
+            disk_skipped += 1
+        room -= part_bytes(g, on)
+        parts.append(on)
+    staging = sum(sorted((part_bytes(g, on) for g, on in zip(groups, parts, strict=True)), reverse=True)[:STAGING_SLOTS])
+    host_room = math.inf if hardware.host_budget_bytes is None else hardware.host_budget_bytes - staging
+    where, skipped, host = [], 0, 0
+    for j, g in enumerate(groups):
+        w = placement.get(g.name, "device")
+        need = part_bytes(g, HOST_PARTS[w]) - part_bytes(g, parts[j])
+        if need > host_room:
+            w, parts[j] = "device", ()
+            skipped += 1
+        else:
+            host_room -= need
+            host += need
+        where.append(w)
+    return Held(tuple(where), tuple(parts), skipped, disk_skipped, staging, host + staging)
+
+
+def as_held(plan: SwapPlan, groups: tuple, hardware: Hardware) -> SwapPlan:
+    """``plan`` with the state placements and disk tiers the budgets hold (:func:`held`), as the
+    simulator ran it: what the runtime carries out."""
+    h = held(groups, plan.placement(), plan.on_disk(), hardware)
+    tiers = plan.on_disk()
+    state = tuple(sorted((g.name, w) for g, w in zip(groups, h.where, strict=True) if w != "device"))
+    disk = tuple(sorted((g.name, tiers[g.name]) for g, on in zip(groups, h.parts, strict=True) if on))
+    return plan if (state, disk) == (plan.state, plan.disk) else replace(plan, state=state, disk=disk)

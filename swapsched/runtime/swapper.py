@@ -26,6 +26,7 @@ import torch
 
 from swapsched.budget import BudgetError
 from swapsched.env.result import SimResult
+from swapsched.env.state_parts import as_held
 from swapsched.errors import UserError, internal_assert, present
 from swapsched.hardware import HOST_COSTS, Hardware
 from swapsched.plan import SwapPlan, carry_evictions
@@ -478,10 +479,9 @@ class PolicyRuntime(TwoStages):
         internal_assert(not (plan.recompute or plan.selective), "a plan that recomputes goes through _recompute (R9's two stages)")
         trace = present(self.trace, "the trace a plan is adopted on")
         plan.validate(trace)
-        if plan.state and plan.host_step != "after-backward":
-            # the user's optimizer.step() runs the host steps, after backward (state_mover.py): the
-            # prediction is made for that
+        if plan.state and plan.host_step != "after-backward":  # the user's optimizer.step() runs the host steps
             plan, simulated = replace(plan, host_step="after-backward"), None
+        plan = as_held(plan, trace.state, self.hardware)  # R11, R19: as the simulator runs it
         self.state.place(plan, trace)
         self.layout = self.plans.lay_out(trace, plan, simulated, first_sight=self.first_sight)
         self.plan, self.predicted_s = plan, self.layout.predicted_s

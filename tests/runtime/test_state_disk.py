@@ -176,3 +176,32 @@ def test_swap_runtime_rests_on_the_disk_what_the_host_budget_cannot_hold(tmp_pat
     finally:
         rt.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_runtime_carries_out_what_the_host_budget_holds_of_a_plan() -> None:
+    """R11: a peer's plan placing every group on the host (ZeRO-Offload's) under a host budget of
+    a quarter of the state is carried out as the simulator runs it: the groups the host cannot
+    hold stay on the device, and the host holds at most its budget."""
+    import torch.nn as nn
+
+    import swapsched
+    from swapsched.runtime.profiler import static_bytes_of
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.ReLU()) for _ in range(16)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    host_budget = 16 * sum(p.numel() for p in model.parameters()) // 4
+    rt = swapsched.SwapRuntime(budget=int(0.9 * static_bytes_of(model, opt)), policy="zero-offload", model=model,
+                               optimizer=opt, host_budget=host_budget)
+    x = torch.randn(64, 128)
+    try:
+        for _ in range(5):
+            with rt.step():
+                model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        r = rt.report()
+        assert rt.plan is not None and 0 < len(rt.plan.state) < 16  # some groups, not all, on the host
+        assert r.mode == "execute" and 0 < r.host_peak_bytes <= host_budget
+    finally:
+        rt.close()
