@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from swapsched.env.state_parts import STAGING_SLOTS
 from swapsched.errors import UserError
 from swapsched.runtime.disk_store import DiskStore
 from swapsched.runtime.shards import like, local_of
@@ -58,6 +59,7 @@ class StateOnDisk:
         self.streamed = [g for g in mover.forward_order if placed.get(g) in ("stream", "stream-full")]
         self._hidden: dict[int, torch.Tensor] = {}
         self._in: list[str] = []  # streamed groups read for this step's stream-in
+        self._landing: dict[str, list[Any]] = {}  # ... whose copies to the device may still be under way
         self._at = (store.read_bytes, store.written_bytes, store.wait_s)  # the store's I/O as the last step began
         self._handles: list[Any] = []
 
@@ -151,6 +153,7 @@ class StateOnDisk:
 
     def after_step(self) -> None:
         """The user's step is done: the hidden gradients back."""
+        self._in.clear()
         if self._hidden:
             for g in self.host_stepped:
                 for mp in self.m.users[g]:
@@ -159,10 +162,33 @@ class StateOnDisk:
                         mp.p.grad = grad
 
     # ------------------------------------------------------------------ streamed groups
+    def ahead(self) -> None:
+        """As a step starts: the reads of the first groups the optimizer step needs are issued,
+        two ahead (one staging buffer left for a write), so that they overlap the step's compute."""
+        for g in [g for g in (*self.host_stepped, *self.streamed) if g in self.store][:STAGING_SLOTS - 1]:
+            self.store.prefetch(g)
+
+    def landing(self, g: str, tickets: list[Any]) -> None:
+        """Copies of group ``g``'s state to the device were issued (``tickets``)."""
+        if g in self._in:
+            self._landing.setdefault(g, []).extend(tickets)
+
+    def _let_go_landed(self, keep: int) -> None:
+        """The groups streamed in, all but the last ``keep``: their copies waited for, their
+        host copies let go (the files are current)."""
+        while len(self._landing) > keep:
+            g = next(iter(self._landing))
+            for t in self._landing.pop(g):
+                self.m.backend.wait_host(t)
+            self.store.release(g)
+
     def before_stream_in(self, g: str) -> None:
-        """Group ``g``'s state read before it streams in (the next streamed group's read ahead)."""
+        """Group ``g``'s state read before it streams in (the next streamed group's read ahead);
+        the one before the last let go once its copies landed (a staging buffer's worth in host
+        memory at a time)."""
         if g not in self.streamed or g in self._in:
             return
+        self._let_go_landed(keep=1)
         self._in.append(g)
         self.store.load(g)
         later = self.streamed[self.streamed.index(g) + 1:]
@@ -177,6 +203,7 @@ class StateOnDisk:
     def streamed_in(self) -> None:
         """The stream-ins landed (the caller waited for them): the host's copies go (the files
         are current)."""
+        self._let_go_landed(keep=0)
         for g in self._in:
             self.store.release(g)
 
@@ -185,11 +212,10 @@ class StateOnDisk:
         if g in self._in:
             self.store.allocate(g)
 
-    def streamed_out(self) -> None:
-        """The stream-outs landed: each group's state written and let go."""
-        for g in self._in:
+    def streamed_out(self, g: str) -> None:
+        """Group ``g``'s stream-out landed: its state written and let go."""
+        if g in self._in:
             self.rest(g)
-        self._in.clear()
 
     def begin(self) -> None:
         """The optimizer step starts: its disk I/O counts from here."""

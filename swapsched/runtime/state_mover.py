@@ -304,6 +304,8 @@ class StateMover(GradientsToHost):
         self._reduced = False
         self.peak_transient = self.transient
         self.copied = 0
+        if self.disk is not None:
+            self.disk.ahead()  # R19: the optimizer step's first reads overlap the step
         self._issue_next(self.forward_order, None)
 
     def _issue_next(self, order: list[str], after: str | None) -> None:

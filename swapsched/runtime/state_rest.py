@@ -374,21 +374,23 @@ class StateAtRest:
         the next forward waits for it)."""
         if self._disk_stepping:
             return
-        tickets: list[Ticket] = []
+        tickets: list[tuple[str, Ticket]] = []  # (group, copy): a group's copies one after another
         with torch.no_grad():
             for mp in self.params.values():
                 if mp.placement in ("stream", "stream-full"):
                     if self.disk is not None:
                         self.disk.before_stream_out(mp.group)
-                    tickets += self._state_out(mp)
+                    tickets += [(mp.group, t) for t in self._state_out(mp)]
                 if mp.placement == "stream-full":
-                    tickets.append(self.backend.copy_out_into(_alias(present_dev(mp)), present_host(mp)))
+                    tickets.append((mp.group, self.backend.copy_out_into(_alias(present_dev(mp)), present_host(mp))))
                     self.copied += mp.nbytes
                 elif mp.placement == "host-step":
                     mp.back = self.backend.copy_in_into(present_host(mp), _alias(present_dev(mp)))
                     self.copied += mp.nbytes
-            for t in tickets:
+            for k, (g, t) in enumerate(tickets):
                 self.backend.wait_host(t)
+                if self.disk is not None and (k + 1 == len(tickets) or tickets[k + 1][0] != g):
+                    self.disk.streamed_out(g)  # R19: its last copy out landed: written as the others land
             for mp in self.params.values():
                 if mp.placement == "stream-full":
                     if mp.p.grad is not None:
@@ -401,7 +403,6 @@ class StateAtRest:
                 elif mp.placement == "host-step":
                     mp.dev_version = mp.p._version
         if self.disk is not None:
-            self.disk.streamed_out()
             self.disk.after_step()
         self.optimizer_step_s = time.perf_counter() - self._t_step
 
@@ -423,7 +424,8 @@ class StateAtRest:
                 self._host_state.add(id(h))
 
     def _state_in(self, mp: _Param) -> list[Ticket]:
-        """``mp``'s state from its host tensors into device copies (issued; the step waits)."""
+        """``mp``'s state from its host tensors into device copies (issued; the step waits; R19:
+        a group read from the disk is let go once its copies have landed)."""
         st = self.optimizer.state[mp.p]
         out = []
         for k, v in list(self._state_tensors(mp)):
@@ -436,6 +438,8 @@ class StateAtRest:
             self.copied += nbytes
             st[k] = like(st[k], d)
             self._streamed[id(d)] = v
+        if self.disk is not None:
+            self.disk.landing(mp.group, out)
         return out
 
     def _state_out(self, mp: _Param) -> list[Ticket]:
