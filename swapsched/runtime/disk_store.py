@@ -39,6 +39,7 @@ from swapsched.budget import parse_budget
 from swapsched.env.state_parts import STAGING_SLOTS
 from swapsched.errors import UserError
 from swapsched.hardware import Hardware
+from swapsched.runtime.transients import runtime_allocation
 
 __all__ = ["DiskStore", "DiskError", "ALIGN", "measure_disk", "with_disk"]
 
@@ -82,7 +83,8 @@ class _Slot:
     """One aligned staging buffer."""
 
     def __init__(self, nbytes: int, pin: bool):
-        self.raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+        with runtime_allocation():  # host memory: no meter of the device counts it (transients.py)
+            self.raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
         skip = (-self.raw.data_ptr()) % ALIGN
         self.view = self.raw[skip: skip + nbytes]
         self.array = self.view.numpy()  # what os.preadv / os.pwritev fill and drain
@@ -256,7 +258,7 @@ class DiskStore:
 
     def _restore(self, key: str, slot: _Slot | None) -> None:
         """``key``'s tensors given storages again, filled from ``slot`` (None: left as allocated)."""
-        with torch.no_grad():
+        with torch.no_grad(), runtime_allocation():  # host memory, as the slots
             for x in self._layout[key]:
                 storage = torch.empty(x.nbytes, dtype=torch.uint8, pin_memory=self.pin).untyped_storage()
                 if slot is not None:
