@@ -184,8 +184,12 @@ def compare(
         floor = (state_floor if case.trace.state else joint_floor)(case.trace, budget_bytes, case.hardware)
         for name, pol in pols.items():
             bar.set_postfix_str(f"{case.trace.name} {case.budget} {name}", refresh=False)
-            plan, res, plan_s = run_policy(pol, case.trace, budget_bytes, case.hardware)
-            out.append(CaseResult(*key, name, result=res, plan_s=plan_s, floor_s=floor, bound_s=plan.meta.get("bound_s")))
+            try:
+                plan, res, plan_s = run_policy(pol, case.trace, budget_bytes, case.hardware)
+            except BudgetError as exc:  # a planner that refuses the budget (default, where no placement fits)
+                out.append(CaseResult(*key, name, skipped=str(exc)))
+            else:
+                out.append(CaseResult(*key, name, result=res, plan_s=plan_s, floor_s=floor, bound_s=plan.meta.get("bound_s")))
             bar.update(1)
     bar.close()
     return out

@@ -83,6 +83,12 @@ def test_a_budget_no_placement_fits_is_refused_with_the_smallest_that_one_does()
     assert not r.oom and r.peak_bytes <= 300
     with pytest.raises(BudgetError):
         default.plan(t, 297, HW)
+    # in a compare table the refusal is the case's row for default (n/a, and why), not an error
+    from swapsched.agents.evaluate import compare
+
+    rows = compare([t], ["297"], [HW], ["default", "checkpoint-all"], progress=False)
+    assert rows[0].policy == "default" and rows[0].result is None and "smallest budget" in (rows[0].skipped or "")
+    assert rows[1].result is not None
 
 
 def test_candidates_cover_every_placement():

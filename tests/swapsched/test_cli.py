@@ -88,6 +88,10 @@ def test_compare_table_json_and_plot(tmp_path, capsys):
     (["simulate", "--trace", "x"], "the following arguments are required"),
     (["compare", "--budgets", ",", "--traces", "x"], "expected a comma-separated list"),
     (["frobnicate"], "invalid choice"),
+    (["run", "mlp", "--disk", "."], "give --host-budget with --disk"),
+    (["run", "mlp", "--optimizer", "adamw", "--host-budget", "1MiB", "--disk", ".", "--world-size", "2"],
+     "leave them out with --world-size"),
+    (["compare", "--disk-budget", "1GiB", "--hardware", "cpu-emulated", "--traces", "x"], "no disk bandwidth"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message):
     r = run(*args)
@@ -406,3 +410,18 @@ def test_an_interrupted_search_phase_leaves_the_ppo_checkpoint_a_card_and_how_to
 
     tr = load_corpus(names=["mlp-tiny-cpu"])[0]
     LearnedPolicy(out, mode="ppo").plan(tr, tr.peak_bytes_no_swap, load_hardware("h100-pcie5")).validate(tr)
+
+
+def test_plan_and_simulate_rest_the_state_the_host_cannot_hold_on_the_disk(tmp_path, capsys):
+    """R19 from the command line: with a host budget below the state and a disk budget, plan
+    rests optimizer state on the disk and simulate says what it reads and writes a step."""
+    trace, plan = tmp_path / "t.json", tmp_path / "p.json"
+    assert main(["profile", "gpt", "--size", "100m", "--device", "meta", "--hardware", "h100-pcie5", "--out", str(trace)]) == 0
+    budgets = ["--hardware", "h100-pcie5", "--budget", "700MiB", "--host-budget", "600MiB", "--disk-budget", "10GiB"]
+    assert main(["plan", "--trace", str(trace), "--policy", "default", *budgets, "--out", str(plan)]) == 0
+    saved = json.loads(plan.read_text())
+    assert saved["version"] == 6 and saved["disk"] and {d["tier"] for d in saved["disk"]} <= {"optim", "state"}
+    capsys.readouterr()
+    assert main(["simulate", "--trace", str(trace), "--plan", str(plan), *budgets]) == 0
+    out = capsys.readouterr().out
+    assert "disk: " in out and "at rest, read" in out and "OOM" not in out
