@@ -138,7 +138,8 @@ DISK_PLACEMENTS = ("stream", "host-step", "full", "stream-full")
 
 def allowed_disk_tiers(meta: Mapping[str, Any]) -> tuple[str, ...]:
     """The disk tiers a plan of a trace with ``meta`` may use (R19: the live runtime reads and
-    writes the disk around the optimizer's step only: ``optim``); every one where it does not say."""
+    writes the disk around the optimizer's step only: ``optim``; none on FSDP2's shards); every
+    one where it does not say."""
     return tuple(meta.get("disk_tiers", DISK_TIERS))
 
 

@@ -343,8 +343,9 @@ class StatePeer:
         placement = {g: w for g, w in placement.items() if w != "device"}
         # R19: its tier where the trace allows it, else the one it does (live: ZeRO-Infinity's
         # offload_param: cpu with offload_optimizer: nvme)
-        tier = self.disk if self.disk in allowed_disk_tiers(trace.meta) else allowed_disk_tiers(trace.meta)[0]
-        disk = {g: tier for g in placement} if self.disk is not None else {}
+        tiers = allowed_disk_tiers(trace.meta)
+        tier = self.disk if self.disk in tiers else next(iter(tiers), None)
+        disk = {g: tier for g in placement} if self.disk is not None and tier is not None else {}
         plan = _with_state(trace, act, placement, self.name, host_step=self.host_step, param_return=self.param_return)
         return replace(plan, disk=tuple(sorted(disk.items())))
 

@@ -129,9 +129,11 @@ class RuntimeState:
         model, optimizer = present(self.model, "the model"), present(self.optimizer, "the optimizer")
         kind = optimizer_state_kind(optimizer)
         meta = {**trace.meta, "optimizer": kind}
-        if is_sharded(model):  # R18: what the runtime carries out on FSDP2's shards
+        # R18: what the runtime carries out on FSDP2's shards (nothing on the disk); R19: what it
+        # rests on the disk
+        if is_sharded(model):
             meta["placements"] = list(SHARD_PLACEMENTS)
-        meta["disk_tiers"] = list(LIVE_DISK_TIERS)  # R19: what the runtime rests on the disk
+        meta["disk_tiers"] = [] if is_sharded(model) else list(LIVE_DISK_TIERS)
         trace = replace(trace, state=state_groups(model, trace, kind), meta=meta)
         return gradients_complete_at_backward_end(trace) if self.data_parallel else trace
 

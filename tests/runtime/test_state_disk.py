@@ -205,3 +205,14 @@ def test_the_runtime_carries_out_what_the_host_budget_holds_of_a_plan() -> None:
         assert r.mode == "execute" and 0 < r.host_peak_bytes <= host_budget
     finally:
         rt.close()
+
+
+def test_the_run_s_files_go_at_interpreter_exit_without_close(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom swapsched.runtime.disk_store import DiskStore\n"
+            f"s = DiskStore({str(tmp_path)!r})\ns.write('g', [torch.ones(4096)])\nprint(s.dir)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    made = Path(out.stdout.strip())
+    assert made.parent == tmp_path and not made.exists() and list(tmp_path.iterdir()) == []
