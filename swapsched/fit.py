@@ -20,7 +20,8 @@ device peak a rank's and the host peak and memory a node's.
 Each hardware gets the trace re-timed for it (roofline: the profile's FLOPs and bytes over its
 peaks). The device budget is the device's memory less ``DEVICE_MARGIN`` (what the runtime's ``"device"``
 budget leaves the allocator); the host budget is ``host_memory`` (R11: a group whose host part
-does not fit stays on the device). A row gives the device peak and the host peak (swapped
+does not fit stays on the device), and with a disk budget (R19) the state the host cannot hold
+may rest on the hardware's drives (``zero-infinity``, DeepSpeed ZeRO-Infinity, is a row then). A row gives the device peak and the host peak (swapped
 activations and the state the host holds, at once), the step, tokens (or samples) a second, and MFU: the
 trace's FLOPs (forward, backward and the tail, no recompute) over the step and the hardware's
 peak for the trace's compute dtype. Where no option fits, :func:`smallest_fit` bisects the
@@ -100,10 +101,11 @@ class FitReport:
     fastest: FitRow | None
     smallest: tuple[Smallest, ...]
     world_size: int = 1  # R18: ranks; tokens are the job's, peaks a rank's, host memory a node's
+    disk: int | None = None  # R19: the disk budget (None: no disk tier)
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "world_size": self.world_size, "tokens_per_step": self.tokens, "unit": self.unit,
-                "host_memory_bytes": self.host_memory,
+                "host_memory_bytes": self.host_memory, "disk_budget_bytes": self.disk,
                 "rows": [r.to_dict() for r in self.rows],
                 "fastest": None if self.fastest is None else self.fastest.option,
                 "fastest_hardware": None if self.fastest is None else self.fastest.hardware,
@@ -111,12 +113,16 @@ class FitReport:
                 "smallest_by_hardware": [s.to_dict() for s in self.smallest]}
 
 
-def options_for(trace: Trace) -> dict[str, str]:
+def options_for(trace: Trace, disk: bool = False) -> dict[str, str]:
     """The options of ``trace``'s table: one device's, or a sharded step's (R18); with frozen
-    groups (R13: LoRA), accelerate's CPU offload of the frozen weights too."""
-    options = SHARDED_OPTIONS if trace.world_size > 1 else FIT_OPTIONS
+    groups (R13: LoRA), accelerate's CPU offload of the frozen weights too; with a disk (R19,
+    one device), ZeRO-Infinity's placement."""
+    options = dict(SHARDED_OPTIONS if trace.world_size > 1 else FIT_OPTIONS)
     if any(g.frozen for g in trace.state):
-        options = {**options, "accelerate-offload": "accelerate-offload"}
+        options["accelerate-offload"] = "accelerate-offload"
+    if disk and trace.world_size == 1:
+        options["zero-infinity"] = "zero-infinity"
+    options["default"] = options.pop("default")  # the last row
     return options
 
 
@@ -140,7 +146,7 @@ def _row(trace: Trace, option: str, budget: int, hw: Hardware, tokens: int, flop
         return FitRow(option, hw.name, False, None, None, None, None, None,
                       why=f"any plan needs over {format_bytes(math.ceil(least / (1 - DEVICE_MARGIN)))} of device memory")
     try:
-        _, res, _ = run_policy(get_policy(options_for(trace)[option]), trace, budget, hw)
+        _, res, _ = run_policy(get_policy(options_for(trace, hw.has_disk)[option]), trace, budget, hw)
     except BudgetError:  # default's refusal: none of the placements it screens fits
         return FitRow(option, hw.name, False, None, None, None, None, None, why="no placement fits")
     if res.oom or not math.isfinite(res.iteration_s):
@@ -181,19 +187,21 @@ def timed_for(trace: Trace, hardware: Hardware) -> Trace:
 
 
 def fit(trace: Trace, hardware: Sequence[Hardware], tokens: int, unit: str = "tokens", *,
-        host_memory: int | None = None, options: Sequence[str] | None = None, progress: bool = True) -> FitReport:
+        host_memory: int | None = None, disk: int | None = None, options: Sequence[str] | None = None,
+        progress: bool = True) -> FitReport:
     """Each option on each hardware (module docstring), with ``tokens`` per step and rank.
-    ``host_memory``: a node's, for a sharded trace (R18)."""
+    ``host_memory``: a node's, for a sharded trace (R18); ``disk``: the disk budget (R19: the
+    state the host memory cannot hold may rest on the hardware's drives)."""
     from tqdm import tqdm
 
-    known = options_for(trace)
+    known = options_for(trace, disk is not None)
     options = list(known) if options is None else list(options)
     unknown = [o for o in options if o not in known]
     if unknown:
         raise ValueError(f"unknown fit options {unknown}; known: {', '.join(known)}")
     flops = step_flops(trace)
     rows: list[FitRow] = []
-    hws = [hw.with_host(host_budget_bytes=host_memory) if host_memory is not None else hw for hw in hardware]
+    hws = [hw.with_host(host_budget_bytes=host_memory, disk_budget_bytes=disk) for hw in hardware]
     timed = {hw.name: timed_for(trace, hw) for hw in hws}
     with tqdm(total=len(hws) * len(options), disable=not progress, unit="option", leave=False, dynamic_ncols=True) as bar:
         for hw in hws:
@@ -210,7 +218,7 @@ def fit(trace: Trace, hardware: Sequence[Hardware], tokens: int, unit: str = "to
             if found is not None:
                 smallest.append(found)
     return FitReport(trace.name, tokens * trace.world_size, unit, host_memory, tuple(rows), fastest, tuple(smallest),
-                     trace.world_size)
+                     trace.world_size, disk)
 
 
 def fit_curves(trace: Trace, hardware: Hardware, options: Sequence[str] | None = None, points: int = 6,
@@ -222,7 +230,7 @@ def fit_curves(trace: Trace, hardware: Hardware, options: Sequence[str] | None =
     lo = trace.min_feasible_bytes_movable if trace.state else trace.min_feasible_bytes
     hi = max(int(trace.peak_bytes_no_swap * 1.02), lo + 1)  # past the peak: plain's point too
     budgets = [int(lo + (hi - lo) * i / (points - 1)) for i in range(points)]
-    options = list(options_for(trace)) if options is None else list(options)
+    options = list(options_for(trace, hardware.has_disk)) if options is None else list(options)
     trace = timed_for(trace, hardware)
     out: dict[str, list[tuple[int, float | None]]] = {o: [] for o in options}
     with tqdm(total=points * len(options), disable=not progress, unit="plan", leave=False, dynamic_ncols=True) as bar:
@@ -250,7 +258,8 @@ def format_fit(report: FitReport) -> str:
             body.append([r.option, r.hardware, f"no: {r.why}", "-", "-", "-", "-", "-"])
     ranks = "" if report.world_size == 1 else f" on {report.world_size} ranks (device peak: a rank's; host: a node's)"
     lines = [f"{report.model}: {report.tokens:,} {report.unit} a step{ranks}; device budget = memory less "
-             f"{100 * DEVICE_MARGIN:.0f}%; host memory {format_bytes(report.host_memory) if report.host_memory else 'unlimited'}",
+             f"{100 * DEVICE_MARGIN:.0f}%; host memory {format_bytes(report.host_memory) if report.host_memory else 'unlimited'}"
+             + (f"; disk {format_bytes(report.disk)}" if report.disk else ""),
              format_grid(head, body)]
     if report.fastest is not None:
         lines.append(f"* fastest that fits: {report.fastest.option} on {report.fastest.hardware}")

@@ -11,7 +11,7 @@ from swapsched._paths import atomic_path
 if TYPE_CHECKING:
     from swapsched.agents.evaluate import CaseResult
 
-__all__ = ["plot_timelines", "plot_compare", "plot_runs", "plot_fit"]
+__all__ = ["plot_timelines", "timelines_figure", "plot_compare", "plot_runs", "plot_fit"]
 
 
 def _pyplot() -> Any:
@@ -35,38 +35,65 @@ def _save(plt: Any, fig: Any, path: str | Path, title: str = "") -> Path:
 
 
 def plot_timelines(results: Sequence[tuple[str, Any]], budget: int, path: str | Path, title: str = "") -> Path:
-    """One panel per (label, SimResult with a timeline): device memory against the budget above,
-    the compute (recompute in purple), device->host and host->device streams (and stalls) below."""
+    """:func:`timelines_figure` written to ``path``."""
     plt = _pyplot()
-    n = len(results)
-    # R13-R16: three more rows (the state's copies, the host's steps) where a plan moves state
-    rows_h = 2.0 if any(r.timeline and (r.timeline.state_d2h or r.timeline.host_steps) for _, r in results) else 1.2
-    fig, axes = plt.subplots(2 * n, 1, figsize=(10, (1.9 + rows_h) * n), squeeze=False,
-                             gridspec_kw={"height_ratios": [3, rows_h] * n})
-    div, unit = _bytes_unit(max([budget] + [m for _, r in results if r.timeline for _, m in r.timeline.memory]))
-    for j, (label, res) in enumerate(results):
+    fig = timelines_figure(results, budget, title)
+    p = Path(path)
+    with atomic_path(p) as tmp:
+        fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    return p
+
+
+def timelines_figure(results: Sequence[tuple[str, Any]], budget: int, title: str = "") -> Any:
+    """One panel pair per (label, SimResult with a timeline) that fits: device memory against the
+    budget above, the compute (recompute in purple), device->host and host->device streams (and
+    stalls; the state's copies, the host's steps and the disk's reads and writes where the plan
+    moves state) below. Every panel shares one time axis and one memory axis, so that lengths and
+    heights compare at a glance; a policy that does not fit is a line of text under them, not
+    empty axes."""
+    from swapsched.budget import format_bytes
+
+    plt = _pyplot()
+    drawn = [(label, r) for label, r in results if r.timeline is not None and not r.oom]
+    refused = [(label, r) for label, r in results if r.timeline is None or r.oom]
+    n = max(len(drawn), 1)
+    state = any(r.timeline.state_d2h or r.timeline.host_steps or r.timeline.disk_reads for _, r in drawn)
+    rows_h = 2.2 if state else 1.2
+    notes = 0.35 * len(refused)
+    fig = plt.figure(figsize=(10, (1.9 + rows_h) * n + notes + 0.6), layout="constrained")
+    grid = fig.add_gridspec(2 * n + (1 if refused else 0), 1,
+                            height_ratios=[*([3, rows_h] * n), *([max(notes, 0.3)] if refused else [])])
+    peak = max([budget] + [m for _, r in drawn for _, m in r.timeline.memory])
+    div, unit = _bytes_unit(peak)
+    end = max([r.iteration_s for _, r in drawn] + [b for _, r in drawn for _, b in r.timeline.compute]
+              + [span[1] for _, r in drawn for spans in (r.timeline.d2h, r.timeline.h2d, r.timeline.state_d2h,
+                                                         r.timeline.state_h2d, r.timeline.host_steps,
+                                                         r.timeline.disk_reads, r.timeline.disk_writes)
+                 for span in spans] or [1.0])
+    first_m = None
+    for j, (label, res) in enumerate(drawn):
         tl = res.timeline
-        ax_m, ax_s = axes[2 * j][0], axes[2 * j + 1][0]
-        if tl is None:
-            ax_m.set_title(f"{label}: no timeline")
-            continue
-        ts = [t for t, _ in tl.memory]
-        ms = [m / div for _, m in tl.memory]
-        ax_m.step(ts, ms, where="post", label="device memory")
-        ax_m.axhline(budget / div, color="red", linestyle="--", label="budget")
-        status = "OOM" if res.oom else f"overhead {res.overhead:+.1%}" + (f", recompute {res.recompute_s / res.ideal_s:.1%}"
-                                                                            if res.recompute_s else "")
-        ax_m.set_title(f"{label}: {status}")
+        ax_m = fig.add_subplot(grid[2 * j], sharex=first_m, sharey=first_m)
+        first_m = first_m or ax_m
+        ax_s = fig.add_subplot(grid[2 * j + 1], sharex=first_m)
+        ax_m.step([t for t, _ in tl.memory], [m / div for _, m in tl.memory], where="post", label="device memory")
+        ax_m.axhline(budget / div, color="red", linestyle="--", label=f"budget {format_bytes(budget)}")
+        status = f"{1e3 * res.iteration_s:.3f} ms, overhead {res.overhead:+.1%}" + (
+            f", recompute {res.recompute_s / res.ideal_s:.1%}" if res.recompute_s else "")
+        ax_m.set_title(f"{label}: {status}", fontsize=9, loc="left")
         ax_m.set_ylabel(unit)
-        ax_m.legend(loc="upper right", fontsize=8)
+        ax_m.legend(loc="upper right", fontsize=7)
         rows = [("compute", [(a, b) for a, b in tl.compute], "tab:blue"),
                 ("d2h", [(a, b) for a, b, _ in tl.d2h], "tab:orange"),
                 ("h2d", [(a, b) for a, b, _ in tl.h2d], "tab:green"),
                 ("stall", [(a, b) for a, b, _ in tl.stalls], "tab:red")]
-        if tl.state_d2h or tl.state_h2d or tl.host_steps:  # R13-R16: the state on rows of its own
+        if state:  # R13-R16, R19: the state on rows of its own
             rows += [("state d2h", [(a, b) for a, b, _ in tl.state_d2h], "tab:brown"),
                      ("state h2d", [(a, b) for a, b, _ in tl.state_h2d], "tab:olive"),
-                     ("host step", [(a, b) for a, b, _ in tl.host_steps], "tab:gray")]
+                     ("host step", [(a, b) for a, b, _ in tl.host_steps], "tab:gray"),
+                     ("disk read", [(a, b) for a, b, _ in tl.disk_reads], "tab:cyan"),
+                     ("disk write", [(a, b) for a, b, _ in tl.disk_writes], "tab:pink")]
         for y, (_, spans, color) in enumerate(rows):
             ax_s.broken_barh([(a, b - a) for a, b in spans], (y - 0.4, 0.8), color=color)
         # R9: recompute runs on the compute stream, drawn there in its own colour
@@ -74,12 +101,21 @@ def plot_timelines(results: Sequence[tuple[str, Any]], budget: int, path: str | 
                          label="recompute" if tl.recompute else None)
         if tl.recompute:
             ax_s.legend(loc="upper right", fontsize=7)
-        ax_s.set_yticks(range(len(rows)), [r[0] for r in rows])
-        ax_s.set_xlabel("time (s)")
-        end = max([ts[-1]] + [b for _, spans, _ in rows for _, b in spans] or [1.0])
-        ax_m.set_xlim(0, end)
-        ax_s.set_xlim(0, end)
-    return _save(plt, fig, path, title)
+        ax_s.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=7)
+        ax_s.set_xlabel("time (s)" if j == len(drawn) - 1 else "")
+    if first_m is not None:
+        first_m.set_xlim(0, end * 1.01)
+        first_m.set_ylim(0, peak / div * 1.08)
+    if refused:
+        ax_t = fig.add_subplot(grid[-1])
+        ax_t.axis("off")
+        lines = [f"{label}: does not fit {format_bytes(budget)}" + (f" (out of memory at event {r.oom_event})"
+                                                                  if r.oom and r.oom_event is not None else "")
+                 for label, r in refused]
+        ax_t.text(0.0, 1.0, "\n".join(lines), va="top", ha="left", fontsize=9, transform=ax_t.transAxes)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return fig
 
 
 def _bytes_unit(peak: float) -> tuple[float, str]:
@@ -100,6 +136,8 @@ def plot_compare(rows: Sequence[CaseResult], policies: Sequence[str], path: str 
     import numpy as np
     from matplotlib.colors import LogNorm
 
+    from swapsched.budget import format_bytes
+
     plt = _pyplot()
     budgets = list(dict.fromkeys(r.budget for r in rows))
     lines = list(dict.fromkeys((r.trace, r.hardware) for r in rows))
@@ -111,8 +149,8 @@ def plot_compare(rows: Sequence[CaseResult], policies: Sequence[str], path: str 
     lo, hi = (min(excess), max(excess)) if excess else (1e-4, 1.0)
     norm = LogNorm(vmin=max(lo, 1e-4), vmax=max(hi, lo * 10, 1e-3))
     annotate = len(lines) * len(policies) <= 240
-    fig, axes = plt.subplots(1, len(budgets), squeeze=False, sharey=True,
-                             figsize=(max(4.0, 0.55 * len(policies) + 1.5) * len(budgets) + 2.5, 1.5 + 0.17 * len(lines)))
+    fig, axes = plt.subplots(1, len(budgets), squeeze=False, sharey=True, layout="constrained",
+                             figsize=(max(4.0, 0.55 * len(policies) + 1.5) * len(budgets) + 2.5, 2.2 + 0.17 * len(lines)))
     image = None
     for k, budget in enumerate(budgets):
         ax = axes[0][k]
@@ -135,40 +173,67 @@ def plot_compare(rows: Sequence[CaseResult], policies: Sequence[str], path: str 
         image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap="viridis", norm=norm, interpolation="nearest")
         ax.set_facecolor("#dddddd")  # skipped and OOM cells
         ax.set_xticks(range(len(policies)), policies, rotation=60, ha="right", fontsize=7)
-        ax.set_title(f"budget {budget}", fontsize=9)
+        ax.set_title(f"budget {format_bytes(int(budget)) if budget.isdigit() else budget}", fontsize=9)
         if k == 0:
             ax.set_yticks(range(len(lines)), [f"{t} ({h})" for t, h in lines], fontsize=6)
     if image is not None:
         bar = fig.colorbar(image, ax=axes[0].tolist(), fraction=0.04, pad=0.02)
-        bar.set_label("step over the analytic floor, %  (log)")
+        bar.set_label("% over the floor (log)")
         bar.ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{100 * v:g}"))
-    fig.suptitle("simulated step time over the R8 floor; - = budget below the smallest feasible, OOM = plan does "
-                 "not fit", fontsize=8)
+    fig.suptitle("simulated step over the case's analytic floor (R8), % more", fontsize=10)
+    fig.supxlabel("cells: % over the floor; - = the budget is below the smallest feasible; OOM = the plan does not fit",
+                  fontsize=8)
     p = Path(path)
     with atomic_path(p) as tmp:
-        fig.savefig(tmp, dpi=110, bbox_inches="tight")
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
     return p
 
 
 def plot_runs(results: Sequence[Any], path: str | Path, title: str = "", budget_bytes: int | None = None) -> Path:
     """``swapsched run``: median step time and peak device memory per method, against the budget
-    (rows of ``run --compare`` or ``RunResult``s)."""
+    (rows of ``run --compare`` or ``RunResult``s). A method over the budget is drawn hatched in
+    grey on both panels; one that was refused (no step) is a word where its bars would be."""
+    import math
+
+    from swapsched.budget import format_bytes
+
     plt = _pyplot()
     names = [r.method for r in results]
     peaks_b = [getattr(r, "peak_bytes", None) or getattr(r, "peak_device_bytes", None) or 0 for r in results]
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(max(8, 1.1 * len(names) * 2), 4))
-    ax_t.bar(names, [1e3 * r.step_s_median for r in results], color="tab:blue")
-    ax_t.set_ylabel("median step (ms)")
+    steps = [1e3 * r.step_s_median for r in results]
+    refused = [not math.isfinite(t) for t in steps]
+    fits = [getattr(r, "fits", None) if getattr(r, "fits", None) is not None else
+            (budget_bytes is None or p <= budget_bytes) for r, p in zip(results, peaks_b, strict=True)]
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(max(8, 1.1 * len(names) * 2), 4.2), layout="constrained")
     div, unit = _bytes_unit(max([*peaks_b, budget_bytes or 0, 1]))
-    ax_m.bar(names, [p / div for p in peaks_b], color="tab:orange")
+    for ax, values, color in ((ax_t, steps, "tab:blue"), (ax_m, [p / div for p in peaks_b], "tab:orange")):
+        for k, (v, ok, gone) in enumerate(zip(values, fits, refused, strict=True)):
+            if gone:
+                ax.text(k, 0.03, "refused", rotation=90, ha="center", va="bottom", fontsize=9, color="dimgray",
+                        transform=ax.get_xaxis_transform())
+                continue
+            ax.bar(k, v, color=color if ok else "lightgray", hatch=None if ok else "//", edgecolor="dimgray" if not ok else None)
+        ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
+        ax.set_xlim(-0.6, len(names) - 0.4)
+    ax_t.set_ylabel("median step (ms)")
+    from matplotlib.patches import Patch
+
+    handles = []
     if budget_bytes:
-        ax_m.axhline(budget_bytes / div, color="red", linestyle="--", label="budget")
-        ax_m.legend()
+        handles.append(ax_m.axhline(budget_bytes / div, color="red", linestyle="--", label=f"budget {format_bytes(budget_bytes)}"))
+    if not all(fits):
+        handles.append(Patch(facecolor="lightgray", hatch="//", edgecolor="dimgray", label="over the budget"))
+    if handles:
+        ax_m.legend(handles=handles, fontsize=8)
     ax_m.set_ylabel(f"peak device memory ({unit})")
-    for ax in (ax_t, ax_m):
-        ax.tick_params(axis="x", rotation=45)
-    return _save(plt, fig, path, title)
+    if title:
+        fig.suptitle(title)
+    p = Path(path)
+    with atomic_path(p) as tmp:
+        fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    return p
 
 
 def plot_fit(curves: dict[str, list[tuple[int, float | None]]], device_memory: int, path: str | Path,

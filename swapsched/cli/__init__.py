@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--host-memory", type=host_budget, metavar="BYTES",
                     help="host memory for the state and swapped activations, like 64GiB; a node's with --world-size "
                          "(default: unlimited)")
+    sp.add_argument("--disk-budget", type=disk_budget, metavar="BYTES",
+                    help="with --host-memory, one device: what the state may rest on the hardware profile's NVMe drives, "
+                         "like 1TiB (R19), and a zero-infinity row (default: no disk)")
     sp.add_argument("--world-size", type=positive_int, default=1, metavar="N",
                     help="N ranks under FSDP2 (R18): one rank's step planned, the job's tokens a second (default 1)")
     sp.add_argument("--lora-rank", type=positive_int, metavar="R", help=LORA_HELP)

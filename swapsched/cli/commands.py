@@ -156,7 +156,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         _write_json({"rows": [r.to_dict() for r in rows], "summary": [s.to_dict() for s in summary]}, args.json)
     if args.plot:
         from swapsched.agents.registry import get_policy
-        from swapsched.budget import parse_budget
+        from swapsched.budget import format_bytes, parse_budget
         from swapsched.plots import plot_compare, plot_timelines
 
         plot_compare(rows, policies, args.plot)
@@ -175,7 +175,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
                     detail.append((r.policy, run_policy(pol, tr, b, hw, record=True)[1]))
             stem = Path(args.plot)
             timeline_path = stem.with_name(stem.stem + "-timeline" + stem.suffix)
-            plot_timelines(detail, b, timeline_path, title=f"{tr.name} at {first.budget}, {_simulated_on(tr, hw)}")
+            plot_timelines(detail, b, timeline_path, title=f"{tr.name} at {format_bytes(b)}, {_simulated_on(tr, hw)}")
             print(f"wrote {timeline_path}", file=sys.stderr)
     return 0
 

@@ -7,6 +7,8 @@ import argparse
 import json
 import sys
 
+from swapsched.errors import UserError
+
 __all__ = ["cmd_fit"]
 
 
@@ -22,7 +24,10 @@ def cmd_fit(args: argparse.Namespace) -> int:
     if args.model.startswith("hf:"):  # a fine-tune's step: one sequence of 4k tokens unless told
         args.seq_len = args.seq_len or 4096
         args.batch_size = args.batch_size or 1
-    hws = [load_hardware(h) for h in args.hardware]
+    if args.disk_budget is not None and (world > 1 or args.host_memory is None):
+        raise UserError("--disk-budget holds what --host-memory cannot, on one device: give --host-memory, without "
+                        "--world-size")
+    hws = [load_hardware(h).with_host(disk_budget_bytes=args.disk_budget) for h in args.hardware]  # drives' rates checked
     # R18: a rank computes as FSDP2's MixedPrecisionPolicy runs it (no autocast copies)
     # R13: a LoRA base is frozen in --dtype (no fp32 master to keep); its adapters are fp32 (PEFT's)
     precision = Precision(args.dtype, amp=args.amp and world == 1 and not args.lora_rank)
@@ -42,7 +47,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
         tokens, unit = ids.numel(), "tokens"
     else:
         tokens, unit = (int(ids.shape[0]) if ids is not None and ids.dim() else 1), "samples"
-    report = fit(trace, hws, tokens, unit, host_memory=args.host_memory, progress=not args.no_progress)
+    report = fit(trace, hws, tokens, unit, host_memory=args.host_memory, disk=args.disk_budget, progress=not args.no_progress)
     print(format_fit(report))
     if args.json:
         with atomic_path(args.json) as tmp:
@@ -51,7 +56,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     if args.plot:
         from swapsched.plots import plot_fit
 
-        hw = hws[0].with_host(host_budget_bytes=args.host_memory) if args.host_memory else hws[0]
+        hw = hws[0].with_host(host_budget_bytes=args.host_memory, disk_budget_bytes=args.disk_budget)
         curves = fit_curves(trace, hw, progress=not args.no_progress)
         plot_fit(curves, hws[0].device_memory_bytes, args.plot, title=f"{trace.name} on {hws[0].name}")
         print(f"wrote {args.plot}", file=sys.stderr)

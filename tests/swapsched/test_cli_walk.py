@@ -88,6 +88,7 @@ CASES = [
     ("fit", "--seq-len", "0", "positive integer"),
     ("fit", "--batch-size", "x", "positive integer"),
     ("fit", "--optimizer", "lion", "invalid choice"),
+    ("fit", "--disk-budget", "5%", "give bytes"),
     ("fit", "--dtype", "int8", "invalid choice"),
     ("fit", "--json", UNWRITABLE, "cannot write"),
     ("fit", "--plot", UNWRITABLE, "cannot write"),

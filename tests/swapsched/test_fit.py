@@ -135,3 +135,20 @@ def test_each_hardware_gets_the_trace_timed_for_it(trace):
     both = fit(trace, [small, load_hardware("h100-pcie5")], SEQ, progress=False)
     alone = fit(trace, [load_hardware("h100-pcie5")], SEQ, progress=False)
     assert [r for r in both.rows if r.hardware == "h100-pcie5"] == list(alone.rows)
+
+
+def test_with_a_disk_the_state_the_host_memory_cannot_hold_rests_there(trace):
+    """R19: with host memory of half the state, nothing moving the state fits; with a disk
+    budget, default does, resting part of it on the drive, and ZeRO-Infinity is a row."""
+    hw = replace(load_hardware("h100-pcie5"), device_memory_bytes=_memory_between(trace))
+    host = sum(g.bytes for g in trace.state) // 2
+    without = fit(trace, [hw], SEQ, host_memory=host, progress=False)
+    with_disk = fit(trace, [hw], SEQ, host_memory=host, disk=2**40, progress=False)
+    assert "zero-infinity" not in [r.option for r in without.rows]
+    assert [r.option for r in with_disk.rows][-2:] == ["zero-infinity", "default"]
+    assert not without.rows[-1].fits
+    default = with_disk.rows[-1]
+    assert default.fits and default.host_peak_bytes is not None and default.host_peak_bytes <= host
+    at = hw.with_host(host_budget_bytes=host, disk_budget_bytes=2**40)
+    plan, res, _ = run_policy(get_policy("default"), trace, device_budget(hw), at)
+    assert plan.disk and res.state is not None and res.state.disk_bytes > 0 and res.iteration_s == default.step_s

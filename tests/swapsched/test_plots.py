@@ -35,3 +35,24 @@ def test_the_heat_map_grows_a_row_per_trace_and_stays_a_readable_width(tmp_path,
 def test_byte_units_fit_the_size():
     assert _bytes_unit(10 * 2**20) == (2**20, "MiB") and _bytes_unit(3 * 2**30) == (2**30, "GiB")
     assert _bytes_unit(500) == (1.0, "B") and _bytes_unit(2048) == (1024, "KiB")
+
+
+def test_timelines_share_one_time_and_memory_axis_and_a_policy_that_does_not_fit_is_a_line(tmp_path):
+    from swapsched.agents.registry import get_policy
+    from swapsched.env.simulator import simulate
+    from swapsched.plots import timelines_figure
+    from tests.conftest import make_hw, make_trace
+
+    t = make_trace([100, 100], [("pack", 0, 1.0), ("pack", 1, 1.0), ("unpack", 1, 2.0), ("unpack", 0, 1.0)])
+    hw = make_hw()
+    fast = simulate(t, get_policy("no-swap").plan(t, 200, hw), hw, 200, record=True)
+    slow = simulate(t, get_policy("swap-all").plan(t, 200, hw), hw, 200, record=True)
+    oom = simulate(t, get_policy("no-swap").plan(t, 150, hw), hw, 150, record=True)
+    assert oom.oom and slow.iteration_s > fast.iteration_s
+    fig = timelines_figure([("keep", fast), ("swap", slow), ("too big", oom)], 150, "t")
+    panels = [ax for ax in fig.axes if ax.axison]
+    assert len(panels) == 4  # memory and streams of the two that ran; no axes for the one that did not fit
+    assert len({ax.get_xlim() for ax in panels}) == 1 and panels[0].get_xlim()[1] >= slow.iteration_s
+    assert panels[0].get_ylim() == panels[2].get_ylim()
+    (note,) = [ax for ax in fig.axes if not ax.axison]
+    assert "too big: does not fit 150 B" in note.texts[0].get_text()
