@@ -78,7 +78,11 @@ def host_need(group: Any, placement: str, tier: str | None) -> int:
 def staging_bytes(trace_state: tuple, placement: dict[str, str], disk: dict[str, str]) -> int:
     """R19: the host's staging buffers for the disk: at most ``STAGING_SLOTS`` in flight, each the
     size of its group's bytes there, so at most the ``STAGING_SLOTS`` largest groups' together."""
-    sizes = [part_bytes(g, disk_parts(placement.get(g.name, "device"), disk.get(g.name))) for g in trace_state]
+    return _staging(part_bytes(g, disk_parts(placement.get(g.name, "device"), disk.get(g.name))) for g in trace_state)
+
+
+def _staging(sizes: Any) -> int:
+    """The ``STAGING_SLOTS`` largest of the groups' ``sizes`` on the disk, together."""
     return sum(sorted(sizes, reverse=True)[:STAGING_SLOTS])
 
 
@@ -165,7 +169,7 @@ def held(groups: tuple, placement: dict[str, str], tiers: dict[str, str], hardwa
             disk_skipped += 1
         room -= part_bytes(g, on)
         parts.append(on)
-    staging = sum(sorted((part_bytes(g, on) for g, on in zip(groups, parts, strict=True)), reverse=True)[:STAGING_SLOTS])
+    staging = _staging(part_bytes(g, on) for g, on in zip(groups, parts, strict=True))
     host_room = math.inf if hardware.host_budget_bytes is None else hardware.host_budget_bytes - staging
     where, skipped, host = [], 0, 0
     for j, g in enumerate(groups):
