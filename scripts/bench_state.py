@@ -74,6 +74,8 @@ def main() -> int:
                   f"state {base.static_bytes / GIB:.1f} GiB in {len(base.state)} groups", file=sys.stderr)
             for hw_name in args.hardware.split(","):
                 hw = load_hardware(hw_name)
+                # R19: the disk's peer only where a disk is (without one it is zero3-offload)
+                peers = [p for p in PEERS if getattr(PEERS[p], "disk", None) is None or hw.has_disk]
                 trace = base.retimed(hw)
                 for gib in budgets:
                     budget = gib * GIB
@@ -85,7 +87,7 @@ def main() -> int:
                         continue
                     floor = state_floor(trace, budget, hw)
                     out: dict[str, dict] = {}
-                    for name in ("default", *PEERS):
+                    for name in ("default", *peers):
                         pol = get_policy(name)
                         t1 = time.perf_counter()
                         try:
@@ -102,10 +104,10 @@ def main() -> int:
                     records.append({"trace": trace.name, "hardware": hw.name, "budget_gib": gib, "floor_s": floor,
                                     "results": out})
                     d = out["default"].get("step_s")
-                    peers = [out[p]["step_s"] for p in PEERS if out[p].get("step_s")]
-                    if d and peers:
-                        ratios.append(d / min(peers))
-                    elif d and not peers:
+                    fitting = [out[p]["step_s"] for p in peers if out[p].get("step_s")]
+                    if d and fitting:
+                        ratios.append(d / min(fitting))
+                    elif d and not fitting:
                         only_default += 1
 
                     def cell(name: str, out=out, trace=trace) -> str:
@@ -115,7 +117,7 @@ def main() -> int:
                         return f"{o['step_s']:.2f} s"
                     dd = out["default"]
                     rows.append([trace.name, hw.name, f"{gib} GiB", f"{floor:.2f} s", cell("default"),
-                                 *(cell(p) for p in PEERS),
+                                 *(cell(p) if p in out else "-" for p in PEERS),
                                  f"{dd.get('plan_s', math.nan):.1f} s",
                                  "-" if dd.get("step_s") is None else f"{dd['h2d_bytes'] / GIB:.0f}/{dd['d2h_bytes'] / GIB:.0f}",
                                  "-" if dd.get("step_s") is None else f"{dd['host_peak_bytes'] / GIB:.0f}",
