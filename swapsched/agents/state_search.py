@@ -6,7 +6,8 @@ and steps, jointly with the activations' plan; the peers users run for it; and t
   their uses, gradients until they are copied out, and, asked for, room for the largest
   streamed group's stream-in once the first streamed gradient is done) in the gaps' non-saved
   bytes (R3), and no state of its own. Every activation planner plans on it unchanged.
-- :func:`plan_state`: ``default``'s search. Candidates place the largest groups first in one
+- :func:`plan_state`: ``default``'s search (none where the state kept is within ``FLOOR_SLACK``
+  of :func:`state_floor`: no placement can gain more). Candidates place the largest groups first in one
   placement or two (every placement at eight shares of the groups, and the two-level mixes
   ``stream`` + ``param``, ``host-step`` + ``full``, ``stream`` + ``stream-full``,
   ``stream-full`` + ``full``); each (a placement that streams: also keeping room for a
@@ -246,9 +247,21 @@ def smallest_state_budget(trace: Trace, hardware: Hardware, screen: Policy, *, a
     return hi
 
 
+#: Where the screen's plan with the state kept is within this share of the floor with the state
+#: movable (:func:`state_floor`, a proven bound), no placement can gain more: it is the plan
+FLOOR_SLACK = 0.01
+
+
 def plan_state(trace: Trace, budget: int, hardware: Hardware, *, inner: Policy, screen: Policy, name: str) -> SwapPlan:
-    """``default``'s joint plan of the state and the activations (module docstring). Raises
-    :class:`BudgetError` where no candidate fits, naming the smallest budget at which one does."""
+    """``default``'s joint plan of the state and the activations (module docstring); the screen's
+    plan with the state kept, without screening, where the floor proves no placement gains more
+    than ``FLOOR_SLACK``. Raises :class:`BudgetError` where no candidate fits, naming the
+    smallest budget at which one does."""
+    if trace.world_size == 1 and budget >= trace.min_feasible_bytes:
+        kept = _with_state(trace, screen.plan(activation_view(trace, {}), budget, hardware), {}, name)
+        r = simulate(trace, kept, hardware, budget, validate=False)
+        if not r.oom and r.iteration_s <= (1 + FLOOR_SLACK) * state_floor(trace, budget, hardware):
+            return kept
     scored = _screened(trace, budget, hardware, screen, name)
     if not scored:
         host = hardware.host_budget_bytes

@@ -154,3 +154,22 @@ def test_the_optimizer_floor_splits_the_step_between_device_and_host():
     assert _optimizer_floor(t, hw) == pytest.approx(6.0)
     # a slow host: everything on the device, the ideal step and its device step
     assert _optimizer_floor(t, replace(hw, host_optimizer_params_per_s=1e-3)) == pytest.approx(4.0 + 8.0, rel=1e-3)
+
+
+def test_where_the_floor_proves_no_placement_gains_the_screen_is_skipped(monkeypatch):
+    # two_groups with all of its state on the device steps in 4 s, the floor with the state
+    # movable is 4 s too (the host's optimizer, 2 s for both groups, cannot take the device's share
+    # and save anything: it is ~1e-9 s): no placement can gain, so none is screened
+    import swapsched.agents.state_search as ss
+
+    t = two_groups()
+    assert state_floor(t, 1000, HW) == pytest.approx(4.0, abs=1e-6)
+
+    def no_screen(*args, **kwargs):
+        raise AssertionError("screened where the floor proves nothing gains")
+
+    monkeypatch.setattr(ss, "_screened", no_screen)
+    plan = get_policy("default-greedy").plan(t, 1000, HW)
+    assert plan.state == () and simulate(t, plan, HW, 1000).iteration_s == pytest.approx(4.0, abs=1e-6)
+    with pytest.raises(AssertionError, match="screened"):  # below the static bytes: the state must move
+        get_policy("default-greedy").plan(t, 700, HW)
