@@ -216,3 +216,19 @@ def test_the_run_s_files_go_at_interpreter_exit_without_close(tmp_path: Path) ->
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     made = Path(out.stdout.strip())
     assert made.parent == tmp_path and not made.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.gpu
+def test_pinned_staging_and_storages_round_trip_on_cuda(tmp_path: Path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    store = DiskStore(tmp_path, pin=True)
+    try:
+        x = torch.randn(1 << 20).pin_memory()
+        want = x.clone()
+        store.write("g", [x])
+        store.load("g")
+        assert torch.equal(x, want) and x.is_pinned()
+        assert torch.equal(x.cuda(non_blocking=True).cpu(), want)
+    finally:
+        store.close()
