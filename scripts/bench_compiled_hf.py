@@ -36,11 +36,27 @@ from swapsched.hf_models import build_hf  # noqa: E402
 from swapsched.runtime.profiler import profile  # noqa: E402
 
 HW = "h100-pcie5"
+#: --layers/--width: each family's config keys for its depth, width, heads (and MLP width)
+SHAPE = {"gpt2": lambda n, w: {"n_layer": n, "n_embd": w, "n_head": w // 64},
+         "llama": lambda n, w: {"num_hidden_layers": n, "hidden_size": w, "intermediate_size": 11 * w // 4,
+                                "num_attention_heads": w // 64, "num_key_value_heads": max(1, w // 128)},
+         "mistral": lambda n, w: {"num_hidden_layers": n, "hidden_size": w, "intermediate_size": 7 * w // 2,
+                                  "num_attention_heads": w // 64, "num_key_value_heads": max(1, w // 128)}}
+#: the model's shape (``main`` sets it from --layers, --width, --seq-len): small (2 layers, width 128) at 64 tokens
+CASE: dict[str, Any] = {"layers": None, "width": None, "seq_len": 64}
+
+
+def _case(model_type: str) -> Any:
+    n, w = CASE["layers"], CASE["width"]
+    if n is None:
+        return build_hf(model_type, "small", 2, CASE["seq_len"], "cpu", 0)
+    overrides = {k: str(v) for k, v in SHAPE[model_type](n, w).items()}
+    return build_hf(model_type, "full", 2, CASE["seq_len"], "cpu", 0, overrides=overrides)
 
 
 def train(model_type: str, backend: Any, steps: int = 3) -> tuple[list[float], float, str | None]:
     """Losses of ``steps`` AdamW steps, the first step's time, and the error if it failed."""
-    case = build_hf(model_type, "small", 2, 64, "cpu", 0)
+    case = _case(model_type)
     torch._dynamo.reset()
     step = torch.compile(case.model, backend=backend)
     opt = torch.optim.AdamW(case.model.parameters())
@@ -63,7 +79,7 @@ def train(model_type: str, backend: Any, steps: int = 3) -> tuple[list[float], f
 
 
 def hooks(model_type: str, budget: str) -> dict[str, Any]:
-    case = build_hf(model_type, "small", 2, 64, "cpu", 0)
+    case = _case(model_type)
     trace = profile(case.model, case.inputs, lambda loss: loss, device="cpu", name=f"hf-{model_type}", hardware=HW)
     hw = load_hardware(HW)
     need, pct = smallest_feasible(trace)
@@ -78,11 +94,15 @@ def hooks(model_type: str, budget: str) -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="gpt2,llama,mistral")
+    ap.add_argument("--layers", type=int, help="another depth (with --width; default: small's 2)")
+    ap.add_argument("--width", type=int, default=256, help="with --layers: the width (a multiple of 64; default 256)")
+    ap.add_argument("--seq-len", type=int, default=64, help="tokens per sequence, batch 2 (default 64)")
     ap.add_argument("--budgets", default="30%,50%,70%")
     ap.add_argument("--inner", default="aot_eager", choices=["aot_eager", "aot_eager_decomp"],
                     help="the compiler behind the partition, for swapsched's backend and the plain run alike")
     ap.add_argument("--out", default="bench_results/compiled_hf.json")
     args = ap.parse_args()
+    CASE.update(layers=args.layers, width=args.width, seq_len=args.seq_len)
     rows, records = [], []
     for mt in args.models.split(","):
         # torch's own backend for the same graphs: aot_eager_decomp is Inductor's decompositions
