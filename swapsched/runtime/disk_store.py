@@ -53,6 +53,13 @@ class DiskError(UserError):
     """The disk tier cannot read or write its files (a full disk, an I/O error)."""
 
 
+def _check_platform() -> None:
+    """The disk tier's reads and writes are ``os.preadv`` and ``os.pwritev`` (they release the GIL)."""
+    if not (hasattr(os, "preadv") and hasattr(os, "pwritev")):
+        raise UserError("the disk tier reads and writes with os.preadv and os.pwritev, which this platform lacks "
+                        "(they need Linux, FreeBSD or macOS 11+); leave disk= out here")
+
+
 def _up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -95,6 +102,7 @@ class DiskStore:
     and storages (the CUDA backend)."""
 
     def __init__(self, directory: str | Path, *, pin: bool = False):
+        _check_platform()
         root = Path(directory).expanduser()
         if not root.is_dir():
             raise UserError(f"disk directory {str(root)!r} does not exist; create it on the drive to use (a local NVMe "
@@ -355,6 +363,7 @@ def measure_disk(directory: str | Path, nbytes: int = 256 * 2**20, block: int = 
     ``directory``: ``nbytes`` written and read back in ``block``-sized sequential requests, as the
     runtime's threads issue them (direct I/O where the filesystem takes it; else the page cache
     is dropped between the write and the read), and the median of 8 reads of one ``ALIGN`` block."""
+    _check_platform()
     root = Path(directory).expanduser()
     if not root.is_dir():
         raise UserError(f"disk directory {str(root)!r} does not exist")
