@@ -26,7 +26,7 @@ def plain() -> dict[str, dict[str, Any]]:
     return {}
 
 
-@pytest.mark.parametrize("variant", ["clip", "scheduler", "param-groups", "state-dict", "accumulate"])
+@pytest.mark.parametrize("variant", ["clip", "scheduler", "param-groups", "state-dict", "accumulate", "eval-between"])
 @pytest.mark.parametrize("where", ON_DISK)
 def test_the_state_on_the_disk_trains_bit_identically(where: str, variant: str, tmp_path: Path,
                                                       plain: dict[str, dict[str, Any]]) -> None:
