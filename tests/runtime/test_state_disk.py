@@ -232,3 +232,68 @@ def test_pinned_staging_and_storages_round_trip_on_cuda(tmp_path: Path) -> None:
         assert torch.equal(x.cuda(non_blocking=True).cpu(), want)
     finally:
         store.close()
+
+
+def _ddp_disk_worker(rank: int, world: int, port: int, out: str) -> None:
+    """DDP alone and DDP with the optimizer state resting on the disk, on the same batches."""
+    import contextlib
+    import copy
+
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import swapsched
+    from swapsched.runtime.profiler import static_bytes_of
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    base = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.ReLU()) for _ in range(16)])
+    runs = []
+    for disk in (False, True):
+        net = copy.deepcopy(base)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        model = DDP(net)
+        rt = None
+        if disk:
+            state = 16 * sum(p.numel() for p in net.parameters())
+            where = Path(out) / f"disk{rank}"
+            where.mkdir()
+            rt = swapsched.SwapRuntime(budget=int(0.6 * static_bytes_of(net, opt)), model=net, optimizer=opt,
+                                       backend="cpu", host_budget=state // 4, disk=where)
+        losses = []
+        for i in range(6):
+            torch.manual_seed(100 * rank + i)  # each rank its own batch
+            x = torch.randn(64, 128)
+            with rt.step() if rt is not None else contextlib.nullcontext():
+                loss = model(x).square().mean()
+                loss.backward()
+            losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad()
+        if rt is not None:
+            on_disk = bool(rt.plan is not None and rt.plan.disk)
+            rt.close()
+            assert on_disk
+        runs.append({"losses": losses, "params": [p.detach().clone() for p in net.parameters()],
+                     "moments": [{k: v.clone() for k, v in opt.state[p].items()} for p in net.parameters()]})
+    torch.save(runs, f"{out}/ddp{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_ddp_with_the_optimizer_state_on_the_disk_is_bit_identical_to_ddp_alone(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    from swapsched.runtime.calibrate import free_port
+
+    mp.start_processes(_ddp_disk_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    for rank in range(2):
+        alone, on_disk = torch.load(tmp_path / f"ddp{rank}.pt")
+        assert all(torch.equal(a, b) for a, b in zip(alone["losses"], on_disk["losses"], strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(alone["params"], on_disk["params"], strict=True))
+        for a, b in zip(alone["moments"], on_disk["moments"], strict=True):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
