@@ -34,7 +34,6 @@ __all__ = ["RunResult", "NothingToSwap", "run_runtime", "DeviceMeter", "CompareR
            "LiveComparison"]
 
 
-
 @dataclass(frozen=True)
 class RunResult:
     method: str
@@ -82,9 +81,9 @@ def make_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
 def _train(case: ModelCase, ref: ModelCase, steps: int, device: str, wrap: Callable[[], Any],
            on_step: Callable[[int, float, bool], None] | None, opt_a: torch.optim.Optimizer,
            opt_b: torch.optim.Optimizer) -> tuple[list[float], bool, list[int]]:
-    """``steps`` optimizer steps of ``case`` inside ``wrap()`` and of ``ref`` plainly: step times
-    (forward and backward), whether every loss matched bit for bit, and (CUDA) each step's
-    allocation peak above its start."""
+    """``steps`` optimizer steps of ``case`` inside ``wrap()`` and of ``ref`` plainly: step times (forward,
+    backward and ``case``'s optimizer step, where a moving state's host steps and copies run: what the
+    runtime predicts), whether every loss matched bit for bit, and (CUDA) each step's allocation peak."""
     times, matches, peaks = [], True, []
     cuda = device.startswith("cuda")
     for s in range(steps):
@@ -99,9 +98,14 @@ def _train(case: ModelCase, ref: ModelCase, steps: int, device: str, wrap: Calla
         lb.backward()
         ok = bool(torch.equal(la.detach(), lb.detach()))
         matches &= ok
-        for opt in (opt_a, opt_b):
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        opt_a.step()
+        if cuda:
+            torch.cuda.synchronize()
+        dt += time.perf_counter() - t0
+        opt_b.step()
+        opt_a.zero_grad(set_to_none=True)
+        opt_b.zero_grad(set_to_none=True)
         times.append(dt)
         if on_step:
             on_step(s, dt, ok)
@@ -165,23 +169,19 @@ def _why_not_followed(reports: list[Any]) -> str | None:
     """What kept the executed steps from following their plan, in words; None if nothing did."""
     run = [r for r in reports if r.mode == "execute"]
     why = []
-    guarded = [r for r in run if r.guard_evictions]
-    if guarded:
+    if guarded := [r for r in run if r.guard_evictions]:
         why.append(f"the guard evicted {sum(r.guard_evictions for r in guarded)} tensors on the spot in "
                    f"{len(guarded)} of {len(run)} executed steps (the plan did not fit the memory as the step ran)")
-    over = [r for r in run if r.peak_device_bytes is not None and r.budget_bytes is not None
-            and r.peak_device_bytes > r.budget_bytes]
+    over = [r for r in run if r.peak_device_bytes is not None and r.budget_bytes is not None and r.peak_device_bytes > r.budget_bytes]
     if over:
         why.append(f"{len(over)} steps went over the budget with nothing left to evict")
-    diverged = [r for r in reports if r.mode == "diverged"]
-    if diverged:
+    if diverged := [r for r in reports if r.mode == "diverged"]:
         why.append(f"{len(diverged)} steps left the trace (first: step {diverged[0].step} {diverged[0].divergence})")
     return "; ".join(why) or None
 
 
 def _checkpoint_blocks(model: nn.Module) -> int:
-    """Wrap each block (transformer block, residual block, or each child of a top-level
-    Sequential) in ``torch.utils.checkpoint``; returns how many were wrapped."""
+    """Wrap each block (transformer, residual, or child of a top-level Sequential) in checkpoint; how many."""
     from torch.utils.checkpoint import checkpoint
 
     blocks = _blocks_of(model)
