@@ -410,8 +410,9 @@ class StateExecution:
                 if w == "stream-full":
                     sim.used -= g.grad_bytes  # the step has read it
                 landed = self._out(part_bytes(g, STREAM_OUT_PARTS[w]), j)
-                if self.disk.nbytes(j):  # R19: on through staging to the disk
-                    self.disk.write(j, self.disk.nbytes(j), landed)
+                on_disk = self.disk.nbytes(j)
+                if on_disk:  # R19: on through staging to the disk
+                    self.disk.write(j, on_disk, landed)
             self.retire(sim.t)
             self.admit()
         if self.host_after_backward:

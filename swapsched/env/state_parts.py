@@ -174,7 +174,7 @@ def held(groups: tuple, placement: dict[str, str], tiers: dict[str, str], hardwa
     where, skipped, host = [], 0, 0
     for j, g in enumerate(groups):
         w = placement.get(g.name, "device")
-        need = part_bytes(g, HOST_PARTS[w]) - part_bytes(g, parts[j])
+        need = host_need(g, w, tiers.get(g.name) if parts[j] else None)
         if need > host_room:
             w, parts[j] = "device", ()
             skipped += 1
