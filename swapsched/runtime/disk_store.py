@@ -168,12 +168,7 @@ class DiskStore:
         """``tensors``' bytes to ``key``'s file (issued); their storages go at once, the slot
         holding the bytes until the write lands (module docstring)."""
         self._check_open()
-        if key in self._reads:  # a read ahead of a key written again: its bytes are stale
-            future, slot = self._reads.pop(key)
-            future.result()
-            self._free.append(slot)
-        if key in self._writes:
-            self._finish_write(key)
+        self._quiesce(key)
         layout, offset = [], 0
         for t in tensors:
             nbytes = t.untyped_storage().nbytes()
@@ -188,6 +183,16 @@ class DiskStore:
         self._memory.discard(key)
         self._writes[key] = (self._writer.submit(self._pwrite, key, slot, offset), slot)
         self.written_bytes += offset
+
+    def _quiesce(self, key: str) -> None:
+        """Nothing of ``key``'s in flight: a read ahead of it dropped (its file is about to change
+        or be forgotten: the bytes are stale), its write landed."""
+        if key in self._reads:
+            future, slot = self._reads.pop(key)
+            future.result()
+            self._free.append(slot)
+        if key in self._writes:
+            self._finish_write(key)
 
     def _pwrite(self, key: str, slot: _Slot, nbytes: int) -> None:
         fd = os.open(self.dir / f"{key}.bin", os.O_WRONLY | os.O_CREAT | (_O_DIRECT if self.direct else 0), 0o600)
@@ -286,8 +291,7 @@ class DiskStore:
         """``key``'s tensors given storages to be filled (not read: a copy will overwrite them
         and ``write`` follow); its file is stale from now."""
         if key in self:
-            if key in self._writes:
-                self._finish_write(key)
+            self._quiesce(key)
             self._restore(key, None)
             self._layout.pop(key)
             self._memory.discard(key)
@@ -302,12 +306,7 @@ class DiskStore:
 
     def forget(self, key: str) -> None:
         """``key``'s file no longer holds its tensors (they were replaced: a loaded state dict)."""
-        if key in self._reads:
-            future, slot = self._reads.pop(key)
-            future.result()
-            self._free.append(slot)
-        if key in self._writes:
-            self._finish_write(key)
+        self._quiesce(key)
         self._layout.pop(key, None)
         self._memory.discard(key)
 
