@@ -30,7 +30,7 @@ import torch
 from swapsched.env.state_parts import STAGING_SLOTS
 from swapsched.errors import UserError
 from swapsched.runtime.disk_store import DiskStore
-from swapsched.runtime.shards import like, local_of
+from swapsched.runtime.shards import like
 from swapsched.state import DISK_PLACEMENTS
 
 __all__ = ["StateOnDisk", "LIVE_DISK_TIERS"]
@@ -66,11 +66,8 @@ class StateOnDisk:
     def _tensors(self, g: str) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
         """Group ``g``'s optimizer state: (its parameter's state, key, the tensor holding its bytes)."""
         out = []
-        for mp in self.m.users[g]:
-            st = self.m.optimizer.state.get(mp.p)
-            for k, v in (st or {}).items():
-                if torch.is_tensor(v) and v.dim() > 0:
-                    out.append((st, k, local_of(v)))
+        for mp in self.m.users[g]:  # the mover's own reading of it (StateAtRest._state_tensors)
+            out += [(self.m.optimizer.state[mp.p], k, v) for k, v in self.m._state_tensors(mp)]
         return out
 
     def _owned(self, g: str) -> Iterable[torch.Tensor]:
