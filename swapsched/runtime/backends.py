@@ -450,7 +450,7 @@ def runtime_devices(name: str, backend: Backend | None, hardware: Hardware | str
         # as an object is the caller's to measure)
         hw = replace(hw, copy_wake_s=out.measure_wake())
         if not hw.hook_cost_s:  # R6: the compute the engines' threads take, measured now too
-            issue, per_byte = interference_of(CpuBackend)
+            issue, per_byte = interference_of(out, out.rates)
             hw = replace(hw, copy_issue_s=issue, copy_host_s_per_byte=per_byte)
     pool = getattr(out, "pool", None)  # a backend given as an object may keep no pool
     if pool is not None:

@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
 __all__ = ["copy_wake_s", "lone_copy_s", "copy_interference", "interference_costs", "interference_of"]
 
-#: copy_interference's figures per number of torch threads, measured once per process: a property
-#: of the machine, not of a run, and ~0.5 s each time
-_MEASURED: dict[int, tuple[float, float]] = {}
+#: copy_interference's figures per (link throttle, torch's threads), measured once per process:
+#: a property of the machine, not of a run, and ~0.5 s each time
+_MEASURED: dict[tuple[Any, int], tuple[float, float]] = {}
 
 
 class Backend(Protocol):
@@ -31,7 +30,6 @@ class Backend(Protocol):
     def copy_in(self, host: torch.Tensor, after: Any, device: Any = None) -> Any: ...
     def wait_host(self, t: Any) -> None: ...
     def synchronize(self) -> None: ...
-    def shutdown(self) -> None: ...
 
 
 def copy_wake_s(backend: Backend, nbytes: int, d2h: tuple[float, float], h2d: tuple[float, float]) -> float:
@@ -120,17 +118,10 @@ def interference_costs(base_s: float, with_copies_s: tuple[float, float], copies
     return max(small - per_byte * sizes[0], 0.0), per_byte
 
 
-def interference_of(probe: Callable[[], Backend]) -> tuple[float, float]:
-    """``copy_interference`` on the engines ``probe()`` makes (unthrottled ones, so that the probe
-    waits for no link: through the 1 MB/s a test asks for, its 50 MiB took minutes), once per
-    process and number of torch threads: every runtime after the first takes the same figures.
-    What a copy takes of the compute is its engine thread's work and wake-ups; a throttle adds
-    sleeps, which take no core."""
-    key = torch.get_num_threads()
+def interference_of(backend: Backend, link: Any) -> tuple[float, float]:
+    """``copy_interference`` of ``backend``, whose engines run at ``link`` (their throttle), once per
+    process and number of torch threads: every runtime after the first takes the same figures."""
+    key = (link, torch.get_num_threads())
     if key not in _MEASURED:
-        backend = probe()
-        try:
-            _MEASURED[key] = copy_interference(backend)
-        finally:
-            backend.shutdown()
+        _MEASURED[key] = copy_interference(backend)
     return _MEASURED[key]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 from swapsched.runtime.backends import CpuBackend
 from swapsched.runtime.link_probe import copy_interference, interference_costs
@@ -43,26 +42,14 @@ def test_copy_interference_is_what_copies_in_flight_take_of_the_compute_per_copy
         busy.shutdown()
 
 
-def test_interference_is_measured_once_per_process_and_thread_count_on_engines_of_its_own(monkeypatch):
+def test_interference_is_measured_once_per_process_link_and_thread_count(monkeypatch):
     from swapsched.runtime import link_probe
 
-    made, measured = [], []
-
-    class Probe(CpuBackend):
-        def __init__(self):
-            super().__init__()  # unthrottled
-            made.append(self)
-
+    calls = []
     monkeypatch.setattr(link_probe, "_MEASURED", {})
-    monkeypatch.setattr(link_probe, "copy_interference", lambda backend: measured.append(backend) or (1e-4, 1e-10))
-    first = link_probe.interference_of(Probe)
-    assert first == (1e-4, 1e-10) and link_probe.interference_of(Probe) == first
-    assert measured == made and len(made) == 1  # the second runtime took the first one's figures
-    assert not made[0].d2h.is_alive() and not made[0].h2d.is_alive()  # the probe's engines stopped
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1 if threads > 1 else 2)  # another thread count is measured again
-        link_probe.interference_of(Probe)
-        assert len(made) == 2
-    finally:
-        torch.set_num_threads(threads)
+    monkeypatch.setattr(link_probe, "copy_interference", lambda backend: calls.append(backend) or (1e-4, 1e-10))
+    first = link_probe.interference_of("engines", (1e9, 1e9, 5e-5))
+    assert first == (1e-4, 1e-10) and link_probe.interference_of("others", (1e9, 1e9, 5e-5)) == first
+    assert calls == ["engines"]  # the second runtime on the same link took the first one's figures
+    link_probe.interference_of("slower", (1e8, 1e8, 5e-5))  # another throttle is measured again
+    assert calls == ["engines", "slower"]
