@@ -35,7 +35,7 @@ from swapsched.budget import parse_budget
 from swapsched.errors import UserError
 from swapsched.hardware import Hardware, default_hardware, load_hardware
 from swapsched.runtime.copy_engine import CopyEngine, CopyError, Ticket
-from swapsched.runtime.link_probe import copy_wake_s, interference_of
+from swapsched.runtime.link_probe import copy_interference, copy_wake_s
 from swapsched.runtime.transients import runtime_allocation
 
 __all__ = ["resolve_backend", "Ticket", "Backend", "CpuBackend", "CudaBackend", "HostPool", "CopyError", "make_backend",
@@ -450,7 +450,7 @@ def runtime_devices(name: str, backend: Backend | None, hardware: Hardware | str
         # as an object is the caller's to measure)
         hw = replace(hw, copy_wake_s=out.measure_wake())
         if not hw.hook_cost_s:  # R6: the compute the engines' threads take, measured now too
-            issue, per_byte = interference_of(out, out.rates)
+            issue, per_byte = copy_interference(out)
             hw = replace(hw, copy_issue_s=issue, copy_host_s_per_byte=per_byte)
     pool = getattr(out, "pool", None)  # a backend given as an object may keep no pool
     if pool is not None:

@@ -12,11 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["copy_wake_s", "lone_copy_s", "copy_interference", "interference_costs", "interference_of"]
-
-#: copy_interference's figures per (link throttle, torch's threads), measured once per process:
-#: a property of the machine, not of a run, and ~0.5 s each time
-_MEASURED: dict[tuple[Any, int], tuple[float, float]] = {}
+__all__ = ["copy_wake_s", "lone_copy_s", "copy_interference", "interference_costs"]
 
 
 class Backend(Protocol):
@@ -116,12 +112,3 @@ def interference_costs(base_s: float, with_copies_s: tuple[float, float], copies
     small, large = (max(t - base_s, 0.0) / copies for t in with_copies_s)
     per_byte = max(large - small, 0.0) / (sizes[1] - sizes[0])
     return max(small - per_byte * sizes[0], 0.0), per_byte
-
-
-def interference_of(backend: Backend, link: Any) -> tuple[float, float]:
-    """``copy_interference`` of ``backend``, whose engines run at ``link`` (their throttle), once per
-    process and number of torch threads: every runtime after the first takes the same figures."""
-    key = (link, torch.get_num_threads())
-    if key not in _MEASURED:
-        _MEASURED[key] = copy_interference(backend)
-    return _MEASURED[key]

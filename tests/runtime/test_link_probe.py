@@ -40,16 +40,3 @@ def test_copy_interference_is_what_copies_in_flight_take_of_the_compute_per_copy
     finally:
         plain.shutdown()
         busy.shutdown()
-
-
-def test_interference_is_measured_once_per_process_link_and_thread_count(monkeypatch):
-    from swapsched.runtime import link_probe
-
-    calls = []
-    monkeypatch.setattr(link_probe, "_MEASURED", {})
-    monkeypatch.setattr(link_probe, "copy_interference", lambda backend: calls.append(backend) or (1e-4, 1e-10))
-    first = link_probe.interference_of("engines", (1e9, 1e9, 5e-5))
-    assert first == (1e-4, 1e-10) and link_probe.interference_of("others", (1e9, 1e9, 5e-5)) == first
-    assert calls == ["engines"]  # the second runtime on the same link took the first one's figures
-    link_probe.interference_of("slower", (1e8, 1e8, 5e-5))  # another throttle is measured again
-    assert calls == ["engines", "slower"]
