@@ -35,11 +35,10 @@ from swapsched.budget import parse_budget
 from swapsched.errors import UserError
 from swapsched.hardware import Hardware, default_hardware, load_hardware
 from swapsched.runtime.copy_engine import CopyEngine, CopyError, Ticket
-from swapsched.runtime.link_probe import copy_interference, copy_wake_s
 from swapsched.runtime.transients import runtime_allocation
 
 __all__ = ["resolve_backend", "Ticket", "Backend", "CpuBackend", "CudaBackend", "HostPool", "CopyError", "make_backend",
-           "runtime_devices"]
+           "runtime_devices", "lone_copy_s", "copy_wake_s"]
 
 
 
@@ -408,6 +407,44 @@ def resolve_backend(name: str | None) -> str:
     return name
 
 
+def copy_wake_s(backend: Backend, nbytes: int, d2h: tuple[float, float], h2d: tuple[float, float]) -> float:
+    """R6's ``copy_wake_s`` of ``backend``'s engines: what lone copies of ``nbytes``
+    (``lone_copy_s``) take beyond ``latency + bytes / bandwidth`` of each direction (``d2h``,
+    ``h2d``: (latency s, bytes/s), a queued copy's), the two directions averaged."""
+    out_s, in_s = lone_copy_s(backend, nbytes)
+    beyond = [t - latency - nbytes / rate for t, (latency, rate) in ((out_s, d2h), (in_s, h2d))]
+    return max(0.0, sum(beyond) / 2)
+
+
+def lone_copy_s(backend: Backend, nbytes: int, samples: int = 5) -> tuple[float, float]:
+    """Median seconds from issuing a lone copy of ``nbytes`` (its engine idle: each waits 1 ms
+    after the last) to its waiter running again, out then in (R6's ``copy_wake_s`` is what they
+    take beyond latency and bytes). On the emulated device each is issued right after a matmul,
+    as the hooks issue copies right after an op: the op's worker threads still spin on the cores
+    the engine's thread wakes on, which adds a third to the wake-up on a 2-core machine."""
+    src = torch.zeros(nbytes, dtype=torch.uint8, device=backend.device_type)
+    op = torch.ones(256, 256) if backend.emulated else None
+    outs: list[float] = []
+    ins: list[float] = []
+
+    def lone(copy: Any, args: tuple[Any, ...], times: list[float]) -> Ticket:
+        backend.synchronize()
+        time.sleep(1e-3)
+        if op is not None:
+            torch.mm(op, op)
+        t0 = time.perf_counter()
+        t = copy(*args)
+        backend.wait_host(t)
+        times.append(time.perf_counter() - t0)
+        return t
+
+    for _ in range(samples):
+        host = lone(backend.copy_out, (src,), outs).dst
+        lone(backend.copy_in, (host, None), ins)
+        backend.pool.give(host)
+    return sorted(outs)[samples // 2], sorted(ins)[samples // 2]
+
+
 def make_backend(name: str | None, hardware: Any = None) -> Backend:
     """The backend ``resolve_backend(name)`` picks; the CPU backend's engines are throttled to
     ``hardware``'s link (unthrottled without one, or with an infinite bandwidth)."""
@@ -449,9 +486,6 @@ def runtime_devices(name: str, backend: Backend | None, hardware: Hardware | str
         # beyond it is measured now (a calibrated profile has measured its own; a backend given
         # as an object is the caller's to measure)
         hw = replace(hw, copy_wake_s=out.measure_wake())
-        if not hw.hook_cost_s:  # R6: the compute the engines' threads take, measured now too
-            issue, per_byte = copy_interference(out)
-            hw = replace(hw, copy_issue_s=issue, copy_host_s_per_byte=per_byte)
     pool = getattr(out, "pool", None)  # a backend given as an object may keep no pool
     if pool is not None:
         pool.limit = hw.host_budget_bytes

@@ -39,9 +39,8 @@ import torch
 from swapsched.errors import UserError
 from swapsched.hardware import DEFAULT_GPU_HARDWARE, Hardware, load_hardware
 from swapsched.plan import Eviction, SwapPlan, on_demand_plan
-from swapsched.runtime.backends import Backend, CpuBackend, CudaBackend
+from swapsched.runtime.backends import Backend, CpuBackend, CudaBackend, copy_wake_s
 from swapsched.runtime.disk_store import measure_disk
-from swapsched.runtime.link_probe import copy_wake_s
 from swapsched.runtime.retime import nonnegative_fit
 from swapsched.runtime.swapper import PolicyRuntime
 from swapsched.trace import Trace

@@ -22,8 +22,6 @@ if TYPE_CHECKING:
 
 __all__ = ["timed_by_execution", "median_trace", "fitted_host_costs", "nonnegative_fit", "ExecutedSteps"]
 
-#: The most of an executed step's compute re-timing puts down to its copies (timed_by_execution)
-MAX_INTERFERENCE = 0.5
 #: Executed steps whose hook times the host's costs are fitted from (the latest ones)
 HOST_STEPS_KEPT = 64
 
@@ -32,13 +30,10 @@ class ExecutedSteps:
     """The executed steps of the current trace, kept to re-time it every ``every`` of them.
 
     ``given``: the hardware as given; ``fit_host``: fit the host's costs onto it from the latest
-    ``HOST_STEPS_KEPT`` steps (uncalibrated hardware on the emulated device); then ``given``'s
-    per-copy costs are the copies' interference with the compute, measured as the runtime started
-    (``backends.copy_interference``), which re-timing takes out of the gaps."""
+    ``HOST_STEPS_KEPT`` steps (uncalibrated hardware on the emulated device)."""
 
     def __init__(self, every: int, given: Hardware, fit_host: bool) -> None:
         self.every, self.given, self.fit_host = every, given, fit_host
-        self.interference = (given.copy_issue_s, given.copy_host_s_per_byte) if fit_host else (0.0, 0.0)
         self._steps: list[StepReport] = []  # not yet used to re-time the trace
         self._host: deque[StepReport] = deque(maxlen=HOST_STEPS_KEPT)
 
@@ -50,9 +45,9 @@ class ExecutedSteps:
             self._host.append(rep)
         if len(self._steps) < self.every:
             return None
-        retimed = timed_by_execution(trace, self._steps, self.interference)
+        retimed = timed_by_execution(trace, self._steps)
         self._steps = []
-        fitted = fitted_host_costs(self.given, list(self._host), retimed.n_events, self.interference) if self.fit_host else None
+        fitted = fitted_host_costs(self.given, list(self._host), retimed.n_events) if self.fit_host else None
         return retimed, fitted
 
     def forget(self) -> None:
@@ -61,9 +56,8 @@ class ExecutedSteps:
         self._host.clear()
 
 
-def timed_by_execution(trace: Trace, reports: list[StepReport], interference: tuple[float, float] = (0.0, 0.0)) -> Trace:
-    """``trace`` with each gap (and the tail) the median over executed steps' gaps, less what
-    their copies took of the compute (``interference``: seconds per copy and per byte).
+def timed_by_execution(trace: Trace, reports: list[StepReport]) -> Trace:
+    """``trace`` with each gap (and the tail) the median over executed steps' gaps.
 
     Why the runtime re-times its trace: the profiling steps copy every saved tensor synchronously.
     On the emulated device those copies free and re-allocate process memory, so the compute
@@ -71,30 +65,14 @@ def timed_by_execution(trace: Trace, reports: list[StepReport], interference: tu
     CUDA every hook waits for its copy, so the device idles while the host launches the next
     kernels, and a launch-bound model's compute is overestimated. Executed steps measure each gap
     between hooks with the hooks' own time left out: the host clock on the emulated device, CUDA
-    timing events in the compute order on a GPU. The simulator adds ``hook_cost_s`` per event.
-
-    On the emulated device the copies' threads share the compute's cores, so an executed step's
-    gaps also hold the compute its copies took (R6's per-copy costs, which the simulator charges
-    per copy): left in, every plan would be predicted with this plan's copies, and a plan with
-    none (checkpointing) as slow as this one. It is taken out of each gap in proportion to its
-    length, never more than ``MAX_INTERFERENCE`` of the step's compute (the measure is a
-    microbenchmark's, not this model's)."""
+    timing events in the compute order on a GPU. The simulator adds ``hook_cost_s`` per event."""
     timed = [r for r in reports if r.gaps_s is not None and len(r.gaps_s) == trace.n_events]
     if not timed:
         raise UserError("timed_by_execution needs reports of whole executed steps with their gaps measured")
-    per_copy, per_byte = interference
-    gaps = []
-    for r in timed:
-        measured = r.gaps_s or ()
-        took = r.copies * per_copy + (r.evicted_bytes + r.prefetched_bytes + r.on_demand_bytes) * per_byte
-        total = sum(measured) + (r.tail_s or 0.0)
-        keep = 1.0 - min(took / total, MAX_INTERFERENCE) if total > 0 else 1.0
-        gaps.append([g * keep for g in measured])
-    return _median_timing(trace, gaps, [r.tail_s or 0.0 for r in timed], "timed_by_execution")
+    return _median_timing(trace, [r.gaps_s for r in timed], [r.tail_s or 0.0 for r in timed], "timed_by_execution")
 
 
-def fitted_host_costs(hardware: Hardware, reports: list[StepReport], n_events: int,
-                      interference: tuple[float, float] = (0.0, 0.0)) -> Hardware:
+def fitted_host_costs(hardware: Hardware, reports: list[StepReport], n_events: int) -> Hardware:
     """``hardware`` with the host's costs of the runtime fitted to executed steps (R6/R8's host
     costs), so that predictions need no calibration step.
 
@@ -102,18 +80,15 @@ def fitted_host_costs(hardware: Hardware, reports: list[StepReport], n_events: i
     copy_issue_s + bytes * copy_host_s_per_byte``, fitted by non-negative least squares as
     ``swapsched calibrate`` fits its workloads. Steps of one plan alone cannot tell the three apart:
     then it is all per event, which every plan pays alike. (What a wait costs the compute after it
-    is in the gaps the same steps re-time.) ``interference``, the copies' cost to the compute
-    between the hooks, is added to the per-copy costs fitted (re-timing took it out of the gaps)."""
+    is in the gaps the same steps re-time.)"""
     rows = [(n_events, r.copies, r.evicted_bytes + r.prefetched_bytes + r.on_demand_bytes) for r in reports]
     y = np.array([max(r.hook_s or 0.0, 0.0) for r in reports], dtype=np.float64)
     if not rows:
         return hardware
     if len({row[1:] for row in rows}) < 2:
-        return replace(hardware, hook_cost_s=float(np.median(y)) / max(n_events, 1), copy_issue_s=interference[0],
-                       copy_host_s_per_byte=interference[1])
+        return replace(hardware, hook_cost_s=float(np.median(y)) / max(n_events, 1))
     hook, issue, per_byte = (float(c) for c in nonnegative_fit(np.array(rows, dtype=np.float64), y))
-    return replace(hardware, hook_cost_s=hook, copy_issue_s=issue + interference[0],
-                   copy_host_s_per_byte=per_byte + interference[1])
+    return replace(hardware, hook_cost_s=hook, copy_issue_s=issue, copy_host_s_per_byte=per_byte)
 
 
 def nonnegative_fit(a: np.ndarray, y: np.ndarray) -> np.ndarray:

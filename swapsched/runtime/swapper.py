@@ -28,7 +28,7 @@ from swapsched.budget import BudgetError
 from swapsched.env.result import SimResult
 from swapsched.env.state_parts import as_held
 from swapsched.errors import UserError, internal_assert, present
-from swapsched.hardware import Hardware
+from swapsched.hardware import HOST_COSTS, Hardware
 from swapsched.plan import SwapPlan, carry_evictions
 from swapsched.policy import Policy
 from swapsched.runtime.accounting import StepExecution
@@ -137,8 +137,8 @@ class PolicyRuntime(TwoStages):
         self._agreed = False  # the first plan's refusal was shared with every rank (replicas.on_every_rank)
         self._profiles: list[tuple[Trace, dict[int, int]]] = []  # (trace, its order of first sight)
         self.retime_steps = int(retime_steps)
-        # executed steps re-time the trace; on uncalibrated hardware (no hook cost) they fit the host costs too
-        self._executed = ExecutedSteps(self.retime_steps, hw, self.backend.emulated and not hw.hook_cost_s)
+        # executed steps re-time the trace; on uncalibrated hardware (no host costs) they fit those too
+        self._executed = ExecutedSteps(self.retime_steps, hw, self.backend.emulated and not any(getattr(hw, k) for k in HOST_COSTS))
         self._policy_planned = False  # the plan is the policy's (re-planned after re-timing), not use_plan's
         # parameters, gradients, optimizer state: in absolute budgets when the model is given
         self.static_bytes = static_bytes_of(model, optimizer) if model is not None else 0

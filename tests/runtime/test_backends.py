@@ -198,8 +198,7 @@ def test_plans_for_the_shipped_profile_count_the_emulated_engines_wake_up():
     # copy_wake_s): the shipped profile gains it, its latency (the throttle) unchanged; a
     # calibrated (given) profile is used as it is
     from swapsched.hardware import default_hardware, load_hardware
-    from swapsched.runtime.backends import runtime_devices
-    from swapsched.runtime.link_probe import lone_copy_s
+    from swapsched.runtime.backends import lone_copy_s, runtime_devices
 
     nominal = load_hardware(default_hardware("cpu"))
     hw, backend = runtime_devices("cpu", None, None, 1e9, None)
