@@ -43,7 +43,8 @@ class LearnedPolicy:
     :mod:`swapsched.agents.guide`), each loaded once, on first use.
 
     - ``mode="greedy"`` (``default-greedy``): the learned parts alone, no candidates and no search,
-      so their own worth is visible: the block chooser picks which blocks to recompute and how (R9), MIN swaps
+      so their own worth is visible: the block chooser picks which blocks to recompute and how (R9; the fastest in
+      simulation of its four most likely choices), MIN swaps
       what they leave, and the plan editor edits that plan in one pass. A checkpoint without a
       chooser (or ``recompute=False``) edits MIN's plan: swap only.
     - ``mode="search"`` (``default``): :func:`~swapsched.agents.joint.joint_search` with the
