@@ -269,14 +269,16 @@ class BlockChooser(TanhMLP):
         (medium, bf16) at 50% on h100-pcie5 the first choice that fit took 2.7x ``default``'s step
         and the fourth 1.01x (issue 54)."""
         best: tuple[float, SwapPlan] | None = None
-        plans = [joint_plan(trace, budget, hardware, states_of(trace, c), name)
-                 for c in self.ranked(trace, budget, hardware)[:GUARD_TRIES]]  # ranked: never empty
+        states = [states_of(trace, c) for c in self.ranked(trace, budget, hardware)[:GUARD_TRIES]]  # never empty
+        plans = [joint_plan(trace, budget, hardware, st, name) for st in states]
         for plan in plans:
             r = simulate(trace, plan, hardware, budget, validate=False)
             if not r.oom and (best is None or r.iteration_s < best[0]):
                 best = (r.iteration_s, plan)
         if best is not None:
             return best[1]
+        if not all(any(st) for st in states):  # MIN alone was one of them, and ran out of memory too
+            return plans[0]
         alone = joint_plan(trace, budget, hardware, [], name)
         return alone if not simulate(trace, alone, hardware, budget, validate=False).oom else plans[0]
 
