@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Build the shipped trace corpus: python scripts/build_traces.py [--out swapsched/env/traces] [--only zoo|generated]
+"""Build the shipped trace corpus: python scripts/build_traces.py [--out swapsched/env/traces] [--only zoo|generated] [--precision fp32|autocast]
 
 Every zoo family at three sizes is profiled on this machine's CPU (``timing: measured``), and the
 same models plus a few large ones are profiled on the ``meta`` device with roofline timing for a
@@ -10,7 +10,8 @@ held out (``split: test``) so that evaluation covers architectures the policy ne
 The ``generated`` split is ``GENERATED`` random architectures (``swapsched/generated.py``), each
 profiled on meta with roofline timing for one of the training GPUs in turn: the far wider set the
 search's learned parts (move prior, plan editor, block chooser) train on beside the zoo's train
-split. ``--only`` rebuilds one part and keeps the other's rows of the index.
+split. ``--only`` rebuilds one part and ``--precision`` one precision; the index keeps the rows of
+what is not rebuilt.
 
 Every roofline trace, zoo and generated, is built twice: in fp32 and in bf16 autocast over fp32
 weights (``Precision("bf16", amp=True)``, what ``swapsched profile`` does for a GPU by default),
@@ -63,6 +64,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "swapsched" / "env" / "traces"))
     ap.add_argument("--only", choices=["zoo", "generated"], help="rebuild only this part; keep the other's index rows")
+    ap.add_argument("--precision", choices=["fp32", "autocast"],
+                    help="rebuild only the traces of this precision (autocast: bf16, or fp16 on a GPU without bf16); "
+                         "keep the other rows of the index")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -75,11 +79,12 @@ def main() -> int:
     if args.only != "zoo":
         jobs += [("generated", seed, None, None, "meta", GENERATED_HARDWARE[seed % len(GENERATED_HARDWARE)], dtype)
                  for dtype in ROOFLINE_PRECISIONS for seed in range(GENERATED)]
-    index = []
-    if args.only and (out / "index.json").is_file():
-        # the rows of the part not rebuilt stay
-        index = [r for r in json.loads((out / "index.json").read_text())["traces"]
-                 if (r["split"] == "generated") != (args.only == "generated")]
+    if args.precision:
+        jobs = [j for j in jobs if (j[-1] is None) == (args.precision == "fp32")]
+    # a partial rebuild replaces its own rows of the index, in place, and keeps the others
+    index = json.loads((out / "index.json").read_text())["traces"] if (args.only or args.precision) and \
+        (out / "index.json").is_file() else []
+    row_of = {r["file"]: i for i, r in enumerate(index)}
     for family, size, batch, seq, device, hw, dtype in tqdm(jobs, desc="profiling", unit="model"):
         if family == "generated":
             case, name, split = random_architecture(size), f"generated-{size}-{hw}", "generated"
@@ -99,7 +104,10 @@ def main() -> int:
                "precision": dtype or "fp32"}
         if family == "generated":
             row.update(size=str(size), architecture=describe(size))
-        index.append(row)
+        if file in row_of:
+            index[row_of[file]] = row
+        else:
+            index.append(row)
     write_json({"traces": index}, out / "index.json", indent=1)
     total = sum((out / r["file"]).stat().st_size for r in index)
     print(f"{len(index)} traces, {total / 1e6:.2f} MB in {out}")

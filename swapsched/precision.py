@@ -85,8 +85,9 @@ class Precision:
 
 class MetaAutocast(TorchFunctionMode):
     """CUDA autocast's cast policy for meta tensors (module docstring). A parameter's cast is made
-    anew at each use, where autocast caches one per region; either way the cast is the parameter's
-    (``profiler.is_cached_cast``), never a saved activation."""
+    anew at each use, as autocast does with its cache off, which the profiler and the runtime turn
+    off (R12): a saved cast is the parameter's compute copy (``runtime/casts.py``), never a saved
+    activation."""
 
     def __init__(self, dtype: torch.dtype):
         super().__init__()

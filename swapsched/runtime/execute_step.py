@@ -12,6 +12,7 @@ import torch
 from swapsched.budget import format_bytes
 from swapsched.env.events import FREED, HOST, IN, OUT, RESIDENT, event_tables
 from swapsched.errors import present
+from swapsched.runtime.casts import Recast, recast
 from swapsched.runtime.copies import CopyingStep
 from swapsched.runtime.layout import PlanLayout
 from swapsched.runtime.profile_step import ProfileStep
@@ -176,6 +177,9 @@ class ExecuteStep(CopyingStep):
         rec = self.keys.get(key)
         i = self.i
         if rec is None:
+            cast = Recast.of(t)  # R12: a parameter's compute copy, made again at unpack
+            if cast is not None:
+                return cast
             if is_parameter(t):  # parameters stay (counted in static_bytes), and get no trace id
                 self.keys[key] = UNTRACKED
                 return Packed(None, t)
@@ -235,7 +239,9 @@ class ExecuteStep(CopyingStep):
         self._end_event(i, t_in)
         return p
 
-    def unpack(self, p: Packed) -> torch.Tensor:
+    def unpack(self, p: Packed | Recast) -> torch.Tensor:
+        if isinstance(p, Recast):  # not an event of the trace: backward computes with the cast
+            return recast(p, self.frame.state, self.i)
         if p.profiled:  # packed after this step handed its hooks to a profiling step
             return present(self.profile, "the profiling step this one handed over to").unpack(p)
         t_in = time.perf_counter()

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from swapsched.runtime.casts import no_autocast_cache
+
 if TYPE_CHECKING:
     from swapsched.hardware import Hardware
     from swapsched.runtime.backends import Backend
@@ -82,15 +84,20 @@ class SavedTensorHooks:
         self.pack = torch.compiler.disable(checked)
         self.unpack = torch.compiler.disable(unpack)
         self.on = False
+        self.cache = no_autocast_cache()
 
     def __enter__(self) -> SavedTensorHooks:
         torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
         self.on = True
+        # R12: the hooks make autocast's casts of weights again at unpack (casts.py), so its cache
+        # must not hold them for the region; regions entered in the step inherit this
+        self.cache.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.on:
             self.off()
+        self.cache.__exit__(None, None, None)
 
     def off(self) -> None:
         """Pop the hooks (from inside the step's first pack: they are the innermost ones)."""

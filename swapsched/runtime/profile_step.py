@@ -12,7 +12,8 @@ import torch
 
 from swapsched.env.events import HOST
 from swapsched.runtime.accounting import StepExecution
-from swapsched.runtime.recorder import ModulePath, OpNames, StorageIds, TraceRecorder, is_cached_cast, storage_key
+from swapsched.runtime.casts import Recast, recast
+from swapsched.runtime.recorder import ModulePath, OpNames, StorageIds, TraceRecorder, storage_key
 from swapsched.runtime.reports import CollectiveTally, StepReport
 from swapsched.runtime.stash import Packed, Record, flat_bytes, rebuild
 from swapsched.runtime.transients import TransientMeter
@@ -38,7 +39,7 @@ class ProfileStep(StepExecution):
     it out and counts its bytes as static. A graph kept with ``retain_graph`` keeps its handles, so
     its storages are not judged."""
 
-    __slots__ = ("ids", "recorder", "trace", "moved", "device", "owners", "cast_keys", "cast_bytes", "released",
+    __slots__ = ("ids", "recorder", "trace", "moved", "device", "owners", "recasts", "released",
                  "freed", "unpacked", "devices", "param_keys", "passes", "modules", "checkpoint_packs", "recomputes",
                  "new_shape", "seen_before", "carried", "carried_keys", "ops", "producers", "held", "first_sight",
                  "transients")
@@ -98,8 +99,6 @@ class ProfileStep(StepExecution):
         self.device = self.backend.device_type
         # trace id (order of first sight) -> (storage, handles autograd holds, bytes, key), all weak
         self.owners: dict[int, tuple[weakref.ref[Any], list[weakref.ref[Packed]], int, int]] = {}
-        self.cast_keys: set[int] = set()
-        self.cast_bytes = 0
         # trace id -> the hook call before which its storage died: here the runtime holds no device
         # copy, so that is when the program itself let go of it (R2's release)
         self.released: dict[int, int] = {}
@@ -108,10 +107,15 @@ class ProfileStep(StepExecution):
         self.freed: dict[int, int] = {}
         self.unpacked: set[int] = set()
         self.devices: dict[int, torch.device] = {}
+        self.recasts = 0  # saved casts of parameters (R12): a step that saves one keeps its hooks
         self.param_keys: set[int] = set()  # parameters live through the step: no finalizer needed
         self.passes: set[int] = set()  # the autograd graph tasks (backward passes) that unpacked
 
-    def pack(self, t: torch.Tensor) -> Packed:
+    def pack(self, t: torch.Tensor) -> Packed | Recast:
+        cast = Recast.of(t)  # R12: a parameter's compute copy, made again at unpack
+        if cast is not None:
+            self.recasts += 1
+            return cast
         with self._paused():  # the hook's own ops (a detach, its copy) are not the model's
             return self._pack(t)
 
@@ -131,11 +135,6 @@ class ProfileStep(StepExecution):
             self.producers[tid] = self.ops.producers.get(key, ())
         if tid is None:
             self.param_keys.add(t.untyped_storage()._cdata)
-            if is_cached_cast(t):  # stays like its parameter; its bytes are counted once, as static
-                st = t.untyped_storage()
-                if st._cdata not in self.cast_keys:
-                    self.cast_keys.add(st._cdata)
-                    self.cast_bytes += st.nbytes()
             return Packed(None, t, profiled=True)
         st = t.untyped_storage()
         limit = self.frame.hardware.host_budget_bytes
@@ -202,7 +201,9 @@ class ProfileStep(StepExecution):
     def _freed(self, tid: int) -> None:
         self.freed[tid] = max(self.freed.get(tid, 0), len(self.recorder.kinds))
 
-    def unpack(self, p: Packed) -> torch.Tensor:
+    def unpack(self, p: Packed | Recast) -> torch.Tensor:
+        if isinstance(p, Recast):
+            return recast(p, self.frame.state, -1)
         with self._paused():
             return self._unpack(p)
 
@@ -248,7 +249,7 @@ class ProfileStep(StepExecution):
     def finish(self) -> None:
         unowned = self.unowned()
         carried, carried_bytes = self.carried_bytes()
-        static = self.frame.static_bytes + self.cast_bytes + sum(unowned.values()) + carried_bytes + self.frame.held[1]
+        static = self.frame.static_bytes + sum(unowned.values()) + carried_bytes + self.frame.held[1]
         if "unpack" not in self.recorder.kinds:  # a step without backward: no trace to learn from
             self.abort()
             return
@@ -260,7 +261,7 @@ class ProfileStep(StepExecution):
         self.trace = replace(self.trace, events=self._with_rebuilt(self.trace),
                              meta={**self.trace.meta, "unowned_bytes": static - self.frame.static_bytes - self.frame.held[1],
                                    "unowned_tensors": len(unowned) + carried, "backward_passes": len(self.passes),
-                                   "held_bytes": self.frame.held[1]})
+                                   "held_bytes": self.frame.held[1], "recasts": self.recasts})
         remap = self.recorder.remap
         self.first_sight = {k + self.seen_before: v for k, v in remap.items()}
         self.producers = {remap[k]: v for k, v in self.producers.items() if k in remap}

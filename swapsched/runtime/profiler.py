@@ -30,6 +30,7 @@ from swapsched.attention import AttentionKernel
 from swapsched.errors import UserError, present
 from swapsched.hardware import DEFAULT_CPU_HARDWARE, DEFAULT_GPU_HARDWARE, Hardware, load_hardware
 from swapsched.precision import Precision, autocast_for
+from swapsched.runtime.casts import no_autocast_cache
 from swapsched.runtime.recorder import ModulePath, OpNames, ProfileError, TraceRecorder, storage_key
 from swapsched.runtime.shards import local_of, offloaded_by_fsdp
 from swapsched.runtime.transients import OTHER_MEASURED, TransientMeter
@@ -197,7 +198,7 @@ def profile(
 
     def run(rec: TraceRecorder, kernels: AttentionKernel | None) -> None:
         rec.start()
-        with rec.hooks():
+        with rec.hooks(), no_autocast_cache():  # R12: each cast is held only while it is used
             with ExitStack() as region:
                 if kernels is not None:  # entered first: under MetaAutocast it sees SDPA's inputs already cast
                     region.enter_context(kernels)

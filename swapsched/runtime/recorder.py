@@ -29,10 +29,11 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import FlopCounterMode
 
 from swapsched.errors import UserError
+from swapsched.runtime.casts import Recast
 from swapsched.runtime.transients import OTHER_MEASURED, TransientMeter
 from swapsched.trace import Event, TensorInfo, Trace
 
-__all__ = ["ProfileError", "TraceRecorder", "OpNames", "ModulePath", "StorageIds", "is_parameter", "is_cached_cast",
+__all__ = ["ProfileError", "TraceRecorder", "OpNames", "ModulePath", "StorageIds", "is_parameter",
            "storage_key"]
 
 
@@ -76,30 +77,14 @@ class StorageIds:
 
 def is_parameter(t: torch.Tensor) -> bool:
     """A parameter or a view of one: a leaf that requires grad, or an ``nn.Parameter`` (a frozen
-    one too: a LoRA model's base weight, R13), directly or through ``_base``; or autocast's cached
-    cast of one (see :func:`is_cached_cast`)."""
+    one too: a LoRA model's base weight, R13), directly or through ``_base``. (Autocast's cast of
+    one is not: it is packed as a ``casts.Recast``, R12.)"""
     base = t._base
     if isinstance(t, torch.nn.Parameter) or isinstance(base, torch.nn.Parameter):
         return True
     if t.is_leaf:
         return t.requires_grad
-    if base is not None and base.is_leaf and base.requires_grad:
-        return True
-    return is_cached_cast(t)
-
-
-def is_cached_cast(t: torch.Tensor) -> bool:
-    """A cast of a leaf that requires grad (a parameter), or a view of one: what autocast caches for
-    the rest of its region. The cache keeps the storage alive, so evicting it would free nothing
-    and its swap-in would allocate a second copy; it stays, like the parameter it was cast from.
-    (Saved-tensor hooks run with autocast turned off, so the cast is recognised by its graph: a
-    ``ToCopyBackward0`` whose only input is a leaf's ``AccumulateGrad``.)"""
-    for x in (t, t._base):
-        fn = None if x is None else x.grad_fn
-        if fn is not None and type(fn).__name__ == "ToCopyBackward0":
-            nxt = fn.next_functions
-            return len(nxt) == 1 and nxt[0][0] is not None and type(nxt[0][0]).__name__ == "AccumulateGrad"
-    return False
+    return base is not None and base.is_leaf and base.requires_grad
 
 
 class OpNames(TorchDispatchMode):
@@ -372,10 +357,15 @@ class TraceRecorder:
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         def pack(t: torch.Tensor) -> Any:
+            recast = Recast.of(t)  # R12: a parameter's compute copy is made again at unpack
+            if recast is not None:
+                return recast
             tid = self.pack(t)
             return (tid, t)
 
         def unpack(packed: Any) -> torch.Tensor:
+            if type(packed) is Recast:
+                return packed.make()
             tid, t = packed
             self.unpack(tid)
             return t

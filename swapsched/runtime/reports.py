@@ -243,8 +243,8 @@ class StepReport:
     # packed, whoever holds it, and every buffer made for a swap-in) alive at once, measured from
     # the storages' own lifetimes (CPU backend) or torch's allocator peak (CUDA); None without audit
     measured_peak_bytes: int | None = None
-    # saved storages the runtime found held by someone else (the caller's inputs, module buffers,
-    # autocast's cached casts): left resident and counted in the trace's static bytes
+    # saved storages the runtime found held by someone else (the caller's inputs, module buffers):
+    # left resident and counted in the trace's static bytes
     unowned_bytes: int = 0
     divergence: Divergence | None = None  # mode "diverged": where and how
     nothing_saved: bool = False  # the step saved no tensor for backward: there is nothing to swap

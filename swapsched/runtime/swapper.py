@@ -93,8 +93,8 @@ class PolicyRuntime(TwoStages):
     ``disk_store.with_disk``).
 
     Only what the runtime owns is evicted. Storages the profiling steps find alive after autograd let go of them (the caller's
-    inputs and outputs, module buffers) and autocast's cached casts of parameters stay resident; their bytes are counted once,
-    in the trace's ``static_bytes``, and reported as ``unowned_bytes``.
+    inputs and outputs, module buffers) stay resident; their bytes are counted once, in the trace's ``static_bytes``, and
+    reported as ``unowned_bytes``. Autocast's casts of parameters are made again where backward reads them (R12, casts.py).
     """
 
     def __init__(self, budget: str | int = "60%", policy: Policy | None = None, hardware: Hardware | str | None = None,
@@ -276,9 +276,11 @@ class PolicyRuntime(TwoStages):
         confirms the shape: its plan moves nothing, the trace was re-timed once (later re-timing
         only follows the host's costs, which such a step does not pay), nobody asked to watch
         (``audit``, ``strict``, ``unhook=False``: what measures the hooks themselves), and
-        ``UNHOOK_AFTER`` steps of the shape have executed it as planned within the budget."""
+        ``UNHOOK_AFTER`` steps of the shape have executed it as planned within the budget. A step that saves autocast's
+        casts of parameters keeps its hooks: without them autograd holds every cast to backward (R12)."""
         return (self.unhook and not self.audit and not self.strict and (self._retimed or not self.retime_steps)
-                and not layout.plan.evictions and not layout.plan.state and self.plans.followed(layout) >= UNHOOK_AFTER)
+                and not layout.plan.evictions and not layout.plan.state and not layout.trace.meta.get("recasts")
+                and self.plans.followed(layout) >= UNHOOK_AFTER)
 
     def take_hooks_off(self) -> None:
         """Take the step's hooks off (from inside its first pack: they are the innermost ones)."""

@@ -350,7 +350,9 @@ def test_blocks_the_user_checkpoints_stay_theirs_and_autocast_composes():
         return loss
 
     a, b = UserCheckpointed(seed=3), UserCheckpointed(seed=3)
-    rt = SwapRuntime(budget="80%", policy=CheckpointAll(), backend="cpu", model=a, profile_steps=1)
+    # the weights' bf16 casts are above the static bytes now, held only while used (R12): 80% of
+    # that peak is below what the step needs at its fullest
+    rt = SwapRuntime(budget="90%", policy=CheckpointAll(), backend="cpu", model=a, profile_steps=1)
     try:
         reports = train_together(a, b, rt, 5, run)
         assert reports[-1].mode == "execute" and reports[-1].recomputed_blocks == ("blocks.0", "blocks.2")
