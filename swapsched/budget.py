@@ -29,7 +29,8 @@ def parse_budget(spec: str | int | float, trace: Trace | None = None, *, check_f
     """Device-memory budget in bytes.
 
     ``"60%"`` is ``static_bytes`` + 60% of the no-swap peak above ``static_bytes`` (needs ``trace``);
-    ``"100%"`` is exactly the no-swap peak. With ``trace`` and ``check_feasible``, a budget below
+    ``"100%"`` is exactly the no-swap peak. Both count the gradients the step makes as static
+    (``Trace.relative_scale``, R3), as if it began with them. With ``trace`` and ``check_feasible``, a budget below
     the smallest any plan can meet raises :class:`BudgetError` stating that smallest budget; for a
     trace that records its state (R13), the smallest with the state movable, and the host memory
     that needs.
@@ -38,8 +39,8 @@ def parse_budget(spec: str | int | float, trace: Trace | None = None, *, check_f
     if unit == "%":
         if trace is None:
             raise BudgetError(f"budget {spec!r} is relative and needs a trace to resolve against")
-        above = trace.peak_bytes_no_swap - trace.static_bytes
-        out = int(trace.static_bytes + math.floor(above * number / 100.0))
+        base, peak = trace.relative_scale  # R3: the gradients counted static, whenever they are born
+        out = int(base + math.floor((peak - base) * number / 100.0))
     else:
         out = int(number * _UNITS[unit])
     if trace is not None and check_feasible and out < trace.min_feasible_bytes_movable:
@@ -65,8 +66,8 @@ def smallest_feasible(trace: Trace) -> tuple[int, float]:
     """The smallest budget any plan can meet, in bytes and as the percentage a relative budget
     would give it."""
     need = trace.min_feasible_bytes
-    above = trace.peak_bytes_no_swap - trace.static_bytes
-    return need, (100.0 * (need - trace.static_bytes) / above if above > 0 else 100.0)
+    base, peak = trace.relative_scale
+    return need, (100.0 * (need - base) / (peak - base) if peak > base else 100.0)
 
 
 def check_budget(spec: str | int | float) -> str | int | float:

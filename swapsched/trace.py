@@ -26,7 +26,12 @@ from swapsched.trace_check import TIMINGS, TraceError, validate_trace
 if TYPE_CHECKING:
     from swapsched.hardware import Hardware
 
-__all__ = ["TensorInfo", "Event", "Trace", "TraceError", "validate_trace", "TIMINGS"]
+__all__ = ["TensorInfo", "Event", "Trace", "TraceError", "validate_trace", "TIMINGS", "GRADIENTS_BORN"]
+
+#: R3, gradients from their birth: the meta key listing, as ``[event, bytes]`` pairs, the
+#: gradients born in each event's gap, which its other bytes count from there on (a trace that
+#: counts them as the training state's, static all step, has none)
+GRADIENTS_BORN = "gradients_born"
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -357,6 +362,27 @@ class Trace:
         if self.n_events == 0:
             return int(self.static_bytes)
         return int(self.static_bytes + (self.other_bytes + self.resident_bytes_no_swap + self.unsharded_in_use_bytes).max())
+
+    @cached_property
+    def gradients_born_so_far(self) -> np.ndarray:
+        """R3: per event, the bytes of the gradients born in its gap and before
+        (:data:`GRADIENTS_BORN`), which its other bytes count; zeros where gradients are static."""
+        delta = np.zeros(self.n_events, dtype=np.int64)
+        for event, nbytes in self.meta.get(GRADIENTS_BORN, ()):
+            delta[min(int(event), self.n_events - 1)] += int(nbytes)
+        return np.cumsum(delta)
+
+    @cached_property
+    def relative_scale(self) -> tuple[int, int]:
+        """``(base, peak)`` of which a relative budget is a share (``"60%"``: base + 60% of peak -
+        base): the static bytes and the no-swap peak, with the gradients born in the step counted
+        static (R3), so that a percentage means the same bytes whenever they are born."""
+        born = self.gradients_born_so_far
+        if self.n_events == 0 or not born.any():
+            return int(self.static_bytes), self.peak_bytes_no_swap
+        base = int(self.static_bytes + born[-1])
+        rest = self.other_bytes - born + self.resident_bytes_no_swap + self.unsharded_in_use_bytes
+        return base, int(base + max(int(rest.max()), 0))
 
     @cached_property
     def saved_bytes_peak(self) -> int:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
+from swapsched.runtime.profiler import born_gradient_bytes, with_gradients
 from swapsched.runtime.reports import Divergence, StepReport
 from swapsched.runtime.stash import Record
 from swapsched.runtime.transients import TransientMeter
@@ -31,7 +32,7 @@ class StepExecution:
     # slots: the hooks read and write these at every saved-tensor event
     __slots__ = ("frame", "exits", "backend", "records", "static", "used", "peak", "stall_s", "evicted", "prefetched",
                  "on_demand", "copies", "waits", "guard", "diverged", "divergence", "audit", "meter",
-                 "finalizers", "planning_s", "static_base", "alive_state")
+                 "finalizers", "planning_s", "static_base", "alive_state", "had")
 
     def __init__(self, frame: StepFrame):
         self.frame = frame
@@ -55,6 +56,10 @@ class StepExecution:
         self.audit = frame.audit and self.backend.emulated
         self.meter: TransientMeter | None = None  # the audit meter, where a step opens it (_audit_meter)
         self.alive_state = 0  # the training state's device bytes beyond the resident part, read off its storages
+        # R3, gradients from their birth (frame.gradients_born): the parameters that hold a
+        # gradient as the step begins; the others' gradients are born in it. None: counted static
+        model = frame.model
+        self.had: set[int] | None = with_gradients(model) if frame.gradients_born and model is not None else None
         self.backend.reset_peak()
 
     def _account(self, delta: int) -> None:
@@ -66,8 +71,9 @@ class StepExecution:
         """Open the audit meter (emulated device; entered as a whole step begins, never inside a
         hook): every storage an op makes in the step, and each saved storage made before it, alive
         until it dies, whoever keeps it (never our accounting); what autograd takes as a
-        parameter's gradient is static already (R3: transients.py)."""
-        meter = self.meter = self.exits.enter_context(TransientMeter(lambda: 0))
+        parameter's gradient is static already, or (R3) one it makes in the step counts from its
+        birth (transients.py)."""
+        meter = self.meter = self.exits.enter_context(TransientMeter(lambda: 0, grads_born=self.had is not None))
         model = self.frame.model
         for p in model.parameters() if model is not None else ():
             if p.requires_grad:
@@ -81,7 +87,11 @@ class StepExecution:
     def measured_peak(self) -> int | None:
         if not self.frame.audit:
             return None
-        return self.static_base + self.meter.peak() if self.meter is not None else self.backend.peak_bytes()
+        if self.meter is None:
+            return self.backend.peak_bytes()
+        # R3: the gradients born in the step are in the meter's peak from their birth, not static
+        born = born_gradient_bytes(self.frame.model, self.had) if self.had is not None and self.frame.model is not None else 0
+        return self.static_base - born + self.meter.peak()
 
     def state_bytes(self, delta: int) -> None:
         """The state mover's device bytes changed by ``delta`` (R14): they count with the static

@@ -55,6 +55,11 @@ class ShapeBudgets:
         self.bytes = self.of(trace)
         return self.bytes
 
+    def forget_shapes(self) -> None:
+        """A relative budget resolves anew for each shape's next trace: the steps now hold what the
+        traces before did not count (R3: gradients from a step's start on, accumulating)."""
+        self._by_shape.clear()
+
     def respecify(self, spec: str | int | float, trace: Trace) -> None:
         """Another budget from now (``use_plan(budget=...)``): every shape resolves it anew, and
         ``trace``'s shape is the current one. A malformed or infeasible one fails here."""

@@ -156,3 +156,5 @@ class StepFrame:
     # (FSDP2's unsharded gradients between micro-batches without sync), now and the most a step
     # of the run has started with (what the profiled trace counts in its static bytes, for plans)
     held: tuple[int, int] = (0, 0)
+    # R3: the step counts each gradient it makes from its birth, in its other bytes (not static)
+    gradients_born: bool = False

@@ -13,6 +13,7 @@ import torch
 from swapsched.env.events import HOST
 from swapsched.runtime.accounting import StepExecution
 from swapsched.runtime.casts import Recast, recast
+from swapsched.runtime.profiler import born_gradient_bytes
 from swapsched.runtime.recorder import ModulePath, OpNames, StorageIds, TraceRecorder, storage_key
 from swapsched.runtime.reports import CollectiveTally, StepReport
 from swapsched.runtime.stash import Packed, Record, flat_bytes, rebuild
@@ -39,7 +40,7 @@ class ProfileStep(StepExecution):
     it out and counts its bytes as static. A graph kept with ``retain_graph`` keeps its handles, so
     its storages are not judged."""
 
-    __slots__ = ("ids", "recorder", "trace", "moved", "device", "owners", "recasts", "released",
+    __slots__ = ("ids", "recorder", "trace", "moved", "device", "owners", "recasts", "grads_born", "released",
                  "freed", "unpacked", "devices", "param_keys", "passes", "modules", "checkpoint_packs", "recomputes",
                  "new_shape", "seen_before", "carried", "carried_keys", "ops", "producers", "held", "first_sight",
                  "transients")
@@ -57,12 +58,16 @@ class ProfileStep(StepExecution):
         self.ops = OpNames(self.modules).__enter__() if since is None else None
         # and measures what each gap holds beyond the saved tensors (R3's other bytes): entered
         # after the op names, left before them (modes leave in the reverse order)
-        self.transients = (TransientMeter(lambda: len(self.recorder.kinds), workspace=clock == "cuda").__enter__()
-                           if since is None else None)
+        # R3: where the run counts gradients from their birth, those the step makes are measured
+        # as other bytes (a step handed over mid-step has no meter: its gradients stay static)
+        self.grads_born = self.had is not None and since is None
+        self.transients = (TransientMeter(lambda: len(self.recorder.kinds), workspace=clock == "cuda",
+                                          grads_born=self.grads_born).__enter__() if since is None else None)
         self.recorder = TraceRecorder(clock, ops=self.ops, modules=self.modules, transients=self.transients)
         if self.transients is not None and frame.model is not None:
             # a parameter's gradient is the state's bytes, not a transient, even where the state
-            # mover copies it to the host and lets it go (R13)
+            # mover copies it to the host and lets it go (R13); or, counted from its birth, an
+            # other byte from the op that made it (R3)
             meter = self.transients
             for p in frame.model.parameters():
                 if p.requires_grad:
@@ -249,17 +254,22 @@ class ProfileStep(StepExecution):
     def finish(self) -> None:
         unowned = self.unowned()
         carried, carried_bytes = self.carried_bytes()
-        static = self.frame.static_bytes + sum(unowned.values()) + carried_bytes + self.frame.held[1]
+        unowned_bytes = sum(unowned.values()) + carried_bytes
         if "unpack" not in self.recorder.kinds:  # a step without backward: no trace to learn from
             self.abort()
             return
         model = self.frame.model
-        grads = [p.grad for p in model.parameters() if p.grad is not None] if model is not None else []
+        # counted in the static bytes: every gradient, or (R3, from their birth) those there before the step
+        had = self.had if self.grads_born and self.had is not None else None
+        grads = [p.grad for p in model.parameters() if p.grad is not None and (had is None or id(p) in had)
+                 ] if model is not None else []
+        born = born_gradient_bytes(model, had) if had is not None and model is not None else 0
+        static = self.frame.static_bytes + unowned_bytes + self.frame.held[1] - born
         self.trace = self.recorder.finish(f"runtime-step-{self.frame.step}", self.device, static, "measured",
                                           exclude=frozenset(unowned), released=dict(self.released),
                                           freed=dict(self.freed), static_tensors=grads)
         self.trace = replace(self.trace, events=self._with_rebuilt(self.trace),
-                             meta={**self.trace.meta, "unowned_bytes": static - self.frame.static_bytes - self.frame.held[1],
+                             meta={**self.trace.meta, "unowned_bytes": unowned_bytes,
                                    "unowned_tensors": len(unowned) + carried, "backward_passes": len(self.passes),
                                    "held_bytes": self.frame.held[1], "recasts": self.recasts})
         remap = self.recorder.remap

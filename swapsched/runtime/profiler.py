@@ -12,7 +12,9 @@ runs and the gaps are timed by roofline for a target :class:`~swapsched.hardware
 What the hooks record, and how a saved tensor is identified (R2), is ``recorder.py``'s; the
 runtime's own profiling steps (``profile_step.py``) record with the same pieces. Parameters
 (leaves that require grad, and views of them) and buffers are not saved tensors: they are counted
-in ``static_bytes`` together with gradients and optimizer state (:func:`static_bytes_of`).
+in ``static_bytes`` together with optimizer state (:func:`static_bytes_of`), and so are the
+gradients where the trace records the state (R13); without it, a gradient the step makes is one of
+its other bytes from its birth (R3).
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ from swapsched.runtime.recorder import ModulePath, OpNames, ProfileError, TraceR
 from swapsched.runtime.shards import local_of, offloaded_by_fsdp
 from swapsched.runtime.transients import OTHER_MEASURED, TransientMeter
 from swapsched.state import FROZEN_SUFFIX, StateGroup, group_name, optimizer_kind
-from swapsched.trace import Trace
+from swapsched.trace import GRADIENTS_BORN, Trace
 
-__all__ = ["profile", "static_bytes_of", "state_groups", "optimizer_state_kind"]
+__all__ = ["profile", "static_bytes_of", "state_groups", "optimizer_state_kind", "with_gradients", "born_gradient_bytes"]
 
 #: torch.optim classes -> the optimizer kind the trace records their state as (state.OPTIMIZERS)
 _KINDS = {"Adam": "adamw", "AdamW": "adamw", "NAdam": "adamw", "RAdam": "adamw", "Adamax": "adamw", "SGD": "sgd",
@@ -137,6 +139,28 @@ def static_bytes_of(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     return total + _optimizer_state_bytes(optimizer, host)
 
 
+def with_gradients(model: nn.Module) -> set[int]:
+    """The ids of ``model``'s parameters that hold a gradient now (as a step begins: R3)."""
+    return {id(p) for p in model.parameters() if p.grad is not None}
+
+
+def born_gradient_bytes(model: nn.Module, had: set[int]) -> int:
+    """R3, gradients from their birth: what :func:`static_bytes_of` counts for the gradients the
+    step made, of the parameters that had none as it began (``had``: :func:`with_gradients`
+    then) and hold one now; the step's static bytes leave these out, its other bytes count them."""
+    seen: set[int] = set()
+    host = offloaded_by_fsdp(model)
+    total = 0
+    for p in model.parameters():
+        k = storage_key(p)
+        if k in seen or id(p) in host or not p.requires_grad:
+            continue
+        seen.add(k)
+        if p.grad is not None and id(p) not in had:
+            total += local_of(p).untyped_storage().nbytes()
+    return total
+
+
 def _snapshot(model: nn.Module) -> tuple[Any, ...]:
     grads = [(p, None if p.grad is None else p.grad.clone()) for p in model.parameters()]
     buffers = [(b, b.clone()) for b in model.buffers()]
@@ -213,19 +237,26 @@ def profile(
     # structure pass: op names, FLOPs per gap, module paths
     snap = _snapshot(model) if dev.type != "meta" else None
     ops, flops = OpNames(), FlopCounterMode(display=False)
-    transients = TransientMeter(lambda: len(structure.kinds), workspace=dev.type == "cuda")  # R3's other bytes, per gap
+    # R3: without the state (R13), each gradient the step makes is an other byte from its birth
+    born_mode, had = not state, with_gradients(model)
+    transients = TransientMeter(lambda: len(structure.kinds), workspace=dev.type == "cuda", grads_born=born_mode)  # R3's other bytes, per gap
     with ExitStack() as stack:
         mp = stack.enter_context(ModulePath(model))
         stack.enter_context(flops)
         stack.enter_context(ops)
         stack.enter_context(transients)
+        for p in params if born_mode else ():  # where each gradient is born (TransientMeter.births)
+            if p.requires_grad:
+                stack.callback(p.register_hook(lambda g, p=p: transients.gradient(g, p.grad is None)).remove)
         structure = TraceRecorder(None, ops=ops, flops=flops, modules=mp, transients=transients)
         kernels = kernel_mode()
         run(structure, kernels)
     if kernels is not None:
         # what ran, per kernel ({} where the model never called SDPA: its own attention code)
         step_meta.update(attention=dict(sorted(kernels.used.items())), attention_requested=attention)
-    grads = [p.grad for p in params if p.grad is not None]  # counted in static
+    # counted in static: every gradient with the state; without, those there before the step
+    grads = [p.grad for p in params if p.grad is not None and (not born_mode or id(p) in had)]
+    static -= born_gradient_bytes(model, had) if born_mode else 0
     structural = structure.finish(name, str(dev), static, "roofline", static_tensors=grads)
     transients.close()
     structural = replace(structural, meta={**structural.meta, **step_meta})
@@ -249,7 +280,8 @@ def profile(
     trace = replace(
         measured, tensors=structural.tensors, events=events,
         meta={**measured.meta, **step_meta, "tail_flops": structural.meta["tail_flops"],
-              OTHER_MEASURED: structural.meta.get(OTHER_MEASURED, False)},
+              OTHER_MEASURED: structural.meta.get(OTHER_MEASURED, False),
+              **{k: structural.meta[k] for k in (GRADIENTS_BORN,) if k in structural.meta}},
     )
     if hardware is not None:
         trace = trace.retimed(load_hardware(hardware))

@@ -31,7 +31,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from swapsched.errors import UserError
 from swapsched.runtime.casts import Recast
 from swapsched.runtime.transients import OTHER_MEASURED, TransientMeter
-from swapsched.trace import Event, TensorInfo, Trace
+from swapsched.trace import GRADIENTS_BORN, Event, TensorInfo, Trace
 
 __all__ = ["ProfileError", "TraceRecorder", "OpNames", "ModulePath", "StorageIds", "is_parameter",
            "storage_key"]
@@ -333,6 +333,12 @@ class TraceRecorder:
             credit = self.tensors[keep[last.tensor]].bytes if last.kind == "unpack" else 0
             other[-1] = max(other[-1], per_call[n] - credit)
             events = [replace(e, other_bytes=o) for e, o in zip(events, other, strict=True)]
+        born: dict[int, int] = {}  # R3: trace event -> bytes of the gradients born in its gap
+        if self.transients is not None and self.transients.grads_born and events:
+            for call, nbytes in self.transients.births:
+                j = min(new_index[min(call, n)], len(events) - 1)
+                born[j] = born.get(j, 0) + nbytes
+
         def event_of(calls: dict[int, int] | None, old: int) -> int | None:
             # died in the gap before hook call r: held through the gap of the event r became
             if not calls or old not in calls:
@@ -352,7 +358,9 @@ class TraceRecorder:
                   # R3: whether each gap's other bytes were measured (a whole step under the
                   # transient meter) or only sampled (a step handed over mid-step): shapes.py
                   # predicts other sizes' other bytes from measured traces only
-                  OTHER_MEASURED: self.transients is not None},
+                  OTHER_MEASURED: self.transients is not None,
+                  **({GRADIENTS_BORN: sorted([j, b] for j, b in born.items())}
+                     if self.transients is not None and self.transients.grads_born else {})},
         )
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:

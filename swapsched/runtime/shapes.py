@@ -29,7 +29,7 @@ import numpy as np
 
 from swapsched.errors import present
 from swapsched.runtime.transients import OTHER_MEASURED
-from swapsched.trace import Trace
+from swapsched.trace import GRADIENTS_BORN, Trace
 
 __all__ = ["structure", "first_bytes", "FamilyFit", "predicted_trace", "with_family_other"]
 
@@ -91,7 +91,9 @@ class FamilyFit:
         # what other bytes are fitted over: the measured traces, else (none measured) every one
         fitted = measured or list(zip(self.xs, self.traces, strict=True))
         self.other_xs = np.array([x for x, _ in fitted], dtype=np.float64)
-        self.others = np.array([t.other_bytes for _, t in fitted], dtype=np.float64)
+        # R3: the weights' gradients born in a gap are the same at every size; the rest scales
+        self.born = fitted[0][1].gradients_born_so_far if fitted else np.zeros(0, dtype=np.int64)
+        self.others = np.array([t.other_bytes - self.born for _, t in fitted], dtype=np.float64)
         if len(fitted) >= 2:
             self.other_coef = _coef(self.other_xs, self.others, min(2, len(fitted) - 1))
         self.ok = len(sizes) >= 2
@@ -118,7 +120,7 @@ class FamilyFit:
             return None
         one = len(self.other_xs) == 1
         o = self.others[0] * (s / self.other_xs[0]) if one else _eval(self.other_coef, s)
-        return np.maximum(np.rint(o), 0).astype(np.int64)
+        return np.maximum(np.rint(o), 0).astype(np.int64) + self.born
 
     def at(self, s: int, executed: dict[int, tuple[np.ndarray, float]] | None = None) -> Trace | None:
         """The trace of the family's step whose first saved tensor has ``s`` bytes, or None where
@@ -174,5 +176,7 @@ def with_family_other(trace: Trace, family: Sequence[Trace]) -> Trace:
         return trace
     fit = FamilyFit(measured)
     o = present(fit.other_at(first_bytes(trace)), "the measured traces' other bytes")
+    if GRADIENTS_BORN not in trace.meta:  # R3: its gradients are in its static bytes, not born in its gaps
+        o = np.maximum(o - fit.born, 0)
     events = tuple(replace(e, other_bytes=max(e.other_bytes or 0, oi)) for e, oi in zip(trace.events, o.tolist(), strict=True))
     return replace(trace, events=events, meta={**trace.meta, "other_from": [t.name for t in fit.traces]})

@@ -44,6 +44,7 @@ class RuntimeState:
         # whether a DDP ran the model's forward (replicas.py): its gradients complete as backward ends
         self.data_parallel = False
         self._held_most = 0  # held_by_others
+        self._accumulates = False  # a step began with gradients (counts_gradients_from_birth)
         # calls of the model's forward that Dynamo traced (torch.compile): the side effect of the
         # traced hook replays at each compiled call
         self._compiled: list[bool] = []
@@ -67,6 +68,24 @@ class RuntimeState:
         now = held_between_micro_batches(self.model)
         self._held_most = max(self._held_most, now)
         return now, self._held_most
+
+    @property
+    def counts_gradients_from_birth(self) -> bool:
+        """R3: whether a step counts each gradient it makes from its birth, in its other bytes:
+        where the state cannot move (the model and its optimizer under a byte budget, R13, count
+        gradients as the state's, static), FSDP2 does not shard it (its gradients are FSDP2's),
+        and no step of the run has begun with gradients (accumulating: its forward holds them)."""
+        return self.model is not None and not self._byte_budget() and not self.sharded and not self._accumulates
+
+    def gradients_at_start(self) -> bool:
+        """As a step begins: whether it is the run's first to begin with gradients where steps
+        counted them from their birth (R3). From then on they count as static; a plan made before
+        is for steps that held less, and the caller profiles again."""
+        if not self.counts_gradients_from_birth or not any(p.grad is not None for p in present(self.model, "the model").parameters()):
+            return False
+        self._accumulates = True
+        self.budgets.forget_shapes()  # a relative one is a share of the steps as they now run
+        return True
 
     @property
     def sharded(self) -> bool:

@@ -89,9 +89,7 @@ class PolicyRuntime(TwoStages):
     after the first one planned runs at once on a plan borrowed from its family (the one the simulator times fastest on its
     trace), while the policy plans it on a thread; its plan is used from the first step that starts after it is ready
     (:meth:`wait_for_plans` waits for them). False: the policy plans it between steps. ``disk``: R19, a directory on a local
-    drive where plans rest the optimizer state the ``host_budget`` cannot hold (``disk_budget`` bytes:
-    ``disk_store.with_disk``).
-
+    drive where plans rest the optimizer state the ``host_budget`` cannot hold (``disk_budget`` bytes: ``with_disk``).
     Only what the runtime owns is evicted. Storages the profiling steps find alive after autograd let go of them (the caller's
     inputs and outputs, module buffers) stay resident; their bytes are counted once, in the trace's ``static_bytes``, and
     reported as ``unowned_bytes``. Autocast's casts of parameters are made again where backward reads them (R12, casts.py).
@@ -210,10 +208,9 @@ class PolicyRuntime(TwoStages):
     @contextlib.contextmanager
     def step(self) -> Iterator[PolicyRuntime]:
         """One training step (forward and backward) under the runtime."""
-        if self._exec is not None:
-            raise UserError("runtime.step() is already active; steps cannot nest")
-        if self._closed:
-            raise UserError("this runtime is closed (its copy engines are stopped); make a new SwapRuntime")
+        if self._exec is not None or self._closed:
+            raise UserError("runtime.step() is already active; steps cannot nest" if self._exec is not None else
+                            "this runtime is closed (its copy engines are stopped); make a new SwapRuntime")
         # timed on the device: what is queued before it (the optimizer's step) finishes first
         self.backend.synchronize()
         self.backend.take_device_stall_s()  # waits of an earlier, aborted step do not count
@@ -221,6 +218,8 @@ class PolicyRuntime(TwoStages):
         if self.plans.budgets.device:  # the device's capacity less what the process holds beyond the model
             total, held = self.backend.memory()
             self.plans.budgets.resolve_device(total, max(0, held - self.static_bytes), self.static_bytes)
+        if self.state.gradients_at_start():  # R3: gradients counted from their birth no longer
+            self._gradients_static()
         t_install = time.perf_counter()
         if self.plans.planning:
             self._install_plans()  # laying out the plans made in the background counts as planning too
@@ -233,7 +232,8 @@ class PolicyRuntime(TwoStages):
                           # a real device marks its gaps until the trace is re-timed once (a few µs a hook;
                           # the emulated device's host clock times every step for free)
                           device_timed=not self.backend.emulated and self.retime_steps > 0 and self.trace is not None
-                          and not self._retimed, layout=self.layout, host=self, state=self.mover)
+                          and not self._retimed, layout=self.layout, host=self, state=self.mover,
+                          gradients_born=self.state.counts_gradients_from_birth)
         ex: StepExecution = ProfileStep(frame) if self.phase is Phase.PROFILE else ExecuteStep(frame)
         self._exec = ex
         mover = self.mover
@@ -275,11 +275,10 @@ class PolicyRuntime(TwoStages):
         """Whether a step of ``layout``'s shape may run without hooks once its first saved tensor
         confirms the shape: its plan moves nothing, the trace was re-timed once (later re-timing
         only follows the host's costs, which such a step does not pay), nobody asked to watch
-        (``audit``, ``strict``, ``unhook=False``: what measures the hooks themselves), and
-        ``UNHOOK_AFTER`` steps of the shape have executed it as planned within the budget. A step that saves autocast's
-        casts of parameters keeps its hooks: without them autograd holds every cast to backward (R12)."""
-        return (self.unhook and not self.audit and not self.strict and (self._retimed or not self.retime_steps)
-                and not layout.plan.evictions and not layout.plan.state and not layout.trace.meta.get("recasts")
+        (``audit``, ``strict``, ``unhook=False``: what measures the hooks themselves), it saves no cast of a weight (R12:
+        unhooked, autograd would hold each to backward), and ``UNHOOK_AFTER`` steps of the shape ran it as planned."""
+        return (self.unhook and not self.audit and not self.strict and (self._retimed or not self.retime_steps) and not
+                layout.plan.evictions and not layout.plan.state and not layout.trace.meta.get("recasts")
                 and self.plans.followed(layout) >= UNHOOK_AFTER)
 
     def take_hooks_off(self) -> None:
@@ -409,8 +408,7 @@ class PolicyRuntime(TwoStages):
         self._closed = True
         self.plans.shutdown()
         self.state.close()
-        if self.blocks is not None:
-            self.blocks.remove()
+        self.blocks.remove() if self.blocks is not None else None
         self.backend.shutdown()
 
     def __enter__(self) -> PolicyRuntime:

@@ -11,8 +11,9 @@ overruns its budget.
 :class:`TransientMeter` is a dispatch mode entered for a whole profiled step. Every storage an op
 makes (not a view of an input's) is timed from the op to its death by a finalizer, with the hook
 call it happened before. At the end, the storages that became trace tensors (their bytes are the
-trace's, R2) or are counted in ``static_bytes`` (parameters' gradients) are taken out, and
-what remains gives, for each hook call, the most bytes alive in the gap before it.
+trace's, R2) or are counted in ``static_bytes`` (parameters' gradients, where the step counts
+them as the training state's: R13) are taken out, and what remains gives, for each hook call, the
+most bytes alive in the gap before it.
 
 What a kernel allocates without the dispatcher (cuDNN's workspace, oneDNN's scratchpads) is not
 an op's output. On CUDA (``workspace=True``) the caching allocator's counters around each op add
@@ -79,9 +80,14 @@ class TransientMeter(TorchDispatchMode):
     falls in). ``paused``: the runtime's own hooks are copying; their ops are not the step's.
     :meth:`saved` is told of each packed tensor and its id; :meth:`per_call` gives the result."""
 
-    def __init__(self, calls: Callable[[], int], *, workspace: bool = False) -> None:
+    def __init__(self, calls: Callable[[], int], *, workspace: bool = False, grads_born: bool = False) -> None:
         super().__init__()
         self.calls = calls
+        # R3, gradients from their birth: a gradient autograd makes in the step is one of its
+        # other bytes from the op that made it on (the step's static bytes leave it out); else it
+        # is the state's, in the static bytes all step, and left out here
+        self.grads_born = grads_born
+        self.births: list[tuple[int, int]] = []  # (hook calls so far, bytes): each gradient made, grads_born
         # on CUDA: each op's working memory beyond its outputs, from the caching allocator's
         # counters around it (the counters' peak is reset per op: a profiled step's own peak is
         # not the run's then)
@@ -165,10 +171,13 @@ class TransientMeter(TorchDispatchMode):
     def gradient(self, g: torch.Tensor, stolen: bool) -> None:
         """``g`` arrives for a parameter's gradient: where autograd takes it as the gradient
         (``stolen``: the parameter has none yet), its bytes are the state's (``static_bytes``, or
-        R13's gradient of its group), whatever becomes of it after the step; where it is added
+        R13's gradient of its group), whatever becomes of it after the step, or, with
+        ``grads_born``, an other byte from its birth (noted in :attr:`births`); where it is added
         into an existing gradient, it is a transient like any other."""
         seq = self._live.get(g.untyped_storage()._cdata)
-        if stolen and seq is not None:
+        if stolen and self.grads_born:
+            self.births.append((self.calls(), g.untyped_storage().nbytes()))
+        elif stolen and seq is not None:
             self._grads.add(seq)
 
     def shift(self, delta: int) -> None:

@@ -172,7 +172,22 @@ class TwoStages:
         """Checkpoint the blocks ``names`` (``saved``: those selectively) from the next step on,
         which is profiled again: plans and layouts made before are for steps that ran otherwise."""
         present(self.blocks, "the model's blocks").install(names, saved)
-        self.plans.clear()  # every layout (and plan in the making) is for steps that ran otherwise
+        self._plan_again()
+
+    def _gradients_static(self) -> None:
+        """R3: from this step on the gradients count as static (a step began with them). The
+        profiling steps before it counted them from their birth: they go, and profiling goes on
+        (a family mixing both would predict sizes wrongly); a plan made on them is for steps that
+        held less: the steps are profiled again."""
+        if self.trace is None:
+            self._profiles = []
+        else:
+            self._plan_again()
+
+    def _plan_again(self) -> None:
+        """Every layout (and plan in the making) is for steps that ran otherwise: drop them, and
+        profile the next steps."""
+        self.plans.clear()
         self._profile_again(steps=self.profile_steps)
 
     def _profile_again(self, steps: int) -> None:

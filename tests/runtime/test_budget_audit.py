@@ -86,7 +86,10 @@ def test_the_callers_batch_and_module_buffers_are_not_evicted():
     # the batch (and the labels the loss saves) stay resident, counted once in the static bytes;
     # the BatchNorm buffers are already in them (static_bytes_of the model)
     assert rep.unowned_bytes >= x.untyped_storage().nbytes()
-    assert rt.trace.static_bytes == rt.static_bytes + rep.unowned_bytes
+    # ... less the weights' gradients, which count from their birth in backward (R3)
+    born = int(rt.trace.gradients_born_so_far[-1])
+    assert born == sum(p.numel() * 4 for p in case.model.parameters() if p.requires_grad)
+    assert rt.trace.static_bytes == rt.static_bytes + rep.unowned_bytes - born
     assert all(t.bytes != x.untyped_storage().nbytes() or t.op != "" for t in rt.trace.tensors)
     assert rep.evicted_bytes == sum(t.bytes for t in rt.trace.tensors)  # swap-all evicts only what it owns
 
@@ -216,7 +219,7 @@ def test_activation_checkpointing_on_some_blocks_composes_within_budget():
     blocks = [m for m in a.model.modules() if type(m).__name__ == "TransformerBlock"]
     fwd = blocks[0].forward
     blocks[0].forward = lambda *x, _f=fwd: checkpoint(_f, *x, use_reentrant=False)  # the first block recomputes
-    rt = SwapRuntime(budget="80%", policy="min", backend="cpu", model=a.model, audit=True)
+    rt = SwapRuntime(budget="90%", policy="min", backend="cpu", model=a.model, audit=True)
     _paired_steps(a.model, b.model, rt, lambda: a.loss().backward(), lambda: b.loss().backward())
     _assert_within(rt.report())
     rt.close()
@@ -274,3 +277,49 @@ def test_a_batchnorm_convnet_is_measured_within_budget_its_running_stats_counted
         finally:
             rt.close()
         assert rep.mode == "execute"
+
+
+class _Wide(nn.Module):
+    """Gradients about half the activations' bytes (batch 256): both shape backward's peak."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(*(nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(6)))
+
+    def forward(self, x):
+        return self.layers(x).square().mean()
+
+
+@pytest.mark.parametrize("accumulate", [1, 2], ids=["each-step", "accumulating"])
+def test_gradients_counted_from_their_birth_keep_the_budget_under_both_meters(accumulate):
+    """R3: a run whose state cannot move (a relative budget) counts each gradient from its birth:
+    the trace's static bytes are the parameters alone, its last gap holds every gradient, and the
+    executed steps keep the budget under the audit meter. A run whose steps begin with the
+    gradients of the step before (accumulating over two) profiles again from its first such step
+    and counts them as static: its forward holds them."""
+    a, b = _Wide(), _Wide()
+    x = torch.randn(256, 256)
+    params = sum(p.numel() * 4 for p in a.parameters())
+    rt = SwapRuntime(budget="90%", policy="min", backend="cpu", model=a, audit=True)
+    reports = []
+    for step in range(9):
+        with rt.step():
+            a(x).backward()
+        b(x).backward()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+        reports.append(rt.report())
+        if (step + 1) % accumulate == 0:
+            a.zero_grad(set_to_none=True), b.zero_grad(set_to_none=True)
+    trace = rt.trace
+    if accumulate == 1:
+        born = sum(nbytes for _, nbytes in trace.meta["gradients_born"])
+        assert trace.static_bytes == params + trace.meta["unowned_bytes"]
+        assert born == params and trace.events[-1].other_bytes >= born
+    else:
+        assert trace.static_bytes == 2 * params + trace.meta["unowned_bytes"] and "gradients_born" not in trace.meta
+    executed = [r for r in reports if r.mode == "execute"]
+    assert len(executed) >= 4
+    for rep in executed:
+        _assert_within(rep)
+    rt.close()

@@ -90,7 +90,8 @@ def test_live_steps_under_autocast_are_bit_identical_and_hold_no_cast_to_backwar
             rep = rt.report()
             assert rep.mode == "execute"
             assert rt.trace.meta["recasts"] == DEPTH - 1
-            assert max(e.other_bytes for e in rt.trace.events) < 3 * CAST
+            # beside the weights' gradients, each counted from its birth in backward (R3)
+            assert (rt.trace.other_bytes - rt.trace.gradients_born_so_far).max() < 3 * CAST
             # the audit meter sees the recasts as the step's own storages; the step holds its budget
             assert rep.measured_peak_bytes <= 1.02 * rep.budget_bytes and rep.peak_device_bytes <= rep.budget_bytes
             if isinstance(budget, int):

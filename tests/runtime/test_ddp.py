@@ -65,7 +65,8 @@ def _recompute_worker(rank: int, world: int, port: int, out: str, policy: str, b
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from swapsched.deploy import SwapRuntime
-    from tests.runtime.test_recompute import Blocks, X
+    from tests.runtime.test_recompute import X_WIDE as X  # activations outweigh the gradients (R3)
+    from tests.runtime.test_recompute import Blocks
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -93,7 +94,8 @@ def _recompute_worker(rank: int, world: int, port: int, out: str, policy: str, b
 
 @pytest.mark.parametrize(("policy", "budget"), [("default", "90%"), ("checkpoint-selective", "100%")])
 def test_ddp_with_recomputed_blocks_matches_the_single_process_reference(tmp_path, policy, budget):
-    from tests.runtime.test_recompute import Blocks, X
+    from tests.runtime.test_recompute import X_WIDE as X  # the worker's batch
+    from tests.runtime.test_recompute import Blocks
 
     mp.start_processes(_recompute_worker, args=(2, free_port(), str(tmp_path), policy, budget), nprocs=2, join=True,
                        start_method="spawn")

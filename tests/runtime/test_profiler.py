@@ -47,9 +47,30 @@ def test_hand_counted_mlp():
     tr = profile(m, (torch.randn(2, 8),), lambda y: y.sum())
     assert [t.bytes for t in tr.tensors] == [64, 128]
     assert [(e.kind, e.tensor) for e in tr.events] == [("pack", 0), ("pack", 1), ("pack", 1), ("unpack", 1), ("unpack", 1), ("unpack", 0)]
-    assert tr.static_bytes == 2 * 4 * (8 * 16 + 16 + 16 * 4 + 4)  # params + grads
+    assert tr.static_bytes == 4 * (8 * 16 + 16 + 16 * 4 + 4)  # params; each gradient counts from its birth (R3)
     assert tr.timing == "measured" and all(e.compute_s >= 0 for e in tr.events)
     assert tr.tensors[1].op == "relu" and tr.tensors[0].op == "addmm"
+
+
+def test_gradients_count_from_their_birth_without_the_state_and_as_static_with_it():
+    """R3: Linear(16, 4)'s weight and bias gradients are born as its backward runs (in the gap
+    before event 4, after the unpack of the ReLU's output), Linear(8, 16)'s in the last gap; each
+    is an other byte from there to the step's end. With the state (R13) they are its bytes,
+    static all step, beside the parameters and AdamW's two moments."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    second, first = 4 * (16 * 4 + 4), 4 * (8 * 16 + 16)
+    tr = profile(m, (torch.randn(2, 8),), lambda y: y.sum())
+    assert tr.meta["gradients_born"] == [[4, second], [5, first]]
+    assert [e.other_bytes < second for e in tr.events[:4]] == [True] * 4
+    assert tr.events[4].other_bytes >= second and tr.events[5].other_bytes >= second + first
+    m.zero_grad(set_to_none=True)
+    with_state = profile(m, (torch.randn(2, 8),), lambda y: y.sum(), state="adamw")
+    assert with_state.static_bytes == 4 * (second + first) and "gradients_born" not in with_state.meta
+    assert max(e.other_bytes for e in with_state.events) < second
+    # a step that begins with gradients (accumulating) adds into them: none is born, all static
+    accumulating = profile(m, (torch.randn(2, 8),), lambda y: y.sum())
+    assert accumulating.static_bytes == 2 * (second + first) and accumulating.meta["gradients_born"] == []
 
 
 @pytest.mark.parametrize("family", ["mlp", "vgg", "resnet", "gpt", "bert", "unet"])

@@ -15,6 +15,7 @@ from swapsched.budget import BudgetError
 from swapsched.deploy import SwapRuntime
 from swapsched.runtime.shapes import FamilyFit, first_bytes, predicted_trace, structure, with_family_other
 from swapsched.runtime.transients import OTHER_MEASURED
+from swapsched.trace import GRADIENTS_BORN
 from tests.conftest import make_trace, train_together
 
 
@@ -103,6 +104,15 @@ def test_other_bytes_are_predicted_from_the_traces_that_measured_them():
     assert predicted_trace([a, sampled], 16).other_bytes.tolist() == [5] * 5 + [20]
     # a predicted trace's other bytes are fitted, not measured: it never enters a fit as measured
     assert predicted_trace([a, b], 48).meta[OTHER_MEASURED] is False
+
+
+def test_gradients_born_in_a_gap_are_the_same_at_every_size():
+    # R3: n = 8 measured 10 B in four gaps, then 22 B and 40 B, with the weights' gradients born
+    # in the gap before event 4 (12 B) and in the last (12 B). At s = 16 (half the size) the rest
+    # scales and the gradients stay: 5 B, then 10 / 2 + 12 = 17, then (40 - 24) / 2 + 24 = 32
+    a = _lin(8, [10] * 4 + [22, 40], True)
+    a = replace(a, meta={**a.meta, GRADIENTS_BORN: [[4, 12], [5, 12]]})
+    assert predicted_trace([a, _lin(16, [2] * 6, False)], 16).other_bytes.tolist() == [5] * 4 + [17, 32]
 
 
 def test_a_step_profiled_mid_step_gets_at_least_its_familys_measured_other_bytes():

@@ -125,10 +125,12 @@ def test_a_7b_llama_at_2k_with_flash_saves_no_attention_matrix_and_what_a_hand_c
     assert top.dtype == "bfloat16" and top.bytes == 2 * 2048 * config.intermediate_size
     above = [t for t in trace.tensors if t.bytes > top.bytes]
     assert [(t.op, t.dtype, t.shape) for t in above] == [("_log_softmax", "float32", (2048, config.vocab_size))]
-    # static: fp32 weights, fp32 gradients and two fp32 Adam states per parameter, and the buffers
+    # static: fp32 weights and two fp32 Adam states per parameter, and the buffers; the fp32
+    # gradients count from their birth in backward (R3), all of them by the step's end
     n = sum(p.numel() for p in case.model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in case.model.buffers())
-    assert trace.static_bytes == 16 * n + buffers
+    assert trace.static_bytes == 12 * n + buffers
+    assert trace.gradients_born_so_far[-1] == 4 * n and trace.gradients_born_so_far[trace.backward_start - 1] == 0
 
 
 def test_pure_bf16_and_eager_attention_change_what_is_saved(tmp_path):
