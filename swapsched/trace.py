@@ -33,6 +33,7 @@ __all__ = ["TensorInfo", "Event", "Trace", "TraceError", "validate_trace", "TIMI
 #: counts them as the training state's, static all step, has none)
 GRADIENTS_BORN = "gradients_born"
 
+
 @dataclass(frozen=True)
 class TensorInfo:
     """One saved tensor (one storage, R2)."""

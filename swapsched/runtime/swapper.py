@@ -229,8 +229,7 @@ class PolicyRuntime(TwoStages):
         frame = StepFrame(backend=self.backend, hardware=self.hardware, model=self.model, static_bytes=self.static_bytes,
                           static_keys=self._static_keys, min_bytes=self.min_bytes, strict=self.strict, audit=self.audit,
                           step=self.steps, blocks=self.blocks, rebuilt=dict(self._rebuilt), held=self.state.held_by_others(),
-                          # a real device marks its gaps until the trace is re-timed once (a few µs a hook;
-                          # the emulated device's host clock times every step for free)
+                          # a real device marks its gaps until re-timed once (the emulated one's clock is free)
                           device_timed=not self.backend.emulated and self.retime_steps > 0 and self.trace is not None
                           and not self._retimed, layout=self.layout, host=self, state=self.mover,
                           gradients_born=self.state.counts_gradients_from_birth)
@@ -403,12 +402,13 @@ class PolicyRuntime(TwoStages):
         return every_rank(self._report) if all_ranks else self._report
 
     def close(self) -> None:
-        """Stop the copy engines, and put the moved training state back on the device where it has
-        room (on CUDA, what does not fit stays on the host, with a warning). ``with`` closes itself."""
+        """Stop the copy engines, put the moved state back on the device where it has room (on CUDA, what does not fit
+        stays on the host, with a warning), and unwrap checkpointed blocks. ``with`` closes itself."""
         self._closed = True
         self.plans.shutdown()
         self.state.close()
-        self.blocks.remove() if self.blocks is not None else None
+        if self.blocks is not None:
+            self.blocks.remove()
         self.backend.shutdown()
 
     def __enter__(self) -> PolicyRuntime:
