@@ -22,7 +22,12 @@ _RE = re.compile(r"^\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-
 
 
 class BudgetError(UserError):
-    """A budget string is malformed, out of range, or below what any plan can meet."""
+    """A budget string is malformed, out of range, or below what any plan can meet.
+    ``smallest_bytes``: where the refusal found it, the smallest budget at which a plan fits."""
+
+    def __init__(self, message: str, smallest_bytes: int | None = None):
+        super().__init__(message)
+        self.smallest_bytes = smallest_bytes
 
 
 def parse_budget(spec: str | int | float, trace: Trace | None = None, *, check_feasible: bool = True) -> int:

@@ -140,14 +140,19 @@ def step_flops(trace: Trace) -> float | None:
     return float(sum(f for f in flops if f is not None)) + float(trace.meta.get("tail_flops", 0.0))
 
 
-def _row(trace: Trace, option: str, budget: int, hw: Hardware, tokens: int, flops: float | None) -> FitRow:
+def _row(trace: Trace, option: str, budget: int, hw: Hardware, tokens: int, flops: float | None,
+         smallest: dict[str, int] | None = None) -> FitRow:
+    """``option`` on ``hw`` at ``budget``; where ``default`` refuses it, the smallest budget its
+    refusal found goes into ``smallest`` (by hardware), which :func:`smallest_fit` then takes."""
     least = trace.min_feasible_bytes_movable if trace.state else trace.min_feasible_bytes
     if budget < least:  # below what any plan can meet (R14's bound, or R8's without the state)
         return FitRow(option, hw.name, False, None, None, None, None, None,
                       why=f"any plan needs over {format_bytes(math.ceil(least / (1 - DEVICE_MARGIN)))} of device memory")
     try:
         _, res, _ = run_policy(get_policy(options_for(trace, hw.has_disk)[option]), trace, budget, hw)
-    except BudgetError:  # default's refusal: none of the placements it screens fits
+    except BudgetError as refused:  # default's refusal: none of the placements it screens fits
+        if smallest is not None and refused.smallest_bytes is not None:
+            smallest[hw.name] = refused.smallest_bytes
         return FitRow(option, hw.name, False, None, None, None, None, None, why="no placement fits")
     if res.oom or not math.isfinite(res.iteration_s):
         skipped = res.state.skipped if res.state is not None else 0
@@ -163,13 +168,16 @@ def _row(trace: Trace, option: str, budget: int, hw: Hardware, tokens: int, flop
                   mfu)
 
 
-def smallest_fit(trace: Trace, hardware: Hardware) -> Smallest | None:
+def smallest_fit(trace: Trace, hardware: Hardware, known: int | None = None) -> Smallest | None:
     """Where nothing fits: the smallest device memory at which a placement ``default`` screens
     fits (to within 1%, R14's bisection, with ``hardware``'s host memory), and the host memory
-    ``default``'s plan takes there; None where the trace records no state to move."""
+    ``default``'s plan takes there; None where the trace records no state to move. ``known``: that
+    budget as ``default``'s refusal at the device's own bisected it (the same screen, from higher
+    up: nothing fitted below), so it is not bisected twice."""
     if not trace.state:
         return None
-    budget = smallest_state_budget(trace, hardware, get_policy("default-greedy"), above=trace.min_feasible_bytes_movable)
+    budget = known if known is not None else smallest_state_budget(trace, hardware, get_policy("default-greedy"),
+                                                                   above=trace.min_feasible_bytes_movable)
     if budget is None:
         return None
     row = _row(trace, "default", budget, hardware, 1, None)
@@ -203,18 +211,19 @@ def fit(trace: Trace, hardware: Sequence[Hardware], tokens: int, unit: str = "to
     rows: list[FitRow] = []
     hws = [hw.with_host(host_budget_bytes=host_memory, disk_budget_bytes=disk) for hw in hardware]
     timed = {hw.name: timed_for(trace, hw) for hw in hws}
+    refused: dict[str, int] = {}  # hardware -> the smallest budget default's refusal found there
     with tqdm(total=len(hws) * len(options), disable=not progress, unit="option", leave=False, dynamic_ncols=True) as bar:
         for hw in hws:
             for option in options:
                 bar.set_postfix_str(f"{hw.name} {option}", refresh=True)
-                rows.append(_row(timed[hw.name], option, device_budget(hw), hw, tokens, flops))
+                rows.append(_row(timed[hw.name], option, device_budget(hw), hw, tokens, flops, refused))
                 bar.update(1)
     fitting = [r for r in rows if r.fits and r.step_s is not None]
     fastest = min(fitting, key=lambda r: r.step_s or math.inf) if fitting else None
     smallest: list[Smallest] = []
     for hw in hws:  # a machine none of whose options fits: the smallest of its kind default fits
         if not any(r.fits for r in rows if r.hardware == hw.name):
-            found = smallest_fit(timed[hw.name], hw)
+            found = smallest_fit(timed[hw.name], hw, refused.get(hw.name))
             if found is not None:
                 smallest.append(found)
     return FitReport(trace.name, tokens * trace.world_size, unit, host_memory, tuple(rows), fastest, tuple(smallest),

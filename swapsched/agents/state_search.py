@@ -276,7 +276,7 @@ def plan_state(trace: Trace, budget: int, hardware: Hardware, *, inner: Policy, 
         raise BudgetError(f"no placement of {trace.name!r}'s state fits {format_bytes(budget)}: {found}no plan can meet "
                           f"less than {format_bytes(trace.min_feasible_bytes_movable)} with the state movable, a bound "
                           f"that leaves no room to fetch a group ahead of its use{why}; try a larger budget"
-                          + ("" if host is None else " or host budget"))
+                          + ("" if host is None else " or host budget"), smallest_bytes=least)
     scored.sort()
     best: tuple[float, SwapPlan] | None = None
     for _, _, placement, room, act_budget in scored[:FINALISTS]:

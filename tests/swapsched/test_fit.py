@@ -83,6 +83,34 @@ def test_where_nothing_fits_default_fits_the_smallest_machine_it_names(trace):
     assert not res.oom and least.host_bytes == res.host_peak_bytes
 
 
+def test_where_default_refuses_the_device_its_refusals_smallest_budget_is_the_one_named(trace, monkeypatch):
+    """At the floor with the state movable (a bound that leaves no room to fetch a group ahead of
+    its use) ``default`` screens its placements, none fits, and its refusal bisects the smallest
+    budget one fits at: the report names that one, without bisecting it a second time."""
+    import swapsched.agents.state_search as state_search
+    import swapsched.fit as fit_module
+
+    calls = []
+    real = state_search.smallest_state_budget
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("above"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(state_search, "smallest_state_budget", counted)
+    monkeypatch.setattr(fit_module, "smallest_state_budget", counted)
+    floor = math.ceil(trace.min_feasible_bytes_movable / (1 - DEVICE_MARGIN)) + 1
+    hw = replace(load_hardware("h100-pcie5"), device_memory_bytes=floor)
+    report = fit(trace, [hw], SEQ, progress=False)
+    assert not any(r.fits for r in report.rows)
+    assert next(r for r in report.rows if r.option == "default").why == "no placement fits"
+    (least,) = report.smallest
+    assert calls == [device_budget(hw)]  # the refusal's, from the device's own budget up; not again
+    at = replace(hw, device_memory_bytes=least.device_bytes)
+    _, res, _ = run_policy(get_policy("default"), trace, device_budget(at), at)
+    assert not res.oom
+
+
 def test_the_command_writes_the_table_as_json(config_path, trace, tmp_path, capsys):
     out = tmp_path / "fit.json"
     assert main(["fit", f"hf:{config_path}", "--seq-len", str(SEQ), "--json", str(out), "--no-progress"]) == 0
