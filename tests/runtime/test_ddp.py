@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 from swapsched.runtime.calibrate import free_port
 from swapsched.zoo import build_model
+from tests.ranks import exit_rank
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
@@ -38,6 +39,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     rt.close()
     dist.barrier()  # both ranks saved their results before either tears down
     dist.destroy_process_group()
+    exit_rank()  # tests/ranks.py: the interpreter's teardown has aborted a finished rank
 
 
 def test_ddp_gradients_equal_single_process_reference(tmp_path):
@@ -90,6 +92,7 @@ def _recompute_worker(rank: int, world: int, port: int, out: str, policy: str, b
     rt.close()
     dist.barrier()
     dist.destroy_process_group()
+    exit_rank()  # tests/ranks.py: the interpreter's teardown has aborted a finished rank
 
 
 @pytest.mark.parametrize(("policy", "budget"), [("default", "90%"), ("checkpoint-selective", "100%")])
@@ -171,6 +174,7 @@ def _state_worker(rank: int, world: int, port: int, out: str, accumulate: int) -
     torch.save(runs, f"{out}/state{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
+    exit_rank()  # tests/ranks.py: the interpreter's teardown has aborted a finished rank
 
 
 @pytest.mark.timeout(300)
@@ -205,6 +209,7 @@ def _bucket_view_worker(rank: int, world: int, port: int) -> None:
             pytest.raises(UserError, match="gradient_as_bucket_view=False"), rt.step():
         case.loss_fn(model(*case.inputs)).backward()
     dist.destroy_process_group()
+    exit_rank()  # tests/ranks.py: the interpreter's teardown has aborted a finished rank
 
 
 @pytest.mark.timeout(120)

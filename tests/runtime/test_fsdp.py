@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from swapsched.runtime.calibrate import free_port
 from swapsched.zoo import build_model
-from tests.ranks import join_gloo, leave, run_ranks
+from tests.ranks import exit_rank, join_gloo, leave, run_ranks
 
 
 def _sharded(seed: int):
@@ -64,6 +64,7 @@ def _save_and_close(rt, equal: bool, path: str) -> None:
     rt.close()
     dist.barrier()  # both ranks saved their results before either tears down
     dist.destroy_process_group()
+    exit_rank()  # tests/ranks.py: the interpreter's teardown has aborted a finished rank
 
 
 def test_fsdp2_gradients_bit_identical_and_each_rank_within_its_budget(tmp_path):

@@ -16,6 +16,7 @@ from swapsched.errors import UserError
 from swapsched.runtime.backends import CpuBackend
 from swapsched.runtime.disk_store import DiskError, DiskStore
 from swapsched.runtime.state_mover import StateMover
+from tests.ranks import exit_rank
 from tests.runtime.test_state_mover import TiedLM, _placement, assert_same_run, train
 
 ON_DISK = ("host-step", "full", "stream", "stream-full")
@@ -282,6 +283,7 @@ def _ddp_disk_worker(rank: int, world: int, port: int, out: str) -> None:
     torch.save(runs, f"{out}/ddp{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
+    exit_rank()  # tests/ranks.py: the interpreter's teardown has aborted a finished rank
 
 
 @pytest.mark.timeout(300)
