@@ -11,7 +11,7 @@ from swapsched.errors import UserError
 if TYPE_CHECKING:
     from swapsched.trace import Trace
 
-__all__ = ["BudgetError", "parse_budget", "check_budget", "smallest_feasible", "format_bytes"]
+__all__ = ["BudgetError", "parse_budget", "check_budget", "smallest_feasible", "relative_scale", "format_bytes"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -35,7 +35,7 @@ def parse_budget(spec: str | int | float, trace: Trace | None = None, *, check_f
 
     ``"60%"`` is ``static_bytes`` + 60% of the no-swap peak above ``static_bytes`` (needs ``trace``);
     ``"100%"`` is exactly the no-swap peak. Both count the gradients the step makes as static
-    (``Trace.relative_scale``, R3), as if it began with them. With ``trace`` and ``check_feasible``, a budget below
+    (:func:`relative_scale`, R3), as if it began with them. With ``trace`` and ``check_feasible``, a budget below
     the smallest any plan can meet raises :class:`BudgetError` stating that smallest budget; for a
     trace that records its state (R13), the smallest with the state movable, and the host memory
     that needs.
@@ -44,7 +44,7 @@ def parse_budget(spec: str | int | float, trace: Trace | None = None, *, check_f
     if unit == "%":
         if trace is None:
             raise BudgetError(f"budget {spec!r} is relative and needs a trace to resolve against")
-        base, peak = trace.relative_scale  # R3: the gradients counted static, whenever they are born
+        base, peak = relative_scale(trace)  # R3: the gradients counted static, whenever they are born
         out = int(base + math.floor((peak - base) * number / 100.0))
     else:
         out = int(number * _UNITS[unit])
@@ -71,8 +71,20 @@ def smallest_feasible(trace: Trace) -> tuple[int, float]:
     """The smallest budget any plan can meet, in bytes and as the percentage a relative budget
     would give it."""
     need = trace.min_feasible_bytes
-    base, peak = trace.relative_scale
+    base, peak = relative_scale(trace)
     return need, (100.0 * (need - base) / (peak - base) if peak > base else 100.0)
+
+
+def relative_scale(trace: Trace) -> tuple[int, int]:
+    """``(base, peak)`` of which a relative budget is a share (``"60%"``: base + 60% of peak -
+    base): the static bytes and the no-swap peak, with the gradients born in the step counted
+    static (R3), so that a percentage means the same bytes whenever they are born."""
+    born = trace.gradients_born_so_far
+    if trace.n_events == 0 or not born.any():
+        return int(trace.static_bytes), trace.peak_bytes_no_swap
+    base = int(trace.static_bytes + born[-1])
+    rest = trace.other_bytes - born + trace.resident_bytes_no_swap + trace.unsharded_in_use_bytes
+    return base, int(base + max(int(rest.max()), 0))
 
 
 def check_budget(spec: str | int | float) -> str | int | float:

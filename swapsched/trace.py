@@ -374,18 +374,6 @@ class Trace:
         return np.cumsum(delta)
 
     @cached_property
-    def relative_scale(self) -> tuple[int, int]:
-        """``(base, peak)`` of which a relative budget is a share (``"60%"``: base + 60% of peak -
-        base): the static bytes and the no-swap peak, with the gradients born in the step counted
-        static (R3), so that a percentage means the same bytes whenever they are born."""
-        born = self.gradients_born_so_far
-        if self.n_events == 0 or not born.any():
-            return int(self.static_bytes), self.peak_bytes_no_swap
-        base = int(self.static_bytes + born[-1])
-        rest = self.other_bytes - born + self.resident_bytes_no_swap + self.unsharded_in_use_bytes
-        return base, int(base + max(int(rest.max()), 0))
-
-    @cached_property
     def saved_bytes_peak(self) -> int:
         """Peak of saved-tensor bytes alone with nothing evicted."""
         return int(self.resident_bytes_no_swap.max()) if self.n_events else 0
@@ -437,33 +425,6 @@ class Trace:
             return 0, 0, min(self.backward_start, max(n - 1, 0)), n
         return (min(int(fp[k]) for k in ids), max(int(self.last_forward_pack[k]) for k in ids),
                 min(int(fu[k]) for k in ids), min(max(int(lu[k]) for k in ids) + 1, n))
-
-    # ---------------------------------------------------------------- views
-    def summary(self) -> dict[str, Any]:
-        """The numbers ``swapsched inspect`` prints."""
-        return {
-            "name": self.name,
-            "tensors": self.n_tensors,
-            "events": self.n_events,
-            "saved_bytes_peak": self.saved_bytes_peak,
-            "static_bytes": int(self.static_bytes),
-            "state_bytes": int(self.static_bytes - self.fixed_bytes),
-            "state_groups": len(self.state),
-            "param_bytes": sum(g.param_bytes for g in self.state),
-            "grad_bytes": sum(g.grad_bytes for g in self.state),
-            "optim_bytes": sum(g.optim_bytes for g in self.state),
-            "min_feasible_bytes_movable": self.min_feasible_bytes_movable,
-            "peak_bytes_no_swap": self.peak_bytes_no_swap,
-            "min_feasible_bytes": self.min_feasible_bytes,
-            "compute_s": {
-                "forward": self.forward_compute_s,
-                "backward": self.backward_compute_s,
-                "total": self.ideal_s,
-            },
-            "timing": self.timing,
-            "device": self.device,
-            "world_size": self.world_size,
-        }
 
     def with_timing(self, gaps: Sequence[float], tail_s: float, **meta: Any) -> Trace:
         """This trace with each event's gap and the tail replaced (the same events, re-measured),

@@ -6,12 +6,38 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from swapsched.errors import UserError
 
-__all__ = ["cmd_profile", "cmd_inspect", "print_summary", "profile_case", "say_if_shrunk", "summary"]
+if TYPE_CHECKING:
+    from swapsched.trace import Trace
 
+__all__ = ["cmd_profile", "cmd_inspect", "print_summary", "profile_case", "say_if_shrunk", "summary", "trace_summary"]
+
+
+
+def trace_summary(trace: Trace) -> dict[str, Any]:
+    """The numbers ``swapsched inspect`` prints."""
+    return {
+        "name": trace.name,
+        "tensors": trace.n_tensors,
+        "events": trace.n_events,
+        "saved_bytes_peak": trace.saved_bytes_peak,
+        "static_bytes": int(trace.static_bytes),
+        "state_bytes": int(trace.static_bytes - trace.fixed_bytes),
+        "state_groups": len(trace.state),
+        "param_bytes": sum(g.param_bytes for g in trace.state),
+        "grad_bytes": sum(g.grad_bytes for g in trace.state),
+        "optim_bytes": sum(g.optim_bytes for g in trace.state),
+        "min_feasible_bytes_movable": trace.min_feasible_bytes_movable,
+        "peak_bytes_no_swap": trace.peak_bytes_no_swap,
+        "min_feasible_bytes": trace.min_feasible_bytes,
+        "compute_s": {"forward": trace.forward_compute_s, "backward": trace.backward_compute_s, "total": trace.ideal_s},
+        "timing": trace.timing,
+        "device": trace.device,
+        "world_size": trace.world_size,
+    }
 
 def say_if_shrunk(model: str, size: str | None) -> None:
     """hf: model types are built small unless asked for the library's full configuration: say so
@@ -140,12 +166,12 @@ def _optimizer(name: str, model: Any) -> Any:
 
 
 def summary(trace: Any) -> dict[str, Any]:
-    """``Trace.summary()`` and, for a trace with its state, the least host memory the state needs
+    """``trace_summary(trace)`` and, for a trace with its state, the least host memory the state needs
     with a disk (R19): every group off the device with its master and optimizer state on the disk,
     the host holding the gradients and the staging buffers."""
     from swapsched.env.state_parts import state_split
 
-    s = trace.summary()
+    s = trace_summary(trace)
     if trace.state:
         tiers = {g.name: "state" for g in trace.state}
         s["host_bytes_with_disk"] = state_split(trace.state, dict.fromkeys(tiers, "full"), tiers)[1]

@@ -33,7 +33,9 @@ def test_derived_tables(two_tensors):
 
 
 def test_summary_keys(two_tensors):
-    s = two_tensors.summary()
+    from swapsched.cli.profile import trace_summary
+
+    s = trace_summary(two_tensors)
     assert {"name", "tensors", "events", "saved_bytes_peak", "static_bytes", "compute_s", "timing"} <= set(s)
     assert s["tensors"] == 2 and s["events"] == 4 and s["timing"] == "measured"
 
