@@ -196,8 +196,9 @@ class ShapePlans:
     def borrowed(self, trace: Trace, kin: list[PlanLayout]) -> tuple[SwapPlan, SimResult]:
         """For ``trace``, the plan of one of its family's sizes (the same events: its evictions
         apply as they are, R7), with its simulated result: the nearest larger size's, which evicts
-        no less, so its plan fits here as a rule; where the simulator finds it needs the guard,
-        the nearest two sizes' in turn, and the fastest of those tried. Each try is a simulation
+        no less, so its plan fits here under a budget in bytes (not always under a relative one,
+        which shrinks with the size where the static bytes do not); where the simulator finds it
+        needs the guard, the nearest two sizes' in turn, and the fastest of those tried. Each try is a simulation
         inside the step whose shape it is: one as a rule."""
         s = first_bytes(trace)
         near = sorted(kin, key=lambda lay: abs(lay.shape_key - s))[:2]
