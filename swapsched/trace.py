@@ -26,12 +26,15 @@ from swapsched.trace_check import TIMINGS, TraceError, validate_trace
 if TYPE_CHECKING:
     from swapsched.hardware import Hardware
 
-__all__ = ["TensorInfo", "Event", "Trace", "TraceError", "validate_trace", "TIMINGS", "GRADIENTS_BORN"]
+__all__ = ["TensorInfo", "Event", "Trace", "TraceError", "validate_trace", "TIMINGS", "GRADIENTS_BORN",
+           "STATE_GRADIENTS_BORN"]
 
 #: R3, gradients from their birth: the meta key listing, as ``[event, bytes]`` pairs, the
 #: gradients born in each event's gap, which its other bytes count from there on (a trace that
 #: counts them as the training state's, static all step, has none)
 GRADIENTS_BORN = "gradients_born"
+#: R3 with R13: true where the step began with no gradient (``Trace.state_gradients_born``)
+STATE_GRADIENTS_BORN = "state_gradients_born"
 
 
 @dataclass(frozen=True)
@@ -373,6 +376,21 @@ class Trace:
             delta[min(int(event), self.n_events - 1)] += int(nbytes)
         return np.cumsum(delta)
 
+    @property
+    def state_gradients_born(self) -> bool:
+        """R3 with R13 (:data:`STATE_GRADIENTS_BORN`): each gradient on the device from its group's
+        ``backward_at``, not static all step; never in a sharded step (R18)."""
+        return bool(self.state) and self.world_size == 1 and bool(self.meta.get(STATE_GRADIENTS_BORN, False))
+
+    @cached_property
+    def state_gradients_unborn_bytes(self) -> np.ndarray:
+        """Per gap, the state's gradients not made yet (R3, where they count from their birth: each
+        from the gap after its group's ``backward_at``), which the static bytes count; else zeros."""
+        unborn = np.zeros(self.n_events, dtype=np.int64)
+        for g in self.state if self.state_gradients_born else ():
+            unborn[: g.backward_at + 1] += g.grad_bytes
+        return unborn
+
     @cached_property
     def saved_bytes_peak(self) -> int:
         """Peak of saved-tensor bytes alone with nothing evicted."""
@@ -380,10 +398,11 @@ class Trace:
 
     @cached_property
     def min_feasible_bytes(self) -> int:
-        """The smallest budget any plan can meet: what must be resident at the worst gap (R4/R7)."""
+        """The smallest budget any plan can meet: what must be resident at the worst gap (R4/R7, R3)."""
         if self.n_events == 0:
             return int(self.static_bytes)
-        return int(self.static_bytes + (self.other_bytes + self.must_resident_bytes + self.unsharded_in_use_bytes).max())
+        return int(self.static_bytes + (self.other_bytes + self.must_resident_bytes + self.unsharded_in_use_bytes
+                                        - self.state_gradients_unborn_bytes).max())
 
     @cached_property
     def state_in_use_bytes(self) -> np.ndarray:

@@ -39,7 +39,7 @@ from swapsched.env.collectives import unsharded_deltas
 from swapsched.env.floors import joint_floor
 from swapsched.env.result import SimResult
 from swapsched.env.simulator import simulate
-from swapsched.env.state_parts import disk_parts, fetch_events, part_bytes, state_split, stream_in_bytes
+from swapsched.env.state_parts import born_gradients_held, disk_parts, fetch_events, part_bytes, state_split, stream_in_bytes
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.policy import Policy
@@ -67,7 +67,8 @@ def activation_view(trace: Trace, placement: dict[str, str], stream_room: int = 
     parameters and gradients it holds count too)."""
     groups = trace.state
     where = [placement.get(g.name, "device") for g in groups]
-    static, _ = state_split(groups, placement)
+    born = trace.state_gradients_born
+    static, _ = state_split(groups, placement, born=born)
     n = trace.n_events
     extra = unsharded_deltas(trace, set(unsharded))
     fwd, bwd = fetch_events(groups, where, min(trace.backward_start, n))
@@ -94,6 +95,8 @@ def activation_view(trace: Trace, placement: dict[str, str], stream_room: int = 
         sizes = sorted((stream_in_bytes(groups[j], where[j]) for j in streamed), reverse=True)
         extra[min(min(groups[j].grad_at for j in streamed), n)] += sum(sizes[:stream_room])
     held = np.cumsum(extra)[:n]
+    if born:  # R3: made in backward, held to the step's end
+        held += born_gradients_held(groups, where, n)[:n]
     events = tuple(Event(e.kind, e.tensor, e.compute_s, e.flops, int((e.other_bytes or 0) + h) if (e.other_bytes or h) else None)
                    for e, h in zip(trace.events, held.tolist(), strict=True))
     out = replace(trace, static_bytes=int(trace.fixed_bytes + static), events=events, state=(), world_size=1)
@@ -257,8 +260,9 @@ def plan_state(trace: Trace, budget: int, hardware: Hardware, *, inner: Policy, 
     plan with the state kept, without screening, where the floor proves no placement gains more
     than ``FLOOR_SLACK``. Raises :class:`BudgetError` where no candidate fits, naming the
     smallest budget at which one does."""
-    if trace.world_size == 1 and budget >= trace.min_feasible_bytes:
-        kept = _with_state(trace, screen.plan(activation_view(trace, {}), budget, hardware), {}, name)
+    kept_view = activation_view(trace, {})  # R3: gradients born in the step leave forward room
+    if trace.world_size == 1 and budget >= kept_view.min_feasible_bytes:
+        kept = _with_state(trace, screen.plan(kept_view, budget, hardware), {}, name)
         r = simulate(trace, kept, hardware, budget, validate=False)
         if not r.oom and r.iteration_s <= (1 + FLOOR_SLACK) * state_floor(trace, budget, hardware):
             return kept
@@ -443,6 +447,7 @@ def state_floor(trace: Trace, budget: int, hardware: Hardware) -> float:
     must = 0
     if trace.n_events:
         demand = trace.fixed_bytes + state_bytes + trace.other_bytes + trace.must_resident_bytes
+        demand = demand - trace.state_gradients_unborn_bytes  # R3: a gradient is there from its birth
         must = int(max(0, (demand - budget).max()))
     link = min(ratios) * must / hardware.link_bytes_per_s("h2d")
     return max(activations, link, _optimizer_floor(trace, hardware)) if math.isfinite(activations) else activations

@@ -122,7 +122,8 @@ class StateExecution:
         self.fetch_bwd_at = by_event(n + 1, [(i, j) for j, i in bwd.items()])
         # the static part of the state (module docstring) is in sim.static; the parameters of
         # ``param`` groups are on the device as the step starts
-        static, _ = state_split(self.groups, {g.name: w for g, w in zip(self.groups, self.where, strict=True)})
+        born = trace.state_gradients_born  # R3: each gradient from its group's backward on, not static
+        static, _ = state_split(self.groups, {g.name: w for g, w in zip(self.groups, self.where, strict=True)}, born=born)
         sim.static = int(trace.fixed_bytes + static)
         for j, w in enumerate(self.where):
             if w == "param":
@@ -130,7 +131,9 @@ class StateExecution:
         sim.peak = sim.static + sim.used
         if sim.record:
             sim._mem = [(0.0, sim.static + sim.used)]
-        self.grad_dynamic = [w in ("host-step", "full", "stream-full") for w in self.where]
+        # made on the device as backward reaches the group: copied out as it completes (the host
+        # steps it), or, born in the step under the other placements, held to the step's end
+        self.grad_dynamic = [born or w in ("host-step", "full", "stream-full") for w in self.where]
         # R18: a sharded step's all-gathers and reduce-scatters (env/collectives.py)
         self.coll: Collectives | None = None
         if trace.world_size > 1:

@@ -5,6 +5,11 @@ tables the simulated step (``state_exec.py``), the activation planners' view of 
 Per placement (``swapsched/state.py``), what is on the device:
 
 - ``device``: everything, all step (counted in the step's static bytes, as before the state).
+
+Where the step begins with no gradient (``Trace.state_gradients_born``, R3), each gradient is on
+the device from its group's ``backward_at`` on, not all step: the static bytes leave it out
+(``static_parts``), and under ``device``, ``param`` and ``stream`` it is held from there to the
+step's end.
 - ``param``: the gradient and optimizer state always; the parameter from the step's start
   through its forward use, copied out after it (freed when the copy lands, R2-like), fetched
   ahead of its backward use (R14) and kept to the next step's forward.
@@ -35,10 +40,12 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 
-__all__ = ["STATIC_PARTS", "HOST_PARTS", "STREAM_IN_PARTS", "STREAM_OUT_PARTS", "state_split", "resident_parts",
+__all__ = ["STATIC_PARTS", "static_parts", "HOST_PARTS", "STREAM_IN_PARTS", "STREAM_OUT_PARTS", "state_split", "born_gradients_held", "resident_parts",
            "part_bytes", "stream_in_bytes", "one_ahead", "fetch_events", "by_event", "disk_parts", "STAGING_SLOTS",
            "staging_bytes", "host_need", "Held", "held", "as_held"]
 
@@ -86,16 +93,36 @@ def _staging(sizes: Any) -> int:
     return sum(sorted(sizes, reverse=True)[:STAGING_SLOTS])
 
 
-def state_split(trace_state: tuple, placement: dict[str, str], disk: dict[str, str] | None = None) -> tuple[int, int]:
+def static_parts(placement: str, born: bool = False) -> tuple[str, ...]:
+    """The parts the step's static bytes hold under ``placement``; ``born`` (R3): the step makes
+    the gradients, so they are held from their birth instead (module docstring)."""
+    parts = STATIC_PARTS[placement]
+    return tuple(p for p in parts if p != "grad_bytes") if born else parts
+
+
+def state_split(trace_state: tuple, placement: dict[str, str], disk: dict[str, str] | None = None,
+                born: bool = False) -> tuple[int, int]:
     """(device-static bytes, host bytes) of the state under ``placement`` (module docstring),
-    with ``disk``'s groups resting their disk parts on the disk (R19: the host holds staging)."""
+    with ``disk``'s groups resting their disk parts on the disk (R19: the host holds staging);
+    ``born``: the gradients counted from their birth (``static_parts``)."""
     static = host = 0
     disk = disk or {}
     for g in trace_state:
         where = placement.get(g.name, "device")
-        static += part_bytes(g, STATIC_PARTS[where])
+        static += part_bytes(g, static_parts(where, born))
         host += host_need(g, where, disk.get(g.name))
     return static, host + (staging_bytes(trace_state, placement, disk) if disk else 0)
+
+
+def born_gradients_held(groups: tuple, where: list[str], n: int) -> np.ndarray:
+    """R3: per gap (``n + 1``: the tail last), the gradients born in the step that stay on the
+    device to its end (under ``device``, ``param`` and ``stream``; the others' go to the host as
+    they complete), each from the gap after its group's ``backward_at`` (module docstring)."""
+    held = np.zeros(n + 1, dtype=np.int64)
+    for g, w in zip(groups, where, strict=True):
+        if "grad_bytes" not in HOST_PARTS[w]:
+            held[min(g.backward_at + 1, n):] += g.grad_bytes
+    return held
 
 
 def resident_parts(placement: str) -> tuple[str, ...]:

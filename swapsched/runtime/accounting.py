@@ -76,8 +76,13 @@ class StepExecution:
         meter = self.meter = self.exits.enter_context(TransientMeter(lambda: 0, grads_born=self.had is not None))
         model = self.frame.model
         for p in model.parameters() if model is not None else ():
-            if p.requires_grad:
+            if p.requires_grad and self._gradient_static(p):
                 self.exits.callback(p.register_hook(lambda g, p=p: meter.gradient(g, p.grad is None)).remove)
+
+    def _gradient_static(self, p: Any) -> bool:
+        """Whether the audit meter leaves ``p``'s gradient to the static bytes (or to the state
+        mover's count of the bytes it holds); one it meters from its birth has no hook (R3)."""
+        return True
 
     def _watch(self, storage: Any) -> None:
         """Audit: count ``storage`` as alive until it dies (if the meter did not see it made)."""

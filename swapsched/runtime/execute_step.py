@@ -19,6 +19,7 @@ from swapsched.runtime.profile_step import ProfileStep
 from swapsched.runtime.recorder import is_parameter
 from swapsched.runtime.reports import CollectiveTally, Divergence, DivergenceError, StepReport
 from swapsched.runtime.stash import UNTRACKED, Packed, Record, rebuild
+from swapsched.runtime.state_rest import HOST_PLACEMENTS
 
 if TYPE_CHECKING:
     from swapsched.runtime.frame import StepFrame
@@ -104,14 +105,23 @@ class ExecuteStep(CopyingStep):
         self.alloc = tb.alloc_bytes  # bytes of the tensors first packed at each event (made in its gap)
         # non-saved bytes live in each gap (R3), as the profiling steps measured them
         # (runtime/transients.py): activations' gradients, outputs not saved, what a recompute
-        # rebuilds and a selective checkpoint keeps (R9)
-        self.other = tb.other
+        # rebuilds and a selective checkpoint keeps (R9); and the state's gradients born in the step
+        self.other = layout.other_held
         # the hooks' hot path reads two flat lists: the expected event (tensor id for a pack, its
         # complement ~id for an unpack) and whether anything happens after it (a free, a planned
         # swap-out or prefetch). Diverging empties both, which turns every later check off.
         self.expected: list[int] | tuple[()] = layout.expected_codes
         self.work: list[bool] | tuple[()] = layout.work_at
         self.first_sight = layout.first_sight
+
+    def _gradient_static(self, p: Any) -> bool:
+        # R3 with R13: a gradient the step makes and the placement keeps on the device is metered
+        # from its birth; a host-placed one's device bytes are the mover's (measured_device_bytes)
+        if not self.trace.state_gradients_born:
+            return True
+        mover = self.frame.state
+        placed = mover.params.get(id(p)) if mover is not None else None
+        return placed is not None and placed.placement in HOST_PLACEMENTS
 
     def state_bytes(self, delta: int) -> None:
         if self.deaths:

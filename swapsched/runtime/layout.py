@@ -10,7 +10,7 @@ from typing import Any
 from swapsched.env.events import event_tables
 from swapsched.env.result import SimResult
 from swapsched.env.simulator import simulate
-from swapsched.env.state_parts import state_split
+from swapsched.env.state_parts import born_gradients_held, state_split
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.runtime.shapes import first_bytes, structure
@@ -47,10 +47,22 @@ class PlanLayout:
     @cached_property
     def step_static_bytes(self) -> int:
         """What the device holds all step beside the saved tensors: the trace's static bytes, less
-        the training state the plan moves off the device between uses (R14)."""
-        if not self.plan.state:
+        the training state the plan moves off the device between uses (R14), and the gradients
+        the step makes (R3: each from its birth, in ``other_held``)."""
+        if not self.trace.state:
             return int(self.trace.static_bytes)
-        return int(self.trace.fixed_bytes) + state_split(self.trace.state, self.plan.placement())[0]
+        return int(self.trace.fixed_bytes) + state_split(self.trace.state, self.plan.placement(),
+                                                         born=self.trace.state_gradients_born)[0]
+
+    @cached_property
+    def other_held(self) -> list[int]:
+        """Per gap, what it holds beyond the saved tensors (R3): the trace's other bytes, and the
+        gradients the step makes that the plan's placement keeps on the device (R13)."""
+        other = self.trace.other_bytes
+        if self.trace.state_gradients_born:
+            where = [self.plan.placement().get(g.name, "device") for g in self.trace.state]
+            other = other + born_gradients_held(self.trace.state, where, self.trace.n_events)[: self.trace.n_events]
+        return [int(b) for b in other]
 
     @property
     def shape_key(self) -> int:

@@ -37,7 +37,7 @@ from swapsched.runtime.recorder import ModulePath, OpNames, ProfileError, TraceR
 from swapsched.runtime.shards import local_of, offloaded_by_fsdp
 from swapsched.runtime.transients import OTHER_MEASURED, TransientMeter
 from swapsched.state import FROZEN_SUFFIX, StateGroup, group_name, optimizer_kind
-from swapsched.trace import GRADIENTS_BORN, Trace
+from swapsched.trace import GRADIENTS_BORN, STATE_GRADIENTS_BORN, Trace
 
 __all__ = ["profile", "static_bytes_of", "state_groups", "optimizer_state_kind", "with_gradients", "born_gradient_bytes"]
 
@@ -262,7 +262,7 @@ def profile(
     structural = replace(structural, meta={**structural.meta, **step_meta})
 
     if dev.type == "meta":
-        return _with_state(model, replace(structural.retimed(target), device=f"meta->{target.name}"), state)
+        return _with_state(model, replace(structural.retimed(target), device=f"meta->{target.name}"), state, had)
 
     _restore(present(snap, "the model's state before the structural step"))
     if dev.type == "cuda":
@@ -285,13 +285,15 @@ def profile(
     )
     if hardware is not None:
         trace = trace.retimed(load_hardware(hardware))
-    return _with_state(model, trace, state)
+    return _with_state(model, trace, state, had)
 
 
-def _with_state(model: nn.Module, trace: Trace, state: str | None) -> Trace:
-    """``trace`` with the model's state per group (R13); its static bytes gain the optimizer's."""
+def _with_state(model: nn.Module, trace: Trace, state: str | None, had: set[int]) -> Trace:
+    """``trace`` with the model's state per group (R13); its static bytes gain the optimizer's.
+    A step that began with no gradient (``had``: :func:`with_gradients` then) makes each one in
+    its backward: R3 counts the state's from their birth there."""
     if not state:
         return trace
     groups = state_groups(model, trace, state)
     return replace(trace, static_bytes=trace.static_bytes + sum(g.optim_bytes for g in groups), state=groups,
-                   meta={**trace.meta, "optimizer": state})
+                   meta={**trace.meta, "optimizer": state, STATE_GRADIENTS_BORN: not had})

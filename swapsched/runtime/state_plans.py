@@ -27,7 +27,7 @@ from swapsched.runtime.state_disk import LIVE_DISK_TIERS
 from swapsched.runtime.state_mover import StateMover
 from swapsched.runtime.state_rest import to_device
 from swapsched.state import FROZEN_SUFFIX, SHARD_PLACEMENTS, group_name
-from swapsched.trace import Trace
+from swapsched.trace import STATE_GRADIENTS_BORN, Trace
 
 __all__ = ["RuntimeState"]
 
@@ -77,11 +77,20 @@ class RuntimeState:
         and no step of the run has begun with gradients (accumulating: its forward holds them)."""
         return self.model is not None and not self._byte_budget() and not self.sharded and not self._accumulates
 
+    @property
+    def state_gradients_born(self) -> bool:
+        """R3 with R13: whether a trace that records the state counts the gradients as the step
+        makes them, each from its group's backward (``Trace.state_gradients_born``): where FSDP2
+        does not shard them, no DDP holds them in its buckets, and no step has begun with them."""
+        return (self.model is not None and self._byte_budget() and not self.sharded and not self.data_parallel
+                and not self._accumulates)
+
     def gradients_at_start(self) -> bool:
         """As a step begins: whether it is the run's first to begin with gradients where steps
         counted them from their birth (R3). From then on they count as static; a plan made before
         is for steps that held less, and the caller profiles again."""
-        if not self.counts_gradients_from_birth or not any(p.grad is not None for p in present(self.model, "the model").parameters()):
+        born = self.counts_gradients_from_birth or self.state_gradients_born
+        if not born or not any(p.grad is not None for p in present(self.model, "the model").parameters()):
             return False
         self._accumulates = True
         self.budgets.forget_shapes()  # a relative one is a share of the steps as they now run
@@ -147,7 +156,7 @@ class RuntimeState:
             return trace
         model, optimizer = present(self.model, "the model"), present(self.optimizer, "the optimizer")
         kind = optimizer_state_kind(optimizer)
-        meta = {**trace.meta, "optimizer": kind}
+        meta = {**trace.meta, "optimizer": kind, STATE_GRADIENTS_BORN: self.state_gradients_born}
         # R18: what the runtime carries out on FSDP2's shards (nothing on the disk); R19: what it
         # rests on the disk
         if is_sharded(model):

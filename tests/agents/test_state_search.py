@@ -17,6 +17,7 @@ from swapsched.env.simulator import simulate
 from swapsched.plan import SwapPlan
 from swapsched.runtime.profiler import profile
 from swapsched.state import PLACEMENTS
+from swapsched.trace import STATE_GRADIENTS_BORN
 from swapsched.trace_file import load_trace, save_trace, trace_from_dict, trace_to_dict
 from tests.env.test_state_exec import HW, two_groups
 
@@ -32,6 +33,14 @@ def test_the_view_holds_what_the_placement_leaves_on_the_device():
     assert full.static_bytes == 400 and list(full.other_bytes) == [100, 100, 100, 0]
     hs = activation_view(t, {"blk.0": "host-step"})  # gradient made after e3's unpack: no gap holds it
     assert hs.static_bytes == 400 + 100 and list(hs.other_bytes) == [0, 0, 0, 0]
+    # R3: gradients the step makes leave the static bytes; each is held from the gap after its
+    # group's backward (blk.1: e2) to the step's end, whatever keeps it on the device
+    born = replace(t, meta={**t.meta, STATE_GRADIENTS_BORN: True})
+    assert activation_view(born, {}).static_bytes == 600 and list(activation_view(born, {}).other_bytes) == [0, 0, 0, 100]
+    stream = activation_view(born, {"blk.1": "stream"})  # its optimizer state off, its gradient born as before
+    assert stream.static_bytes == 400 and list(stream.other_bytes) == [0, 0, 0, 100]
+    full = activation_view(born, {"blk.1": "full"})  # made and copied out as before; blk.0 static less its gradient
+    assert full.static_bytes == 300 and list(full.other_bytes) == [100, 100, 100, 0]
 
 
 def test_default_fits_below_the_static_bytes_where_activation_plans_cannot():
@@ -99,9 +108,10 @@ def test_candidates_cover_every_placement():
 
 @settings(max_examples=60, deadline=None)
 @given(where=st.lists(st.sampled_from(PLACEMENTS), min_size=2, max_size=2), budget=st.integers(400, 1200),
-       host=st.one_of(st.none(), st.integers(100, 900)), after=st.booleans())
-def test_no_simulated_step_exceeds_the_device_or_the_host_budget(where, budget, host, after):
+       host=st.one_of(st.none(), st.integers(100, 900)), after=st.booleans(), born=st.booleans())
+def test_no_simulated_step_exceeds_the_device_or_the_host_budget(where, budget, host, after, born):
     t = two_groups()
+    t = replace(t, meta={**t.meta, STATE_GRADIENTS_BORN: born})
     plan = SwapPlan.of(t, "any", [], state={"blk.0": where[0], "blk.1": where[1]},
                        host_step="after-backward" if after else "overlap")
     hw = HW if host is None else replace(HW, host_budget_bytes=host)

@@ -9,7 +9,7 @@ import pytest
 from swapsched.env.simulator import simulate
 from swapsched.plan import SwapPlan
 from swapsched.state import StateGroup
-from swapsched.trace import Trace
+from swapsched.trace import STATE_GRADIENTS_BORN, Trace
 from tests.conftest import make_hw, make_trace
 
 
@@ -48,6 +48,23 @@ def test_state_on_the_device_is_the_step_every_activation_plan_had():
     r = simulate(t, plan(t), HW, 1000)
     assert r.iteration_s == pytest.approx(4.0) and r.peak_bytes == 1000 and r.state is not None
     assert r.state.off_bytes == 0 and r.state.host_step_s == 0 and r.state.where_stepped == "device"
+
+
+def test_gradients_the_step_makes_are_on_the_device_from_their_groups_backward():
+    # R3 with R13: the step began with no gradient. Static: parameters 200 + optimizer 400.
+    # blk.1's gradient is made at e2, its backward; blk.0's at e3, with T0 (unpacked there) still
+    # held: 600 + T0 + both gradients = 900. Counted static all step: 800 + T0 + T1 = 1000
+    t = two_groups()
+    born = replace(t, meta={**t.meta, STATE_GRADIENTS_BORN: True})
+    assert simulate(t, plan(t), HW, 1000).peak_bytes == 1000 and simulate(t, plan(t), HW, 999).oom
+    r = simulate(born, plan(born), HW, 900)
+    assert not r.oom and r.peak_bytes == 900 and r.iteration_s == pytest.approx(4.0)
+    assert simulate(born, plan(born), HW, 899).oom
+    # the bound every plan needs counts each gradient from the gap after its backward (gap 3:
+    # 600 + T0 + blk.1's gradient), not from the step's start (900: gaps 1-2, 800 + T0 + T1)
+    assert (t.min_feasible_bytes, born.min_feasible_bytes) == (900, 800)
+    # stream: blk.0's optimizer state comes in for its device step, its gradient is born as before
+    assert simulate(born, plan(born, blk_0="stream"), HW, 800).peak_bytes == 800
 
 
 def test_a_parameter_copied_out_after_forward_comes_back_for_backward():

@@ -68,9 +68,12 @@ def test_gradients_count_from_their_birth_without_the_state_and_as_static_with_i
     with_state = profile(m, (torch.randn(2, 8),), lambda y: y.sum(), state="adamw")
     assert with_state.static_bytes == 4 * (second + first) and "gradients_born" not in with_state.meta
     assert max(e.other_bytes for e in with_state.events) < second
+    # ... which the step makes: the state's gradients count from their groups' backward (R13)
+    assert with_state.state_gradients_born and with_state.meta["state_gradients_born"] is True
     # a step that begins with gradients (accumulating) adds into them: none is born, all static
     accumulating = profile(m, (torch.randn(2, 8),), lambda y: y.sum())
     assert accumulating.static_bytes == 2 * (second + first) and accumulating.meta["gradients_born"] == []
+    assert not profile(m, (torch.randn(2, 8),), lambda y: y.sum(), state="adamw").state_gradients_born
 
 
 @pytest.mark.parametrize("family", ["mlp", "vgg", "resnet", "gpt", "bert", "unet"])

@@ -11,6 +11,7 @@ import torch
 
 from swapsched.budget import BudgetError, format_bytes
 from swapsched.deploy import SwapRuntime
+from swapsched.errors import present
 from swapsched.runtime.profiler import profile, static_bytes_of
 from swapsched.zoo import build_model
 
@@ -29,7 +30,9 @@ def floors() -> dict[str, int]:
     case = build_model(FAMILY, SIZE, seed=3)
     trace = profile(case.model, case.inputs, case.loss_fn, name="gpt-tiny", state="adamw")
     return {"static": trace.static_bytes, "activations": trace.min_feasible_bytes, "movable": trace.min_feasible_bytes_movable,
-            "floor": trace.min_feasible_bytes - trace.static_bytes}
+            "floor": trace.min_feasible_bytes - trace.static_bytes,
+            # beside the static bytes with every gradient counted static all step
+            "room": int((trace.other_bytes + trace.must_resident_bytes).max())}
 
 
 def test_a_budget_below_the_static_bytes_moves_the_state_and_trains_bit_identically(floors: dict[str, int]) -> None:
@@ -70,6 +73,50 @@ def test_a_budget_below_the_static_bytes_moves_the_state_and_trains_bit_identica
         assert torch.equal(p, q), n
         for k, v in opt_a.state[p].items():
             assert torch.equal(v, opt_b.state[q][k]), (n, k)
+
+
+def test_gradients_count_from_their_birth_with_the_state_moving_until_a_step_begins_with_them(floors: dict[str, int]) -> None:
+    # R3 with R13: the blocks step on the host, the embeddings and the final norm stay on the
+    # device, where their gradients are born in backward; the static bytes leave every gradient
+    # out, and both meters keep the budget. Step 5 begins with the gradients of step 4 (accumulating):
+    # from then on they count as static, and the steps are profiled and planned again
+    budget = floors["static"] * 85 // 100 + 2 * floors["room"]
+    a, b, opt_a, opt_b = _pair()
+    with SwapRuntime(budget=budget, policy="default", model=a.model, optimizer=opt_a, backend="cpu", audit=True) as rt:
+        for i in range(10):
+            with rt.step():
+                la = a.loss()
+                la.backward()
+            lb = b.loss()
+            lb.backward()
+            assert torch.equal(la, lb), f"step {i}: losses differ"
+            rep = rt.report()
+            if rep.mode == "execute":
+                assert rep.peak_device_bytes is not None and rep.peak_device_bytes <= budget, (i, rep.peak_device_bytes)
+                assert rep.measured_peak_bytes is not None and rep.measured_peak_bytes <= budget, (i, rep.measured_peak_bytes)
+            if i == 4:
+                trace, layout = present(rt.trace, "a trace"), present(rt.layout, "a layout")
+                assert rep.mode == "execute" and trace.state_gradients_born
+                kept = [g for g in trace.state if rt.plan is not None and rt.plan.placement().get(g.name, "device") == "device"]
+                assert kept and {w for _, w in present(rep.state, "its state").placements} == {"host-step"}
+                # no gradient is static (host-step's parameter is; the kept groups' parameter and
+                # optimizer state are): those kept on the device are held from their birth
+                hosted = [g for g in trace.state if g not in kept]
+                assert layout.step_static_bytes == (trace.fixed_bytes + sum(g.param_bytes + g.optim_bytes for g in kept)
+                                                    + sum(g.param_bytes for g in hosted))
+                # in the last gap, beside what the trace measured: each kept gradient made before it
+                # (the token embedding's is made after the last saved tensor's unpack: in the tail)
+                born = [g for g in kept if g.backward_at + 1 < trace.n_events]
+                assert born and layout.other_held[-1] - int(trace.other_bytes[-1]) == sum(g.grad_bytes for g in born)
+            if i == 5:
+                assert rep.mode == "profile"
+            if i != 4:  # step 5 adds into step 4's gradients, as the plain run does
+                for opt in (opt_a, opt_b):
+                    opt.step()
+                    opt.zero_grad()
+        assert rep.mode == "execute" and not present(rt.trace, "a trace").state_gradients_born
+    for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True):
+        assert torch.equal(p, q)
 
 
 def test_a_budget_the_state_cannot_meet_says_what_it_needs_and_the_host_memory(floors: dict[str, int]) -> None:

@@ -294,8 +294,9 @@ def test_compare_json_is_strict(tmp_path):
     out = tmp_path / "c.json"
     trace = tmp_path / "t.json"
     assert main(["profile", "mlp", "--size", "tiny", "--out", str(trace)]) == 0
-    # no-swap at 90% is an OOM: infinite step time and NaN means, written as null
-    assert main(["compare", "--traces", str(trace), "--budgets", "90%", "--policies", "no-swap", "--json", str(out),
+    # no-swap at 70% is an OOM: infinite step time and NaN means, written as null (at 80% it fits:
+    # a relative budget counts the gradients static, the step makes them in backward, R3)
+    assert main(["compare", "--traces", str(trace), "--budgets", "70%", "--policies", "no-swap", "--json", str(out),
                  "--no-progress"]) == 0
 
     def reject(c: str) -> None:
