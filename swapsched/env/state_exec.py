@@ -134,6 +134,10 @@ class StateExecution:
         # made on the device as backward reaches the group: copied out as it completes (the host
         # steps it), or, born in the step under the other placements, held to the step's end
         self.grad_dynamic = [born or w in ("host-step", "full", "stream-full") for w in self.where]
+        # R3: the gradients yet to be born that their placement keeps: a stream-in admitted ahead
+        # leaves them room (taken back from it, it would wait for backward's end, R15)
+        self.unborn_kept = sum(g.grad_bytes for g, w in zip(self.groups, self.where, strict=True)
+                               if born and w in ("device", "param", "stream"))
         # R18: a sharded step's all-gathers and reduce-scatters (env/collectives.py)
         self.coll: Collectives | None = None
         if trace.world_size > 1:
@@ -216,7 +220,7 @@ class StateExecution:
         while self.optim_waiting:
             j = self.optim_waiting[0]
             b = self._stream_in_bytes(j)
-            if b > sim.budget - sim.static - sim.cur_other - sim.used or not self.backward_over and (
+            if b > sim.budget - sim.static - sim.cur_other - sim.used - self.unborn_kept or not self.backward_over and (
                     j in self.deferred or self.host_after_backward):  # the runtime streams at optimizer.step()
                 return
             self.optim_waiting.pop(0)
@@ -296,6 +300,8 @@ class StateExecution:
                     return False
                 sim.used += b
                 sim._note_mem()
+                if self.where[j] in ("device", "param", "stream"):
+                    self.unborn_kept -= b
         for j in self.fetch_bwd_at[i]:
             if not self.resident[j] and self.fetch_done[j] is None and j not in self.waiting and not self._fetch(j):
                 return False

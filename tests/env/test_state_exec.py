@@ -67,6 +67,17 @@ def test_gradients_the_step_makes_are_on_the_device_from_their_groups_backward()
     assert simulate(born, plan(born, blk_0="stream"), HW, 800).peak_bytes == 800
 
 
+def test_a_stream_in_leaves_room_for_the_gradients_yet_to_be_born():
+    # R3 with R15, budget 800: blk.0 on the device (static: parameter and optimizer state, 300),
+    # blk.1 streamed (its parameter, 100). blk.1's gradient completes as e3 starts (t 3); its 200 B
+    # of optimizer state would fit beside 400 + T0 + that gradient, but blk.0's gradient, born at
+    # e3, needs 100 of it: the stream-in waits for backward's end (t 4) and takes 2 s over the
+    # link: 6 s. Admitted at t 3, the birth took its room back and it came in twice: 7 s
+    born = replace(two_groups(), meta={"optimizer": "adamw", STATE_GRADIENTS_BORN: True})
+    r = simulate(born, plan(born, blk_1="stream"), HW, 800)
+    assert not r.oom and r.iteration_s == pytest.approx(6.0) and r.peak_bytes == 800
+
+
 def test_a_parameter_copied_out_after_forward_comes_back_for_backward():
     # blk.0's 100 B parameter goes out after gap 0 (t 1-2), comes back from the event before
     # its backward (fetched after gap 2, t 3-4): ready as event 3 needs it, no stall
