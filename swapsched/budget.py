@@ -79,8 +79,8 @@ def relative_scale(trace: Trace) -> tuple[int, int]:
     """``(base, peak)`` of which a relative budget is a share (``"60%"``: base + 60% of peak -
     base): the static bytes and the no-swap peak, with the gradients born in the step counted
     static (R3), so that a percentage means the same bytes whenever they are born."""
-    born = trace.gradients_born_so_far
-    if trace.n_events == 0 or not born.any():
+    born = trace.gradients_born_so_far  # in the other bytes; where the trace records the state, in its static bytes
+    if trace.n_events == 0 or not (born.any() or trace.state_gradients_born):
         return int(trace.static_bytes), trace.peak_bytes_no_swap
     base = int(trace.static_bytes + born[-1])
     rest = trace.other_bytes - born + trace.resident_bytes_no_swap + trace.unsharded_in_use_bytes

@@ -362,10 +362,11 @@ class Trace:
     @cached_property
     def peak_bytes_no_swap(self) -> int:
         """Device peak with nothing evicted: static + max over gaps of (other + resident saved,
-        + a sharded step's unsharded bytes in use, R18)."""
+        + a sharded step's unsharded bytes in use, R18, - the state's gradients unborn, R3)."""
         if self.n_events == 0:
             return int(self.static_bytes)
-        return int(self.static_bytes + (self.other_bytes + self.resident_bytes_no_swap + self.unsharded_in_use_bytes).max())
+        return int(self.static_bytes + (self.other_bytes + self.resident_bytes_no_swap + self.unsharded_in_use_bytes
+                                        - self.state_gradients_unborn_bytes).max())
 
     @cached_property
     def gradients_born_so_far(self) -> np.ndarray:
@@ -384,11 +385,10 @@ class Trace:
 
     @cached_property
     def state_gradients_unborn_bytes(self) -> np.ndarray:
-        """Per gap, the state's gradients not made yet (R3, where they count from their birth: each
-        from the gap after its group's ``backward_at``), which the static bytes count; else zeros."""
+        """Per gap, the state's gradients the static bytes count but the step has not made yet (R3)."""
         unborn = np.zeros(self.n_events, dtype=np.int64)
         for g in self.state if self.state_gradients_born else ():
-            unborn[: g.backward_at + 1] += g.grad_bytes
+            unborn[: g.backward_at] += g.grad_bytes  # made at its end (state_parts.born_gradients_held)
         return unborn
 
     @cached_property

@@ -9,7 +9,7 @@ Per placement (``swapsched/state.py``), what is on the device:
 Where the step begins with no gradient (``Trace.state_gradients_born``, R3), each gradient is on
 the device from its group's ``backward_at`` on, not all step: the static bytes leave it out
 (``static_parts``), and under ``device``, ``param`` and ``stream`` it is held from there to the
-step's end.
+step's end (``born_gradients_held``).
 - ``param``: the gradient and optimizer state always; the parameter from the step's start
   through its forward use, copied out after it (freed when the copy lands, R2-like), fetched
   ahead of its backward use (R14) and kept to the next step's forward.
@@ -117,11 +117,12 @@ def state_split(trace_state: tuple, placement: dict[str, str], disk: dict[str, s
 def born_gradients_held(groups: tuple, where: list[str], n: int) -> np.ndarray:
     """R3: per gap (``n + 1``: the tail last), the gradients born in the step that stay on the
     device to its end (under ``device``, ``param`` and ``stream``; the others' go to the host as
-    they complete), each from the gap after its group's ``backward_at`` (module docstring)."""
+    they complete), each from the gap of its group's ``backward_at``: the event at that gap's end
+    makes it (the simulator, ``state_exec``) while what the gap holds is still there."""
     held = np.zeros(n + 1, dtype=np.int64)
     for g, w in zip(groups, where, strict=True):
         if "grad_bytes" not in HOST_PARTS[w]:
-            held[min(g.backward_at + 1, n):] += g.grad_bytes
+            held[min(g.backward_at, n):] += g.grad_bytes
     return held
 
 

@@ -33,14 +33,14 @@ def test_the_view_holds_what_the_placement_leaves_on_the_device():
     assert full.static_bytes == 400 and list(full.other_bytes) == [100, 100, 100, 0]
     hs = activation_view(t, {"blk.0": "host-step"})  # gradient made after e3's unpack: no gap holds it
     assert hs.static_bytes == 400 + 100 and list(hs.other_bytes) == [0, 0, 0, 0]
-    # R3: gradients the step makes leave the static bytes; each is held from the gap after its
-    # group's backward (blk.1: e2) to the step's end, whatever keeps it on the device
+    # R3: gradients the step makes leave the static bytes; each is held from the gap whose end
+    # makes it (its group's backward: blk.1's e2, blk.0's e3) to the step's end
     born = replace(t, meta={**t.meta, STATE_GRADIENTS_BORN: True})
-    assert activation_view(born, {}).static_bytes == 600 and list(activation_view(born, {}).other_bytes) == [0, 0, 0, 100]
+    assert activation_view(born, {}).static_bytes == 600 and list(activation_view(born, {}).other_bytes) == [0, 0, 100, 200]
     stream = activation_view(born, {"blk.1": "stream"})  # its optimizer state off, its gradient born as before
-    assert stream.static_bytes == 400 and list(stream.other_bytes) == [0, 0, 0, 100]
-    full = activation_view(born, {"blk.1": "full"})  # made and copied out as before; blk.0 static less its gradient
-    assert full.static_bytes == 300 and list(full.other_bytes) == [100, 100, 100, 0]
+    assert stream.static_bytes == 400 and list(stream.other_bytes) == [0, 0, 100, 200]
+    full = activation_view(born, {"blk.1": "full"})  # made and copied out as before; blk.0's born at e3
+    assert full.static_bytes == 300 and list(full.other_bytes) == [100, 100, 100, 100]
 
 
 def test_default_fits_below_the_static_bytes_where_activation_plans_cannot():

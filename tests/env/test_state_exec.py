@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from swapsched.budget import relative_scale
 from swapsched.env.simulator import simulate
 from swapsched.plan import SwapPlan
 from swapsched.state import StateGroup
@@ -60,9 +61,10 @@ def test_gradients_the_step_makes_are_on_the_device_from_their_groups_backward()
     r = simulate(born, plan(born), HW, 900)
     assert not r.oom and r.peak_bytes == 900 and r.iteration_s == pytest.approx(4.0)
     assert simulate(born, plan(born), HW, 899).oom
-    # the bound every plan needs counts each gradient from the gap after its backward (gap 3:
-    # 600 + T0 + blk.1's gradient), not from the step's start (900: gaps 1-2, 800 + T0 + T1)
-    assert (t.min_feasible_bytes, born.min_feasible_bytes) == (900, 800)
+    # the trace's counts take each gradient from the gap whose end makes it (blk.0's: gap 3, with
+    # T0): nothing evicted, 900 at most, as simulated; a relative budget keeps its bytes (R3)
+    assert (t.peak_bytes_no_swap, born.peak_bytes_no_swap, born.min_feasible_bytes) == (1000, 900, 900)
+    assert relative_scale(born) == relative_scale(t) == (800, 1000)
     # stream: blk.0's optimizer state comes in for its device step, its gradient is born as before
     assert simulate(born, plan(born, blk_0="stream"), HW, 800).peak_bytes == 800
 

@@ -104,9 +104,9 @@ def test_gradients_count_from_their_birth_with_the_state_moving_until_a_step_beg
                 hosted = [g for g in trace.state if g not in kept]
                 assert layout.step_static_bytes == (trace.fixed_bytes + sum(g.param_bytes + g.optim_bytes for g in kept)
                                                     + sum(g.param_bytes for g in hosted))
-                # in the last gap, beside what the trace measured: each kept gradient made before it
+                # in the last gap, beside what the trace measured: each kept gradient made by then
                 # (the token embedding's is made after the last saved tensor's unpack: in the tail)
-                born = [g for g in kept if g.backward_at + 1 < trace.n_events]
+                born = [g for g in kept if g.backward_at < trace.n_events]
                 assert born and layout.other_held[-1] - int(trace.other_bytes[-1]) == sum(g.grad_bytes for g in born)
             if i == 5:
                 assert rep.mode == "profile"
