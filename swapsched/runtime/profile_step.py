@@ -13,6 +13,7 @@ import torch
 from swapsched.env.events import HOST
 from swapsched.runtime.accounting import StepExecution
 from swapsched.runtime.casts import Recast, recast
+from swapsched.runtime.mode_time import ModeTime
 from swapsched.runtime.profiler import born_gradient_bytes
 from swapsched.runtime.recorder import ModulePath, OpNames, StorageIds, TraceRecorder, storage_key
 from swapsched.runtime.reports import CollectiveTally, StepReport
@@ -49,6 +50,9 @@ class ProfileStep(StepExecution):
                  carried: list[tuple[weakref.ref[Any], int, int]] | None = None):
         super().__init__(frame)
         clock = self.backend.device_type  # the host clock, or events on the device's stream
+        # on the host clock, the two modes below charge their own time here, and the gaps leave it
+        # out (mode_time.py); made before they are entered, which its one-off measurement needs
+        timer = ModeTime() if clock == "cpu" and since is None else None
         self.ids = StorageIds()  # live storage -> its record (R2)
         # with the model: each saved tensor's module, from which the trace finds its blocks (R9)
         self.modules = ModulePath(frame.model).__enter__() if frame.model is not None else None
@@ -63,7 +67,9 @@ class ProfileStep(StepExecution):
         self.grads_born = self.had is not None and since is None
         self.transients = (TransientMeter(lambda: len(self.recorder.kinds), workspace=clock == "cuda",
                                           grads_born=self.grads_born).__enter__() if since is None else None)
-        self.recorder = TraceRecorder(clock, ops=self.ops, modules=self.modules, transients=self.transients)
+        if self.ops is not None and self.transients is not None:
+            self.ops.timer = self.transients.timer = timer
+        self.recorder = TraceRecorder(clock, ops=self.ops, modules=self.modules, transients=self.transients, timer=timer)
         if self.transients is not None and frame.model is not None:
             # a parameter's gradient is the state's bytes, not a transient, even where the state
             # mover copies it to the host and lets it go (R13); or, counted from its birth, an

@@ -30,6 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from swapsched.errors import UserError
 from swapsched.runtime.casts import Recast
+from swapsched.runtime.mode_time import ModeTime
 from swapsched.runtime.transients import OTHER_MEASURED, TransientMeter
 from swapsched.trace import GRADIENTS_BORN, Event, TensorInfo, Trace
 
@@ -113,20 +114,27 @@ class OpNames(TorchDispatchMode):
         self.producers: dict[int, tuple[tuple[str, Any, int], ...]] = {}
         self.calls: dict[tuple[int, Any], int] = {}  # (module invocation, op) -> calls so far
         self.paused = False
+        self.timer: ModeTime | None = None  # charged with this mode's own time around each op (mode_time.py)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         if self.paused:
             return func(*args, **(kwargs or {}))
+        t0 = time.perf_counter()
         name = func.overloadpacket.__name__
         for assign in self.waiting:
             assign(name)
         self.waiting.clear()
+        t1 = time.perf_counter()
         out = func(*args, **(kwargs or {}))
+        t2 = time.perf_counter()
         self.last = name
         flat = out if isinstance(out, (tuple, list)) else (out,)
         self.last_outputs = {storage_key(x) for x in flat if isinstance(x, torch.Tensor)}
         if self.modules is not None and self.modules.stack and func not in SAC_IGNORED_OPS:
             self._count(self.modules, func, args, kwargs)
+        if self.timer is not None:
+            self.timer.own_s += (t1 - t0) + (time.perf_counter() - t2)
+            self.timer.entries += 1
         return out
 
     def _count(self, modules: ModulePath, func: Any, args: Any, kwargs: Any) -> None:
@@ -186,12 +194,14 @@ class TraceRecorder:
     """Turns a stream of pack/unpack hook calls into trace events (shared with the live runtime).
 
     ``pack`` returns the trace tensor id for a saved tensor, or ``None`` for a parameter. Gap
-    times come from ``clock``: ``"cpu"`` (perf_counter, hook cost excluded), ``"cuda"`` (one
-    event recorded per hook, resolved in :meth:`finish`), or ``None`` (no timing: meta).
+    times come from ``clock``: ``"cpu"`` (perf_counter, hook cost excluded, and ``timer``'s: the
+    profiling modes' own time, mode_time.py), ``"cuda"`` (one event recorded per hook, resolved
+    in :meth:`finish`), or ``None`` (no timing: meta).
     """
 
     def __init__(self, clock: str | None, ops: OpNames | None = None, flops: FlopCounterMode | None = None,
-                 modules: ModulePath | None = None, transients: TransientMeter | None = None):
+                 modules: ModulePath | None = None, transients: TransientMeter | None = None,
+                 timer: ModeTime | None = None):
         self.clock, self.ops, self.flops, self.modules = clock, ops, flops, modules
         self.transients = transients  # R3's other bytes, measured (finish puts them on the events)
         self.ids = StorageIds()
@@ -205,6 +215,12 @@ class TraceRecorder:
         self.cuda_exit: list[Any] = []  # ... and one as it ends: gap i = entry[i] - exit[i-1]
         self.hook_s = 0.0
         self._last = 0.0
+        self.timer = timer
+        self._modes_last = 0.0  # timer.total_s() at _last
+
+    def _modes_since(self) -> float:
+        """The profiling modes' seconds since the last hook ended (or the clock started)."""
+        return 0.0 if self.timer is None else self.timer.total_s() - self._modes_last
 
     def start(self, since: float | None = None) -> None:
         """Start the clock; ``since``: the host time the step began, where the recording starts
@@ -214,10 +230,11 @@ class TraceRecorder:
             self._start_event.record()
             self.cuda_exit.append(self._start_event)
         self._last = time.perf_counter() if since is None else since
+        self._modes_last = 0.0 if self.timer is None else self.timer.total_s()
 
     def _mark(self, t0: float) -> None:
         if self.clock == "cpu":
-            self.gaps.append(t0 - self._last)
+            self.gaps.append(max(t0 - self._last - self._modes_since(), 0.0))
         elif self.clock == "cuda":
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
@@ -267,6 +284,7 @@ class TraceRecorder:
         """The hook's work ends now: what a caller does in its hook after ``pack``/``unpack`` (a
         synchronous copy, say) is hook time, not compute, and is left out of the next gap."""
         self._last = time.perf_counter()
+        self._modes_last = 0.0 if self.timer is None else self.timer.total_s()
         if self.clock == "cuda":
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
@@ -295,7 +313,7 @@ class TraceRecorder:
             gaps = [a.elapsed_time(b) / 1e3 for a, b in zip(self.cuda_exit[:n], self.cuda_entry, strict=False)]
             tail = self.cuda_exit[n].elapsed_time(end_ev) / 1e3
         elif self.clock == "cpu":
-            gaps, tail = self.gaps, end - self._last
+            gaps, tail = self.gaps, max(end - self._last - self._modes_since(), 0.0)
         else:
             gaps, tail = [0.0] * n, 0.0
         total_flops = float(self.flops.get_total_flops()) if self.flops is not None else None

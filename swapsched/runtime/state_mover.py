@@ -43,6 +43,7 @@ accumulation the user does after it). Streamed state comes in at ``optimizer.ste
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -53,6 +54,7 @@ import torch.nn as nn
 from swapsched.errors import UserError
 from swapsched.runtime.backends import Backend, Ticket
 from swapsched.runtime.disk_store import DiskStore
+from swapsched.runtime.mode_time import ModeTime
 from swapsched.runtime.shards import local_of, sharded_ids
 from swapsched.runtime.state_disk import StateOnDisk
 from swapsched.runtime.state_fetches import DeviceStorages
@@ -89,6 +91,7 @@ class StateMover(DeviceStorages):
         self.on_bytes: Callable[[int], None] | None = None
         # the room a fetch may take now (the executing step's; None: no budget to wait for)
         self.room: Callable[[], int] | None = None
+        self.timer: ModeTime | None = None  # a profiling step's instruments (_charged)
         self._waiting: list[_Param] = []  # fetches waiting for room, in issue order (R6)
         # gradients on their way to the host, in issue order: (parameter, copy, host buffer)
         self._grad_outs: deque[tuple[_Param, Ticket, torch.Tensor]] = deque()
@@ -183,8 +186,8 @@ class StateMover(DeviceStorages):
         self._handles.append(self.model.register_forward_pre_hook(lambda m, a: self._forward_starts()))
         for g in self.users:
             mod = self.model.get_submodule(module_of(g)) if module_of(g) else self.model
-            self._handles.append(mod.register_forward_pre_hook(lambda m, a, g=g: self._enter(g)))
-            self._handles.append(mod.register_forward_hook(lambda m, a, o, g=g: self._leave(g)))
+            self._handles.append(mod.register_forward_pre_hook(lambda m, a, g=g: self._charged(self._enter, g)))
+            self._handles.append(mod.register_forward_hook(lambda m, a, o, g=g: self._charged(self._leave, g)))
         # each module inside a group that owns placed parameters: they are on the device before it
         # runs, also where its group's own hooks do not (a checkpointed block's recompute in
         # backward calls the block's forward, not the module)
@@ -192,16 +195,29 @@ class StateMover(DeviceStorages):
         for name, mod in self.model.named_modules():
             owned = [self.params[id(p)] for p in mod.parameters(recurse=False) if id(p) in self.params]
             if owned and name not in groups:
-                self._handles.append(mod.register_forward_pre_hook(lambda m, a, owned=owned: self._touch(owned)))
+                self._handles.append(mod.register_forward_pre_hook(lambda m, a, owned=owned: self._charged(self._touch, owned)))
         for mp in self.params.values():
             if not mp.p.requires_grad:  # frozen: no gradient to hook (let go by at_unpack)
                 continue
             if mp.placement in HOST_PLACEMENTS or mp.placement in _RELEASED:
-                self._handles.append(mp.p.register_post_accumulate_grad_hook(lambda p, mp=mp: self._grad_ready(mp)))
+                self._handles.append(mp.p.register_post_accumulate_grad_hook(lambda p, mp=mp: self._charged(self._grad_ready, mp)))
             if mp.placement in HOST_PLACEMENTS:  # runs before autograd accumulates into p.grad
-                self._handles.append(mp.p.register_hook(lambda g, mp=mp: self._take_grad(mp)))
+                self._handles.append(mp.p.register_hook(lambda g, mp=mp: self._charged(self._take_grad, mp)))
         self._handles.append(self.optimizer.register_step_pre_hook(self._step_pre_hook))
         self._handles.append(self.optimizer.register_step_post_hook(lambda opt, a, k: self._after_optimizer_step()))
+
+    def _charged(self, hook: Callable[..., Any], *args: Any) -> Any:
+        """``hook(*args)``; in a profiling step (``timer`` set) its time is charged to the step's
+        instruments, for its gaps to leave out (mode_time.py): its fetches there are synchronous,
+        unlike an executing step's, and the modes' own time inside it is charged already."""
+        timer = self.timer
+        if timer is None:
+            return hook(*args)
+        t0, modes = time.perf_counter(), timer.total_s()
+        try:
+            return hook(*args)
+        finally:
+            timer.own_s += time.perf_counter() - t0 - (timer.total_s() - modes)
 
     # ------------------------------------------------------------------ the step
     def begin_step(self) -> None:

@@ -200,8 +200,7 @@ class PolicyRuntime(TwoStages):
 
     @property
     def budget_bytes(self) -> int | None:
-        """The current shape's budget in bytes: a relative budget resolved against that shape's own
-        activation peak (each layout keeps its own), a byte budget as given. None before a trace."""
+        """The current shape's budget in bytes (a relative one: of its own activation peak); None before a trace."""
         return self.plans.budgets.bytes
 
     # ------------------------------------------------------------------ the public surface
@@ -241,6 +240,7 @@ class PolicyRuntime(TwoStages):
             if mover is not None:
                 mover.on_bytes = ex.state_bytes  # before its first fetch (begin_step issues it)
                 mover.room = getattr(ex, "state_room", None)  # an executing step's budget; a profiling step has none
+                mover.timer = ex.recorder.timer if isinstance(ex, ProfileStep) else None
                 mover.begin_step()
             with SavedTensorHooks(ex.pack, ex.unpack, self.state.refuse_compiled) as self._hooks:
                 yield self

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -36,6 +37,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from swapsched.runtime.mode_time import ModeTime
 
 __all__ = ["TransientMeter", "RUNTIME_ALLOCATING", "runtime_allocation", "OTHER_MEASURED", "COLLECTIVES"]
 
@@ -103,13 +106,33 @@ class TransientMeter(TorchDispatchMode):
         self._finalizers: list[weakref.finalize] = []
         # the collectives the ops ran, by kind: [how many, payload bytes] (R18; COLLECTIVES)
         self.collectives: dict[str, list[int]] = {}
+        self.timer: ModeTime | None = None  # charged with this mode's own time around each op (mode_time.py)
+        self._op_s = 0.0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.timer is None or self.paused:
+            return self._dispatch(func, args, kwargs)
+        # its own time around the op, for the profiling step's gaps to leave out (mode_time.py):
+        # the op's is inside _dispatch's call of it, charged back as the inner time
+        t0 = time.perf_counter()
+        self._op_s = 0.0
+        out = self._dispatch(func, args, kwargs)
+        self.timer.own_s += time.perf_counter() - t0 - self._op_s
+        self.timer.entries += 1
+        return out
+
+    def _call(self, func: Any, args: Any, kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self._op_s += time.perf_counter() - t0
+        return out
+
+    def _dispatch(self, func: Any, args: Any, kwargs: Any) -> Any:
         if func.namespace == "c10d":
             self._collective(func, args)
         if self.workspace and not self.paused:
             torch.cuda.reset_peak_memory_stats()
-            out = func(*args, **(kwargs or {}))
+            out = self._call(func, args, kwargs)
             # what the op held while it ran and gave back (cuDNN's workspace, a kernel's scratch)
             held = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
             if held > 0:
@@ -117,7 +140,7 @@ class TransientMeter(TorchDispatchMode):
                 at = self.calls()
                 self._log.extend(((at, self._seq, held), (at, self._seq, -held)))
         else:
-            out = func(*args, **(kwargs or {}))
+            out = self._call(func, args, kwargs)
         if self.paused or getattr(RUNTIME_ALLOCATING, "on", False):
             return out
         flat_out = tree_flatten(out)[0]
