@@ -5,11 +5,6 @@ tables the simulated step (``state_exec.py``), the activation planners' view of 
 Per placement (``swapsched/state.py``), what is on the device:
 
 - ``device``: everything, all step (counted in the step's static bytes, as before the state).
-
-Where the step begins with no gradient (``Trace.state_gradients_born``, R3), each gradient is on
-the device from its group's ``backward_at`` on, not all step: the static bytes leave it out
-(``static_parts``), and under ``device``, ``param`` and ``stream`` it is held from there to the
-step's end (``born_gradients_held``).
 - ``param``: the gradient and optimizer state always; the parameter from the step's start
   through its forward use, copied out after it (freed when the copy lands, R2-like), fetched
   ahead of its backward use (R14) and kept to the next step's forward.
@@ -24,6 +19,11 @@ step's end (``born_gradients_held``).
   gradient has landed on the host, parameter, gradient and optimizer state are streamed in (as
   ``stream``'s state) for the device step, the gradient let go after it and the parameter and
   state copied out.
+
+Where the step begins with no gradient (``Trace.state_gradients_born``, R3), each gradient is on
+the device from its group's ``backward_at`` on, not all step: the static bytes leave it out
+(``static_parts``), and under ``device``, ``param`` and ``stream`` it is held from there to the
+step's end (``born_gradients_held``).
 
 R19, the disk tier: a group placed on the disk rests there the parts ``disk_parts`` names (its
 optimizer state; with tier ``state`` its parameter's master too), and the host holds them only
@@ -45,8 +45,8 @@ import numpy as np
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 
-__all__ = ["STATIC_PARTS", "static_parts", "HOST_PARTS", "STREAM_IN_PARTS", "STREAM_OUT_PARTS", "state_split", "born_gradients_held", "resident_parts",
-           "part_bytes", "stream_in_bytes", "one_ahead", "fetch_events", "by_event", "disk_parts", "STAGING_SLOTS",
+__all__ = ["STATIC_PARTS", "static_parts", "HOST_PARTS", "STREAM_IN_PARTS", "STREAM_OUT_PARTS", "state_split",
+           "born_gradients_held", "resident_parts", "part_bytes", "stream_in_bytes", "one_ahead", "fetch_events", "by_event", "disk_parts", "STAGING_SLOTS",
            "staging_bytes", "host_need", "Held", "held", "as_held"]
 
 #: The parts of a group the step's static bytes hold under each placement (module docstring)

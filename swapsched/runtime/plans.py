@@ -198,8 +198,8 @@ class ShapePlans:
         apply as they are, R7), with its simulated result: the nearest larger size's, which evicts
         no less, so its plan fits here under a budget in bytes (not always under a relative one,
         which shrinks with the size where the static bytes do not); where the simulator finds it
-        needs the guard, the nearest two sizes' in turn, and the fastest of those tried. Each try is a simulation
-        inside the step whose shape it is: one as a rule."""
+        needs the guard, the nearest two sizes' in turn, and the fastest of those tried. Each try
+        is a simulation inside the step whose shape it is: one as a rule."""
         s = first_bytes(trace)
         near = sorted(kin, key=lambda lay: abs(lay.shape_key - s))[:2]
         larger = [lay for lay in kin if lay.shape_key >= s]

@@ -85,16 +85,18 @@ class RuntimeState:
         return (self.model is not None and self._byte_budget() and not self.sharded and not self.data_parallel
                 and not self._accumulates)
 
-    def gradients_at_start(self) -> bool:
+    def gradients_at_start(self, state_trace_born: bool) -> bool:
         """As a step begins: whether it is the run's first to begin with gradients where steps
-        counted them from their birth (R3). From then on they count as static; a plan made before
+        counted them from their birth (R3): in their other bytes, or in the state of the trace
+        planned on (``state_trace_born``). From then on they count as static; a plan made before
         is for steps that held less, and the caller profiles again."""
-        born = self.counts_gradients_from_birth or self.state_gradients_born
-        if not born or not any(p.grad is not None for p in present(self.model, "the model").parameters()):
+        in_other = self.counts_gradients_from_birth
+        if not (in_other or self.state_gradients_born) or not any(
+                p.grad is not None for p in present(self.model, "the model").parameters()):
             return False
-        self._accumulates = True
+        self._accumulates = True  # a state trace made from now on counts them static too
         self.budgets.forget_shapes()  # a relative one is a share of the steps as they now run
-        return True
+        return in_other or state_trace_born
 
     @property
     def sharded(self) -> bool:

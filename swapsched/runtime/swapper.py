@@ -217,7 +217,7 @@ class PolicyRuntime(TwoStages):
         if self.plans.budgets.device:  # the device's capacity less what the process holds beyond the model
             total, held = self.backend.memory()
             self.plans.budgets.resolve_device(total, max(0, held - self.static_bytes), self.static_bytes)
-        if self.state.gradients_at_start():  # R3: gradients counted from their birth no longer
+        if self.state.gradients_at_start(self.trace is not None and self.trace.state_gradients_born):  # R3: no longer born
             self._gradients_static()
         t_install = time.perf_counter()
         if self.plans.planning:
