@@ -5,8 +5,9 @@ checkpointing rebuilds, and the :class:`Segment` record a trace gives each block
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Segment", "segment_of", "SELECTIVE_SAVE_OPS", "VIEW_OPS", "rebuilt_selectively"]
+__all__ = ["Segment", "segment_of", "SELECTIVE_SAVE_OPS", "VIEW_OPS", "rebuilt_selectively", "recompute_transient"]
 
 
 def segment_of(module: str) -> tuple[str, int] | None:
@@ -57,9 +58,9 @@ class Segment:
     does not save (:func:`rebuilt_selectively`), for ``cheap_forward_s``, the gaps before their
     forward packs; the other members stay on the device, held by the checkpoint.
 
-    ``transient_bytes``: what the block's forward holds beyond its members while it runs (R3's
-    other bytes over its forward gaps, above the least of them: outputs it does not save), which
-    its recompute holds again for a moment."""
+    ``transient_bytes``: what the block's forward holds beyond all its members at its fullest
+    (R3's other bytes of a forward gap above the least of them, with the members made by then:
+    outputs it does not save), which its recompute holds again for a moment (DESIGN R9)."""
 
     index: int
     name: str
@@ -73,3 +74,17 @@ class Segment:
     cheap_forward_s: float = 0.0
     cheap_bytes: int = 0
     transient_bytes: int = 0
+
+
+def recompute_transient(members: dict[int, tuple[int, int]], fwd: list[int], other: Any) -> int:
+    """R3 for R9: what a block's recompute holds beyond all its members at its peak
+    (``Segment.transient_bytes``). ``members``: each member's (first pack, bytes); ``fwd``: the
+    events of the block's forward packs; ``other``: the trace's other bytes per gap. In each gap
+    of its forward it holds the members made so far and its other bytes above the least of them
+    (outputs it does not save); a member is not yet made there before its first pack."""
+    if not fwd:
+        return 0
+    span = range(min(fwd), max(fwd) + 1)
+    base = int(min(other[j] for j in span))
+    peak = max(int(other[j]) - base + sum(b for first, b in members.values() if first <= j) for j in span)
+    return max(0, peak - sum(b for _, b in members.values()))

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from swapsched.segments import Segment, rebuilt_selectively, segment_of
+from swapsched.segments import Segment, rebuilt_selectively, recompute_transient, segment_of
 from swapsched.state import StateGroup, module_of
 from swapsched.trace_check import TIMINGS, TraceError, validate_trace
 
@@ -201,7 +201,7 @@ class Trace:
         stand in for its members: each is packed only before ``at`` (nothing saves it again after
         backward starts on it), and the anchor is still needed at ``at`` (so a checkpoint holds it)."""
         out: list[Segment] = []
-        other = self.other_bytes
+        other, first = self.other_bytes, self.first_pack
         for name, anchor, members, at, fwd, cheap, cheap_fwd in self._segment_structure:
             flops = [f for f in (self.events[i].flops for i in fwd) if f is not None]
             out.append(Segment(len(out), name, anchor, members, at, float(sum(self.events[i].compute_s for i in fwd)),
@@ -209,7 +209,7 @@ class Trace:
                                float(sum(flops)) if fwd and len(flops) == len(fwd) else None,
                                cheap, float(sum(self.events[i].compute_s for i in cheap_fwd)),
                                int(sum(self.tensors[k].bytes for k in cheap)),
-                               int(np.ptp(other[min(fwd):max(fwd) + 1])) if fwd else 0))
+                               recompute_transient({k: (int(first[k]), self.tensors[k].bytes) for k in members}, fwd, other)))
         return tuple(out)
 
     @cached_property

@@ -5,9 +5,8 @@ No gymnasium here: explicit inputs (trace, plan, hardware, budget) in, a :class:
 - :func:`simulate` runs a whole plan.
 - :class:`Simulation` is the incremental form the Env drives: ``schedule`` evictions whose swap-out
   is at or after the next unprocessed event, ``run_until`` an event, then ``finish``.
-Its result, :class:`~swapsched.env.result.SimResult`, is ``result.py``'s; the floors (R8, and
-joint over swap and recompute) are in ``floors.py``; the per-event tables
-and the states a tensor can be in, which the runtime reads too, in ``events.py``.
+Its result, :class:`~swapsched.env.result.SimResult`, is ``result.py``'s; the floors (R8, and joint over swap
+and recompute) are in ``floors.py``; the per-event tables and tensor states (the runtime's too) in ``events.py``.
 
 State lives in flat preallocated arrays indexed by tensor id (``loc``, ``out_done``, ``in_done``)
 plus two FIFO queues for the copy engines (when each is next free: ``copy_engines.py``, R6);
@@ -138,8 +137,7 @@ class Simulation:
     # ------------------------------------------------------------------ memory and copies
     def _note_mem(self, transient: int = 0) -> None:  # transient: bytes held this instant only (R3)
         m = self.static + self.cur_other + self.used + transient
-        if m > self.peak:
-            self.peak = m
+        self.peak = max(self.peak, m)
         if self.record:
             self._mem.append((self.t, m))
 
@@ -283,9 +281,8 @@ class Simulation:
         return True
 
     def _recompute(self, s: int, event: int) -> bool:
-        """R9 at ``event``: the block's input (its anchor) must be on the device (R5a), room is made
-        for the members it rebuilds (R4), then the compute stream runs the block's forward again.
-        False on OOM."""
+        """R9 at ``event``: the block's input (its anchor) must be on the device (R5a), room is made for
+        the members it rebuilds (R4), then the compute stream runs the block's forward again. False on OOM."""
         sg = self.tb.segments[s]
         loc, b = self.loc, self.tb.bytes
         if loc[sg.anchor] != RESIDENT and not self._bring_back(sg.anchor, event):
@@ -293,13 +290,16 @@ class Simulation:
         rebuilt = [k for k in sg.members if loc[k] == DROPPED]
         forward_s = sg.cheap_forward_s if self.selective[s] else sg.forward_s
         need = sum(b[k] for k in rebuilt)
-        # R3: while it runs, the forward also holds what it does not save (Segment.transient_bytes)
-        if not self._make_room(need + sg.transient_bytes, event, keep=sg.anchor):  # the recompute reads the anchor
+        # R3: between two gaps it holds of their other bytes what lives across both, and what its
+        # forward holds beyond its members (Segment.transient_bytes); the recompute reads the anchor
+        gap_other, self.cur_other = self.cur_other, min(self.cur_other, self.tb.other[event + 1] if event + 1 < self.tb.n else 0)
+        if not self._make_room(need + sg.transient_bytes, event, keep=sg.anchor):
             return False
-        for k in rebuilt:
-            loc[k] = RESIDENT
         self.used += need
         self._note_mem(sg.transient_bytes)
+        self.cur_other = gap_other
+        for k in rebuilt:
+            loc[k] = RESIDENT
         if self.host_debt:
             self._pay_host()
         if self.record:

@@ -139,8 +139,9 @@ def test_the_guard_falls_back_to_min_where_the_chosen_blocks_run_out_of_memory()
 
 
 def test_the_chooser_takes_the_fastest_of_its_first_choices_that_fit():
-    """mlp-large in bf16 (20 tensors) at 40% on h100-pcie5: recomputing 3/8 of the blocks or more
-    runs out of memory (the recomputes' transients, R3), 1/8 fits and beats MIN. A chooser ranking
+    """mlp-large in bf16 (20 tensors) at 36% on h100-pcie5: recomputing 3/8 of the blocks or more
+    runs out of memory (the recomputes' transients, R3; at 38% and above every choice fits under
+    R9's count of what a recompute holds), 1/8 fits and beats MIN. A chooser ranking
     (whole, 8), (whole, 1), none takes the second; one ranking
     (selective, 1), which fits and saves nothing over MIN, before (whole, 1) takes the faster,
     second; one ranking four choices that all run out takes MIN alone."""
@@ -149,7 +150,7 @@ def test_the_chooser_takes_the_fastest_of_its_first_choices_that_fit():
     from swapsched.hardware import load_hardware
 
     tr, hw = load_corpus(names=["mlp-large-b8192-h100-pcie5-bf16"])[0], load_hardware("h100-pcie5")
-    budget = parse_budget("40%", tr)
+    budget = parse_budget("36%", tr)
     c = C
     costs = choice_costs(tr, budget, hw)
     assert costs[c["whole", 8]] == costs[c["whole", 7]] == costs[c["whole", 6]] == OOM_COST and costs[c["whole", 1]] < costs[0]

@@ -788,14 +788,30 @@ def test_a_list_of_evictions_with_blocks_is_checked_as_the_plan_it_stands_for(on
 
 def test_a_recompute_holds_again_what_its_forward_does_not_save(hw):
     # R9 with R3: one_block's shape, its forward holding 50 B it does not save in gap 1 (T1's
-    # producer's input, say) and backward 30 B of gradients in gap 4. The recompute at e4 holds
-    # T0, the rebuilt T1 and those 50 B again for a moment, beside the 30: 280 B, more than the
-    # forward's fullest gap (T0, T1 and 50 B: 250).
-    trace = make_trace([100, 100, 100], [("pack", 0, 1.0), ("pack", 1, 1.0), ("pack", 2, 1.0), ("unpack", 2, 1.0),
-                                         ("unpack", 1, 1.0), ("unpack", 0, 1.0)],
-                       modules=["blk.0.ln", "blk.0.fc", "head"], other=[0, 50, 0, 0, 30, 0])
+    # producer's input, say) and backward a 30 B gradient made in gap 4 that the block's backward
+    # reads in gap 5. The recompute at e4 holds T0, the rebuilt T1 and those 50 B again for a
+    # moment, beside the 30: 280 B, more than the forward's fullest gap (T0, T1 and 50 B: 250).
+    events = [("pack", 0, 1.0), ("pack", 1, 1.0), ("pack", 2, 1.0), ("unpack", 2, 1.0), ("unpack", 1, 1.0), ("unpack", 0, 1.0)]
+    trace = make_trace([100, 100, 100], events, modules=["blk.0.ln", "blk.0.fc", "head"], other=[0, 50, 0, 0, 30, 30])
     assert [(sg.name, sg.transient_bytes) for sg in trace.segments] == [("blk.0", 50)]
     plan = SwapPlan.of(trace, "hand", [], recompute=["blk.0"])
     assert simulate(trace, plan, hw, 260).oom_event == 4
     r = simulate(trace, plan, hw, 280)
     assert not r.oom and r.peak_bytes == 280
+    # gap 4's 30 B die within it (a workspace): the recompute, between gaps 4 and 5, holds none of
+    # them: T0, T1 and the 50 B, 250 B
+    trace = make_trace([100, 100, 100], events, modules=["blk.0.ln", "blk.0.fc", "head"], other=[0, 50, 0, 0, 30, 0])
+    r = simulate(trace, SwapPlan.of(trace, "hand", [], recompute=["blk.0"]), hw, 250)
+    assert not r.oom and r.peak_bytes == 250
+
+
+def test_a_recomputes_transient_counts_only_the_members_made_by_then():
+    # R3 for R9: block blk.0 of anchor T0 and members T1 (packed at e1) and T2 (e2), 100 B each.
+    # Gap 1 holds 80 B it does not save, while only T1 is made: 180 B above the forward's least,
+    # below its members' 200, so nothing beyond them; with 150 B there: 250, 50 beyond them.
+    events = [("pack", 0, 1.0), ("pack", 1, 1.0), ("pack", 2, 1.0), ("pack", 3, 1.0),
+              ("unpack", 3, 1.0), ("unpack", 2, 1.0), ("unpack", 1, 1.0), ("unpack", 0, 1.0)]
+    modules = ["blk.0.ln", "blk.0.fc", "blk.0.act", "head"]
+    for gap_1, beyond in ((80, 0), (150, 50)):
+        trace = make_trace([100] * 4, events, modules=modules, other=[0, gap_1, 0, 0, 0, 0, 0, 0])
+        assert [(sg.name, sg.members, sg.transient_bytes) for sg in trace.segments] == [("blk.0", (1, 2), beyond)]
