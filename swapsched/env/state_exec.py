@@ -36,6 +36,7 @@ from swapsched.env.state_parts import (
     by_event,
     fetch_events,
     held,
+    keeps_gradient,
     part_bytes,
     state_split,
     stream_in_bytes,
@@ -137,7 +138,7 @@ class StateExecution:
         # R3: the gradients yet to be born that their placement keeps: a stream-in admitted ahead
         # leaves them room (taken back from it, it would wait for backward's end, R15)
         self.unborn_kept = sum(g.grad_bytes for g, w in zip(self.groups, self.where, strict=True)
-                               if born and w in ("device", "param", "stream"))
+                               if born and keeps_gradient(w))
         # R18: a sharded step's all-gathers and reduce-scatters (env/collectives.py)
         self.coll: Collectives | None = None
         if trace.world_size > 1:
@@ -300,7 +301,7 @@ class StateExecution:
                     return False
                 sim.used += b
                 sim._note_mem()
-                if self.where[j] in ("device", "param", "stream"):
+                if keeps_gradient(self.where[j]):
                     self.unborn_kept -= b
         for j in self.fetch_bwd_at[i]:
             if not self.resident[j] and self.fetch_done[j] is None and j not in self.waiting and not self._fetch(j):

@@ -46,7 +46,7 @@ from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 
 __all__ = ["STATIC_PARTS", "static_parts", "HOST_PARTS", "STREAM_IN_PARTS", "STREAM_OUT_PARTS", "state_split",
-           "born_gradients_held", "resident_parts", "part_bytes", "stream_in_bytes", "one_ahead", "fetch_events", "by_event", "disk_parts", "STAGING_SLOTS",
+           "keeps_gradient", "born_gradients_held", "resident_parts", "part_bytes", "stream_in_bytes", "one_ahead", "fetch_events", "by_event", "disk_parts", "STAGING_SLOTS",
            "staging_bytes", "host_need", "Held", "held", "as_held"]
 
 #: The parts of a group the step's static bytes hold under each placement (module docstring)
@@ -114,6 +114,12 @@ def state_split(trace_state: tuple, placement: dict[str, str], disk: dict[str, s
     return static, host + (staging_bytes(trace_state, placement, disk) if disk else 0)
 
 
+def keeps_gradient(placement: str) -> bool:
+    """Whether ``placement`` keeps the gradient on the device to the step's end (``device``,
+    ``param``, ``stream``); the others copy it to the host as it completes."""
+    return "grad_bytes" not in HOST_PARTS[placement]
+
+
 def born_gradients_held(groups: tuple, where: list[str], n: int) -> np.ndarray:
     """R3: per gap (``n + 1``: the tail last), the gradients born in the step that stay on the
     device to its end (under ``device``, ``param`` and ``stream``; the others' go to the host as
@@ -121,7 +127,7 @@ def born_gradients_held(groups: tuple, where: list[str], n: int) -> np.ndarray:
     makes it (the simulator, ``state_exec``) while what the gap holds is still there."""
     held = np.zeros(n + 1, dtype=np.int64)
     for g, w in zip(groups, where, strict=True):
-        if "grad_bytes" not in HOST_PARTS[w]:
+        if keeps_gradient(w):
             held[min(g.backward_at, n):] += g.grad_bytes
     return held
 

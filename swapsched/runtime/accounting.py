@@ -75,9 +75,8 @@ class StepExecution:
         birth (transients.py)."""
         meter = self.meter = self.exits.enter_context(TransientMeter(lambda: 0, grads_born=self.had is not None))
         model = self.frame.model
-        for p in model.parameters() if model is not None else ():
-            if p.requires_grad and self._gradient_static(p):
-                self.exits.callback(p.register_hook(lambda g, p=p: meter.gradient(g, p.grad is None)).remove)
+        meter.hook_gradients((p for p in model.parameters() if self._gradient_static(p)) if model is not None else (),
+                             self.exits)
 
     def _gradient_static(self, p: Any) -> bool:
         """Whether the audit meter leaves ``p``'s gradient to the static bytes (or to the state

@@ -14,7 +14,7 @@ from swapsched.env.events import HOST
 from swapsched.runtime.accounting import StepExecution
 from swapsched.runtime.casts import Recast, recast
 from swapsched.runtime.mode_time import ModeTime
-from swapsched.runtime.profiler import born_gradient_bytes
+from swapsched.runtime.profiler import born_gradient_bytes, static_gradients
 from swapsched.runtime.recorder import ModulePath, OpNames, StorageIds, TraceRecorder, storage_key
 from swapsched.runtime.reports import CollectiveTally, StepReport
 from swapsched.runtime.stash import Packed, Record, flat_bytes, rebuild
@@ -74,10 +74,7 @@ class ProfileStep(StepExecution):
             # a parameter's gradient is the state's bytes, not a transient, even where the state
             # mover copies it to the host and lets it go (R13); or, counted from its birth, an
             # other byte from the op that made it (R3)
-            meter = self.transients
-            for p in frame.model.parameters():
-                if p.requires_grad:
-                    self.exits.callback(p.register_hook(lambda g, p=p: meter.gradient(g, p.grad is None)).remove)
+            self.transients.hook_gradients(frame.model.parameters(), self.exits)
         # trace id (order of first sight) -> the op call that made its storage, per module then
         # (OpNames.producers); in trace ids once the step is done
         self.producers: dict[int, tuple[tuple[str, Any, int], ...]] = {}
@@ -267,8 +264,7 @@ class ProfileStep(StepExecution):
         model = self.frame.model
         # counted in the static bytes: every gradient, or (R3, from their birth) those there before the step
         had = self.had if self.grads_born and self.had is not None else None
-        grads = [p.grad for p in model.parameters() if p.grad is not None and (had is None or id(p) in had)
-                 ] if model is not None else []
+        grads = static_gradients(model, had) if model is not None else []
         born = born_gradient_bytes(model, had) if had is not None and model is not None else 0
         static = self.frame.static_bytes + unowned_bytes + self.frame.held[1] - born
         self.trace = self.recorder.finish(f"runtime-step-{self.frame.step}", self.device, static, "measured",

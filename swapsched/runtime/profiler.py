@@ -39,7 +39,8 @@ from swapsched.runtime.transients import OTHER_MEASURED, TransientMeter
 from swapsched.state import FROZEN_SUFFIX, StateGroup, group_name, optimizer_kind
 from swapsched.trace import GRADIENTS_BORN, STATE_GRADIENTS_BORN, Trace
 
-__all__ = ["profile", "static_bytes_of", "state_groups", "optimizer_state_kind", "with_gradients", "born_gradient_bytes"]
+__all__ = ["profile", "static_bytes_of", "state_groups", "optimizer_state_kind", "with_gradients", "static_gradients",
+           "born_gradient_bytes"]
 
 #: torch.optim classes -> the optimizer kind the trace records their state as (state.OPTIMIZERS)
 _KINDS = {"Adam": "adamw", "AdamW": "adamw", "NAdam": "adamw", "RAdam": "adamw", "Adamax": "adamw", "SGD": "sgd",
@@ -144,6 +145,13 @@ def with_gradients(model: nn.Module) -> set[int]:
     return {id(p) for p in model.parameters() if p.grad is not None}
 
 
+def static_gradients(model: nn.Module, had: set[int] | None) -> list[torch.Tensor]:
+    """The gradients the step's static bytes count: every one ``model`` holds now, or (R3, from
+    their birth) only those of the parameters that held one as the step began (``had``:
+    :func:`with_gradients` then)."""
+    return [p.grad for p in model.parameters() if p.grad is not None and (had is None or id(p) in had)]
+
+
 def born_gradient_bytes(model: nn.Module, had: set[int]) -> int:
     """R3, gradients from their birth: what :func:`static_bytes_of` counts for the gradients the
     step made, of the parameters that had none as it began (``had``: :func:`with_gradients`
@@ -245,9 +253,7 @@ def profile(
         stack.enter_context(flops)
         stack.enter_context(ops)
         stack.enter_context(transients)
-        for p in params if born_mode else ():  # where each gradient is born (TransientMeter.births)
-            if p.requires_grad:
-                stack.callback(p.register_hook(lambda g, p=p: transients.gradient(g, p.grad is None)).remove)
+        transients.hook_gradients(params if born_mode else (), stack)  # where each is born (TransientMeter.births)
         structure = TraceRecorder(None, ops=ops, flops=flops, modules=mp, transients=transients)
         kernels = kernel_mode()
         run(structure, kernels)
@@ -255,9 +261,8 @@ def profile(
         # what ran, per kernel ({} where the model never called SDPA: its own attention code)
         step_meta.update(attention=dict(sorted(kernels.used.items())), attention_requested=attention)
     # counted in static: every gradient with the state; without, those there before the step
-    grads = [p.grad for p in params if p.grad is not None and (not born_mode or id(p) in had)]
     static -= born_gradient_bytes(model, had) if born_mode else 0
-    structural = structure.finish(name, str(dev), static, "roofline", static_tensors=grads)
+    structural = structure.finish(name, str(dev), static, "roofline", static_tensors=static_gradients(model, had if born_mode else None))
     transients.close()
     structural = replace(structural, meta={**structural.meta, **step_meta})
 

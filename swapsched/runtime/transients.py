@@ -122,6 +122,8 @@ class TransientMeter(TorchDispatchMode):
         return out
 
     def _call(self, func: Any, args: Any, kwargs: Any) -> Any:
+        if self.timer is None:  # (the audit meter's steps: nothing to charge)
+            return func(*args, **(kwargs or {}))
         t0 = time.perf_counter()
         out = func(*args, **(kwargs or {}))
         self._op_s += time.perf_counter() - t0
@@ -202,6 +204,13 @@ class TransientMeter(TorchDispatchMode):
             self.births.append((self.calls(), g.untyped_storage().nbytes()))
         elif stolen and seq is not None:
             self._grads.add(seq)
+
+    def hook_gradients(self, params: Iterable[torch.nn.Parameter], exits: contextlib.ExitStack) -> None:
+        """Tell :meth:`gradient` of each gradient autograd gives ``params`` (those that require one),
+        until ``exits`` closes."""
+        for p in params:
+            if p.requires_grad:
+                exits.callback(p.register_hook(lambda g, p=p: self.gradient(g, p.grad is None)).remove)
 
     def shift(self, delta: int) -> None:
         """Bytes the meter cannot see as storages changed by ``delta`` now (a storage resized in

@@ -23,6 +23,16 @@ def _pair() -> tuple[Any, Any, torch.optim.Optimizer, torch.optim.Optimizer]:
     return a, b, torch.optim.AdamW(a.model.parameters(), lr=1e-3), torch.optim.AdamW(b.model.parameters(), lr=1e-3)
 
 
+def _step_both(rt: SwapRuntime, a: Any, b: Any, i: int) -> None:
+    """Step ``i``: forward and backward of ``a`` under ``rt`` and of ``b`` plainly, equal losses."""
+    with rt.step():
+        la = a.loss()
+        la.backward()
+    lb = b.loss()
+    lb.backward()
+    assert torch.equal(la, lb), f"step {i}: losses differ"
+
+
 @pytest.fixture(scope="module")
 def floors() -> dict[str, int]:
     """The step's static bytes, its smallest feasible budget with the activations alone, and with
@@ -46,12 +56,7 @@ def test_a_budget_below_the_static_bytes_moves_the_state_and_trains_bit_identica
     steps = 10
     with SwapRuntime(budget=budget, policy="default", model=a.model, optimizer=opt_a, backend="cpu", audit=True) as rt:
         for i in range(steps):
-            with rt.step():
-                la = a.loss()
-                la.backward()
-            lb = b.loss()
-            lb.backward()
-            assert torch.equal(la, lb), f"step {i}: losses differ"
+            _step_both(rt, a, b, i)
             for opt, model in ((opt_a, a.model), (opt_b, b.model)):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
@@ -84,12 +89,7 @@ def test_gradients_count_from_their_birth_with_the_state_moving_until_a_step_beg
     a, b, opt_a, opt_b = _pair()
     with SwapRuntime(budget=budget, policy="default", model=a.model, optimizer=opt_a, backend="cpu", audit=True) as rt:
         for i in range(10):
-            with rt.step():
-                la = a.loss()
-                la.backward()
-            lb = b.loss()
-            lb.backward()
-            assert torch.equal(la, lb), f"step {i}: losses differ"
+            _step_both(rt, a, b, i)
             rep = rt.report()
             if rep.mode == "execute":
                 assert rep.peak_device_bytes is not None and rep.peak_device_bytes <= budget, (i, rep.peak_device_bytes)
@@ -128,9 +128,7 @@ def test_a_byte_budget_the_activations_meet_keeps_its_plan_when_a_step_begins_wi
     a, b, opt_a, opt_b = _pair()
     with SwapRuntime(budget=budget, policy="default", model=a.model, optimizer=opt_a, backend="cpu") as rt:
         for i in range(7):
-            with rt.step():
-                a.loss().backward()
-            b.loss().backward()
+            _step_both(rt, a, b, i)
             if i >= 3:
                 assert rt.report().mode == "execute", (i, rt.report().mode)
                 assert not present(rt.trace, "a trace").state
