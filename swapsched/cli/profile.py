@@ -16,7 +16,6 @@ if TYPE_CHECKING:
 __all__ = ["cmd_profile", "cmd_inspect", "print_summary", "profile_case", "say_if_shrunk", "summary", "trace_summary"]
 
 
-
 def trace_summary(trace: Trace) -> dict[str, Any]:
     """The numbers ``swapsched inspect`` prints."""
     return {
@@ -38,6 +37,7 @@ def trace_summary(trace: Trace) -> dict[str, Any]:
         "device": trace.device,
         "world_size": trace.world_size,
     }
+
 
 def say_if_shrunk(model: str, size: str | None) -> None:
     """hf: model types are built small unless asked for the library's full configuration: say so
