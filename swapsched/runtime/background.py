@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from swapsched.runtime.layout import PlanLayout
+from swapsched.runtime.worker_threads import one_torch_thread
 
 __all__ = ["BackgroundPlans"]
 
@@ -42,7 +43,8 @@ class BackgroundPlans:
 
     def submit(self, key: int, replaces: PlanLayout, job: Callable[[], PlanLayout]) -> None:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swapsched-planner")
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="swapsched-planner",
+                                                initializer=one_torch_thread)  # worker_threads.py
         self._pending[key] = _Pending(self._executor.submit(job), replaces)
 
     def ready(self, wait: bool = False) -> Iterator[tuple[int, PlanLayout, PlanLayout]]:

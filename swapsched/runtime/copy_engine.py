@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from swapsched.runtime.worker_threads import one_torch_thread
+
 __all__ = ["CopyError", "Ticket", "CopyEngine"]
 
 
@@ -55,6 +57,7 @@ class CopyEngine(threading.Thread):
             self.cv.notify()
 
     def run(self) -> None:
+        one_torch_thread()  # its copies' thread team would slow the training loop (worker_threads.py)
         while True:
             with self.cv:
                 while not self.queue and not self.stopped:

@@ -40,6 +40,7 @@ from swapsched.env.state_parts import STAGING_SLOTS
 from swapsched.errors import UserError
 from swapsched.hardware import Hardware
 from swapsched.runtime.transients import runtime_allocation
+from swapsched.runtime.worker_threads import one_torch_thread
 
 __all__ = ["DiskStore", "DiskError", "ALIGN", "measure_disk", "with_disk"]
 
@@ -113,8 +114,9 @@ class DiskStore:
         if not self.direct:
             warnings.warn(f"the filesystem of {root} does not take direct I/O (O_DIRECT): the disk tier reads and "
                           "writes through the page cache, which holds host memory beyond the host budget", stacklevel=3)
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="swapsched-disk-read")
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="swapsched-disk-write")
+        # their copies into and out of staging run on one thread each (worker_threads.py)
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="swapsched-disk-read", initializer=one_torch_thread)
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="swapsched-disk-write", initializer=one_torch_thread)
         self._lock = threading.Lock()
         self._free: list[_Slot] = []
         self._alive: list[_Slot] = []  # every staging buffer, free or in use
