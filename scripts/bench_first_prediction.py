@@ -52,7 +52,7 @@ def one_run(model: str, budget: str, optimizer: str, hardware: str | None = None
                 placed = ",".join(sorted({w for _, w in rep.state.placements})) if rep.state is not None else "-"
             if rep.predicted_step_s != first:  # re-timed: a later prediction
                 break
-            measured.append(rep.step_s)
+            measured.append(rep.measured_s)  # with its optimizer step where the prediction includes it (R15)
     finally:
         rt.close()
     if first is None or not measured:

@@ -234,7 +234,7 @@ def uncalibrated(budgets: list[str], policies: list[str], bandwidth: float, step
         late = [r for r in reps[9:] if r.mode == "execute" and r.predicted_step_s is not None]
         if not late:
             continue
-        measured = statistics.median(r.step_s for r in late)
+        measured = statistics.median(r.measured_s for r in late)
         predicted = statistics.median(r.predicted_step_s for r in late)
         runs.append({"model": name, "budget": budget, "policy": pol, "steps": len(late), "measured_s": measured,
                      "predicted_s": predicted, "abs_error": abs(predicted - measured) / measured,

@@ -31,7 +31,7 @@ from typing import Any
 from swapsched.errors import UserError
 from swapsched.segments import segment_of
 
-__all__ = ["StateGroup", "OptimizerKind", "OPTIMIZERS", "optimizer_kind", "group_name", "PLACEMENTS", "SHARD_PLACEMENTS", "FSDP2_PLACEMENTS", "allowed_placements", "check_groups",
+__all__ = ["StateGroup", "OptimizerKind", "OPTIMIZERS", "MEASURED_OPTIMIZER_RATES", "optimizer_kind", "group_name", "PLACEMENTS", "SHARD_PLACEMENTS", "FSDP2_PLACEMENTS", "allowed_placements", "check_groups",
            "FROZEN_SUFFIX", "module_of", "frozen_placement", "DISK_TIERS", "DISK_PLACEMENTS", "allowed_disk_tiers"]
 
 
@@ -55,6 +55,14 @@ OPTIMIZERS: dict[str, OptimizerKind] = {
     "adafactor": OptimizerKind("adafactor", 0.0, 16.0),  # factored: rows + columns per matrix (profiler)
     "none": OptimizerKind("none", 0.0, 0.0),  # gradients only: no step (a frozen-optimizer probe)
 }
+
+
+#: R15, a trace's meta: the user's own optimizer as the runtime timed its ``step()`` in the
+#: profiling steps, parameters a second, where it stepped them (``{"device": r}``, ``{"host": r}``
+#: where the state stepped on the host; both on the emulated device, whose device is the host).
+#: Beside it the hardware's rates are a different optimizer's (a memory roofline; calibrate's
+#: fused AdamW), which torch's default CPU AdamW runs 10-20x slower than.
+MEASURED_OPTIMIZER_RATES = "optimizer_params_per_s"
 
 
 def optimizer_kind(name: str) -> OptimizerKind:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from swapsched.segments import Segment, rebuilt_selectively, recompute_transient, segment_of
-from swapsched.state import StateGroup, module_of
+from swapsched.state import MEASURED_OPTIMIZER_RATES, StateGroup, module_of
 from swapsched.trace_check import TIMINGS, TraceError, validate_trace
 
 if TYPE_CHECKING:
@@ -478,15 +478,15 @@ class Trace:
                 traffic = 2.0 * self.tensors[e.tensor].bytes
             t = max(float(e.flops or 0.0) / peak, traffic / hardware.memory_bytes_per_s)
             new_events.append(replace(e, compute_s=t))
-        tail_flops = float(self.meta.get("tail_flops", 0.0))
-        tail = tail_flops / peak
+        tail = float(self.meta.get("tail_flops", 0.0)) / peak
         return replace(
             self,
             timing="roofline",
             device=hardware.name,
             tail_compute_s=tail,
             events=tuple(new_events),
-            meta={**self.meta, "retimed_from": self.device},
+            # the optimizer's measured rates (R15) are the profiling machine's, like its gaps
+            meta={**{k: v for k, v in self.meta.items() if k != MEASURED_OPTIMIZER_RATES}, "retimed_from": self.device},
         )
 
 _R = TypeVar("_R")

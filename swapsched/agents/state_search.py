@@ -39,11 +39,19 @@ from swapsched.env.collectives import unsharded_deltas
 from swapsched.env.floors import joint_floor
 from swapsched.env.result import SimResult
 from swapsched.env.simulator import simulate
-from swapsched.env.state_parts import born_gradients_held, disk_parts, fetch_events, part_bytes, state_split, stream_in_bytes
+from swapsched.env.state_parts import (
+    born_gradients_held,
+    disk_parts,
+    fetch_events,
+    optimizer_rates,
+    part_bytes,
+    state_split,
+    stream_in_bytes,
+)
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.policy import Policy
-from swapsched.state import DISK_PLACEMENTS, OPTIMIZERS, allowed_disk_tiers, allowed_placements, frozen_placement
+from swapsched.state import DISK_PLACEMENTS, allowed_disk_tiers, allowed_placements, frozen_placement
 from swapsched.trace import Event, Trace
 
 __all__ = ["activation_view", "plan_state", "smallest_state_budget", "StatePeer", "PartialOffloadPeer", "PEERS", "state_floor",
@@ -459,11 +467,10 @@ def _optimizer_floor(trace: Trace, hardware: Hardware) -> float:
     parameters on the host the step takes at least ``max(I + (1 - x) D, x H)`` (``I`` the ideal
     compute, ``D`` and ``H`` every parameter's step on the device and on the host), least at
     ``x = (I + D) / (D + H)``."""
-    kind = OPTIMIZERS.get(str(trace.meta.get("optimizer", "adamw")), OPTIMIZERS["adamw"])
+    device_rate, host_rate = optimizer_rates(trace, hardware)
     params = sum(g.params for g in trace.state if not g.frozen)  # frozen groups do not step (R13)
-    if not kind.touched_bytes_per_param or not params:
+    if math.isinf(device_rate) or not params:
         return trace.ideal_s
-    ideal, dev = trace.ideal_s, params / hardware.device_optimizer_rate(kind.touched_bytes_per_param)
-    host = params / hardware.host_optimizer_rate()
+    ideal, dev, host = trace.ideal_s, params / device_rate, params / host_rate
     x = min(1.0, (ideal + dev) / (dev + host))
     return max(ideal + (1 - x) * dev, x * host)

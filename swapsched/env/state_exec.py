@@ -13,7 +13,7 @@ A fetch the compute reaches first is waited for, as an unpack waits for its swap
 demand where it was never issued.
 
 The step ends when the compute stream is done: forward, backward, the tail and the device's
-optimizer steps (R15: each group's parameters over ``Hardware.device_optimizer_rate``, a
+optimizer steps (R15: each group's parameters over the device's rate, ``optimizer_rates``, a
 streamed group once its state has arrived). What the host still does then (its steps, the
 parameters' copies back) runs into the next step: :attr:`carry` is when each group's parameter
 is ready, in the next step's clock (R16); :func:`~swapsched.env.simulator.simulate` runs the
@@ -23,7 +23,6 @@ step again from that carry until it repeats (the steady state).
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -37,12 +36,12 @@ from swapsched.env.state_parts import (
     fetch_events,
     held,
     keeps_gradient,
+    optimizer_rates,
     part_bytes,
     state_split,
     stream_in_bytes,
 )
 from swapsched.plan import SwapPlan
-from swapsched.state import OPTIMIZERS
 
 __all__ = ["StateExecution", "StateResult", "run_to_steady_state", "STEADY_STATE_ROUNDS"]
 
@@ -74,9 +73,7 @@ class StateExecution:
         self.host_after_backward = plan.host_step == "after-backward"
         self.return_all = plan.param_return == "all"
         placement = plan.placement()
-        kind = OPTIMIZERS.get(str(trace.meta.get("optimizer", "adamw")), OPTIMIZERS["adamw"])
-        self.device_rate = hw.device_optimizer_rate(kind.touched_bytes_per_param) if kind.touched_bytes_per_param else math.inf
-        self.host_rate = hw.host_optimizer_rate() if kind.touched_bytes_per_param else math.inf
+        self.device_rate, self.host_rate = optimizer_rates(trace, hw)
         self.result = StateResult()
         self.carry = dict(carry or {})  # group -> time its parameter is ready on the host/device (this step's clock)
         # R19 then R11: what the disk and host budgets hold of the plan (state_parts.held)

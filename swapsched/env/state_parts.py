@@ -44,9 +44,10 @@ import numpy as np
 
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
+from swapsched.state import MEASURED_OPTIMIZER_RATES, OPTIMIZERS
 
 __all__ = ["STATIC_PARTS", "static_parts", "HOST_PARTS", "STREAM_IN_PARTS", "STREAM_OUT_PARTS", "state_split",
-           "keeps_gradient", "born_gradients_held", "resident_parts", "part_bytes", "stream_in_bytes", "one_ahead", "fetch_events", "by_event", "disk_parts", "STAGING_SLOTS",
+           "keeps_gradient", "born_gradients_held", "resident_parts", "part_bytes", "stream_in_bytes", "one_ahead", "fetch_events", "by_event", "disk_parts", "STAGING_SLOTS", "optimizer_rates",
            "staging_bytes", "host_need", "Held", "held", "as_held"]
 
 #: The parts of a group the step's static bytes hold under each placement (module docstring)
@@ -65,6 +66,19 @@ STREAM_OUT_PARTS = {"stream": ("optim_bytes",), "stream-full": ("param_bytes", "
 #: being written (ZeRO-Infinity's ``buffer_count``, planned rather than set); each buffer is its
 #: group's size
 STAGING_SLOTS = 3
+
+
+def optimizer_rates(trace: Any, hardware: Hardware) -> tuple[float, float]:
+    """R15: parameters a second the device and the host step ``trace``'s groups at (inf: the
+    optimizer keeps no state to step): the user's optimizer as measured on this machine where the
+    trace says (``MEASURED_OPTIMIZER_RATES``), else the hardware's (a memory roofline on the
+    device, its host figure on the host)."""
+    kind = OPTIMIZERS.get(str(trace.meta.get("optimizer", "adamw")), OPTIMIZERS["adamw"])
+    if not kind.touched_bytes_per_param:
+        return math.inf, math.inf
+    measured = trace.meta.get(MEASURED_OPTIMIZER_RATES) or {}
+    return (float(measured.get("device") or hardware.device_optimizer_rate(kind.touched_bytes_per_param)),
+            float(measured.get("host") or hardware.host_optimizer_rate()))
 
 
 def disk_parts(placement: str, tier: str | None) -> tuple[str, ...]:

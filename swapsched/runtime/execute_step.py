@@ -433,5 +433,6 @@ class ExecuteStep(CopyingStep):
             shape_predicted=self.layout.predicted, plain_step_s=self.trace.ideal_s, plan_source=self.layout.plan_source,
             host_peak_bytes=self.host_held, host_skipped=self.host_skipped,
             collectives=CollectiveTally.of(self.meter.collectives if self.meter is not None else None),
+            predicts_optimizer_step=bool(self.trace.state),  # R15: the simulated step includes it
         )
 

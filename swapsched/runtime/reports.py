@@ -273,11 +273,25 @@ class StepReport:
     state: StateStepReport | None = None
     collectives: CollectiveTally | None = None  # R18: on several ranks, this rank's (where a meter ran)
     run: RunSummary | None = None  # the whole run so far
+    # the user's optimizer.step() since this step (``runtime.report()`` reads it; None: no optimizer
+    # given, or it has not stepped since), and whether ``predicted_step_s`` includes it: the plan's
+    # trace records the state (R13), whose steps R15-R16 time (see ``measured_s``)
+    optimizer_step_s: float | None = None
+    predicts_optimizer_step: bool = False
+
+    @property
+    def measured_s(self) -> float:
+        """What ``predicted_step_s`` predicts, measured: the step, and where the prediction includes
+        the optimizer's step (``predicts_optimizer_step``), the one after it."""
+        return self.step_s + ((self.optimizer_step_s or 0.0) if self.predicts_optimizer_step else 0.0)
 
     def __str__(self) -> str:
         pred = f"{1e3 * self.predicted_step_s:.2f} ms" if self.predicted_step_s is not None else "-"
         lines = [
-            f"step {self.step} ({self.mode}): {1e3 * self.step_s:.2f} ms measured, {pred} predicted, "
+            f"step {self.step} ({self.mode}): {1e3 * self.step_s:.2f} ms measured"
+            + (f" (+{1e3 * self.optimizer_step_s:.2f} ms its optimizer step)"
+               if self.predicts_optimizer_step and self.optimizer_step_s is not None else "")
+            + f", {pred} predicted, "
             f"stall {1e3 * self.stall_s:.2f} ms",
             f"  evicted {format_bytes(self.evicted_bytes)}, prefetched {format_bytes(self.prefetched_bytes)}, "
             f"on demand {format_bytes(self.on_demand_bytes)}",

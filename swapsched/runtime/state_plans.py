@@ -20,13 +20,14 @@ from swapsched.plan import SwapPlan
 from swapsched.runtime.backends import Backend
 from swapsched.runtime.budgets import ShapeBudgets
 from swapsched.runtime.disk_store import DiskStore
+from swapsched.runtime.optimizer_steps import OptimizerSteps
 from swapsched.runtime.profiler import optimizer_state_kind, state_groups, static_bytes_of
 from swapsched.runtime.replicas import gradients_complete_at_backward_end, replica
 from swapsched.runtime.shards import held_between_micro_batches, is_sharded
 from swapsched.runtime.state_disk import LIVE_DISK_TIERS
 from swapsched.runtime.state_mover import StateMover
 from swapsched.runtime.state_rest import to_device
-from swapsched.state import FROZEN_SUFFIX, SHARD_PLACEMENTS, group_name
+from swapsched.state import FROZEN_SUFFIX, MEASURED_OPTIMIZER_RATES, SHARD_PLACEMENTS, group_name
 from swapsched.trace import STATE_GRADIENTS_BORN, Trace
 
 __all__ = ["RuntimeState"]
@@ -49,6 +50,8 @@ class RuntimeState:
         # traced hook replays at each compiled call
         self._compiled: list[bool] = []
         self._forward_hook = None if model is None else model.register_forward_pre_hook(self._note_forward)
+        # R15: the user's optimizer steps, timed (optimizer_steps.py)
+        self.optimizer_steps: OptimizerSteps | None = None if optimizer is None else OptimizerSteps(optimizer, backend)
 
     def _note_forward(self, module: torch.nn.Module, args: object) -> None:
         # traced by Dynamo, or run by it as a frame it could not trace (a graph break before
@@ -58,6 +61,16 @@ class RuntimeState:
             return
         if not self.data_parallel and replica(module) is not None:
             self.data_parallel = True
+
+    def optimizer_stepped(self, profiling: bool) -> None:
+        """As a step begins: the user's optimizer step since the last one (R15), kept for the trace
+        where no plan was made before it (``profiling``), with where it stepped the state."""
+        if self.optimizer_steps is not None:
+            self.optimizer_steps.settle(profiling, on_host=self.mover is not None)
+
+    def optimizer_step_s(self) -> float | None:
+        """The user's optimizer step since the last training step began (None: none yet)."""
+        return None if self.optimizer_steps is None else self.optimizer_steps.last_s()
 
     def held_by_others(self) -> tuple[int, int]:
         """R18: the bytes FSDP2 holds on the device now between micro-batches (its unsharded
@@ -124,6 +137,7 @@ class RuntimeState:
                 raise UserError("attach_optimizer() gives a runtime made with a model and no optimizer its optimizer, "
                                 "before its first plan; give it as SwapRuntime(model=..., optimizer=...) otherwise")
             self.optimizer = optimizer
+            self.optimizer_steps = OptimizerSteps(optimizer, self.backend)
         return static_bytes_of(present(self.model, "the model"), optimizer)
 
     def _byte_budget(self) -> bool:
@@ -164,6 +178,10 @@ class RuntimeState:
         if is_sharded(model):
             meta["placements"] = list(SHARD_PLACEMENTS)
         meta["disk_tiers"] = [] if is_sharded(model) else list(LIVE_DISK_TIERS)
+        # R15: the rates the user's optimizer stepped at in the profiling steps (one rank's alone)
+        rates = None if self.distributed or self.optimizer_steps is None else self.optimizer_steps.rates(self.backend.emulated)
+        if rates is not None:
+            meta[MEASURED_OPTIMIZER_RATES] = rates
         trace = replace(trace, state=state_groups(model, trace, kind), meta=meta)
         return gradients_complete_at_backward_end(trace) if self.data_parallel else trace
 
@@ -198,6 +216,8 @@ class RuntimeState:
         if self._forward_hook is not None:
             self._forward_hook.remove()
             self._forward_hook = None
+        if self.optimizer_steps is not None:
+            self.optimizer_steps.remove()
         mover, self.mover = self.mover, None
         if mover is None:
             self._close_disk()

@@ -213,6 +213,7 @@ class PolicyRuntime(TwoStages):
         # timed on the device: what is queued before it (the optimizer's step) finishes first
         self.backend.synchronize()
         self.backend.take_device_stall_s()  # waits of an earlier, aborted step do not count
+        self.state.optimizer_stepped(profiling=self.phase is Phase.PROFILE)  # R15: its time, before any plan
         self.steps += 1
         if self.plans.budgets.device:  # the device's capacity less what the process holds beyond the model
             total, held = self.backend.memory()
@@ -399,7 +400,8 @@ class PolicyRuntime(TwoStages):
         a collective: every rank calls it)."""
         if self._report is None:
             raise UserError("no step has run yet; wrap a training step in `with runtime.step():`")
-        return every_rank(self._report) if all_ranks else self._report
+        rep = replace(self._report, optimizer_step_s=self.state.optimizer_step_s())  # the user's, since the step
+        return every_rank(rep) if all_ranks else rep
 
     def close(self) -> None:
         """Stop the copy engines, put the moved state back on the device where it has room (on CUDA, what does not fit
@@ -464,10 +466,8 @@ class PolicyRuntime(TwoStages):
             plan = SwapPlan.of(trace, given.policy, carry_evictions(given, before, trace), carried_from=given.trace)
             self._adopt(without_small(plan, trace, self.min_bytes))
             return
-        if self.policy is None:  # nothing plans: every tensor stays until use_plan()
-            plan = SwapPlan.of(trace, "keep-all", [])
-        else:
-            plan = self.policy.plan(planned_on, present(self.budget_bytes, "the run's budget"), self.hardware)
+        plan = (SwapPlan.of(trace, "keep-all", []) if self.policy is None  # nothing plans: every tensor stays until use_plan()
+                else self.policy.plan(planned_on, present(self.budget_bytes, "the run's budget"), self.hardware))
         self._policy_planned = True
         if plan.recompute or plan.selective:
             self._recompute(plan, planned_on)

@@ -9,7 +9,8 @@ import pytest
 from swapsched.budget import relative_scale
 from swapsched.env.simulator import simulate
 from swapsched.plan import SwapPlan
-from swapsched.state import StateGroup
+from swapsched.env.state_parts import optimizer_rates
+from swapsched.state import MEASURED_OPTIMIZER_RATES, StateGroup
 from swapsched.trace import STATE_GRADIENTS_BORN, Trace
 from tests.conftest import make_hw, make_trace
 
@@ -109,6 +110,29 @@ def test_a_host_step_that_ends_after_the_next_forward_use_stalls_it():
     assert r.state.grad_off_bytes == 100 and r.state.optim_off_bytes == 200 and r.state.where_stepped == "both"
     # the host holds its parameter, gradient and state
     assert r.host_peak_bytes == 400
+
+
+def test_the_users_optimizer_as_measured_steps_in_place_of_the_hardwares_rates():
+    # R15: measured, 50 parameters a second on the device and 10 on the host. blk.1 steps on the
+    # host (25 parameters: 2.5 s, 4-6.5, from its gradient on the host at 4), blk.0 on the device
+    # after the tail (0.5 s: the step ends at 4.5). The parameter's copy back lands at 7.5, 3 s
+    # into the next step: its forward use of blk.1 (t 1) waits 2 s, and so every step from
+    # then on: 6.5 s. Unmeasured, the hardware's rates (25 a second on the host, ~1e-9 s on the
+    # device): 5 s, as above
+    t = two_groups()
+    measured = replace(t, meta={**t.meta, MEASURED_OPTIMIZER_RATES: {"device": 50.0, "host": 10.0}})
+    assert optimizer_rates(measured, HW) == (50.0, 10.0)
+    assert optimizer_rates(t, HW) == (HW.device_optimizer_rate(28.0), 25.0)
+    r = simulate(measured, plan(measured, blk_1="host-step"), HW, 1000)
+    assert r.state is not None and r.state.host_step_s == pytest.approx(2.5) and r.state.device_step_s == pytest.approx(0.5)
+    assert r.iteration_s == pytest.approx(6.5, abs=1e-6) and r.state.stall_s == pytest.approx(2.0)
+    assert simulate(t, plan(t, blk_1="host-step"), HW, 1000).iteration_s == pytest.approx(5.0, abs=1e-6)
+    # one of them measured: the other is the hardware's
+    host_only = replace(t, meta={**t.meta, MEASURED_OPTIMIZER_RATES: {"host": 10.0}})
+    assert optimizer_rates(host_only, HW) == (HW.device_optimizer_rate(28.0), 10.0)
+    # the rates are the profiling machine's: a trace re-timed by roofline for other hardware drops them
+    flops = replace(measured, events=tuple(replace(e, flops=1.0) for e in measured.events))
+    assert MEASURED_OPTIMIZER_RATES not in flops.retimed(HW).meta
 
 
 def test_the_host_step_after_backward_waits_for_backward():
