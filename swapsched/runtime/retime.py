@@ -20,20 +20,26 @@ from swapsched.trace import Trace
 if TYPE_CHECKING:
     from swapsched.runtime.reports import StepReport
 
-__all__ = ["timed_by_execution", "median_trace", "fitted_host_costs", "nonnegative_fit", "ExecutedSteps"]
+__all__ = ["timed_by_execution", "median_trace", "fitted_host_costs", "nonnegative_fit", "ExecutedSteps", "RETIME_EVERY_MOST"]
 
 #: Executed steps whose hook times the host's costs are fitted from (the latest ones)
 HOST_STEPS_KEPT = 64
+#: The most executed steps between two re-timings of one trace: the interval doubles from
+#: ``retime_steps`` after each (a re-timing simulates the plan again: 1.9 ms on gpt small, a tenth
+#: of its step, which every third step paid, RESULTS session 31), and a new trace starts it over
+RETIME_EVERY_MOST = 96
 
 
 class ExecutedSteps:
-    """The executed steps of the current trace, kept to re-time it every ``every`` of them.
+    """The executed steps of the current trace, kept to re-time it after ``every`` of them, then
+    at intervals that double up to ``RETIME_EVERY_MOST``.
 
     ``given``: the hardware as given; ``fit_host``: fit the host's costs onto it from the latest
     ``HOST_STEPS_KEPT`` steps (uncalibrated hardware on the emulated device)."""
 
     def __init__(self, every: int, given: Hardware, fit_host: bool) -> None:
-        self.every, self.given, self.fit_host = every, given, fit_host
+        self.first = self.every = every
+        self.given, self.fit_host = given, fit_host
         self._steps: list[StepReport] = []  # not yet used to re-time the trace
         self._host: deque[StepReport] = deque(maxlen=HOST_STEPS_KEPT)
 
@@ -47,12 +53,15 @@ class ExecutedSteps:
             return None
         retimed = timed_by_execution(trace, self._steps)
         self._steps = []
+        self.every = min(2 * self.every, max(RETIME_EVERY_MOST, self.first))
         fitted = fitted_host_costs(self.given, list(self._host), retimed.n_events) if self.fit_host else None
         return retimed, fitted
 
     def forget(self) -> None:
-        """Drop the steps kept: they ran another trace (their events differ)."""
+        """Drop the steps kept: they ran another trace (their events differ), re-timed after
+        ``first`` of its own."""
         self._steps = []
+        self.every = self.first
         self._host.clear()
 
 

@@ -80,8 +80,8 @@ class PolicyRuntime(TwoStages):
     planning; the trace takes each gap's median over them (the first step of a process pays one-off costs, allocator growth
     and kernel selection, that later steps do not). ``retime_steps``: on the CPU backend, after this many executed steps the
     trace's gaps are re-measured from them, the policy plans again on them (a plan given by ``use_plan`` stays) and the
-    prediction is redone; after every further this many steps the gaps are re-measured and the prediction follows (the plan
-    stays). With a ``hardware`` that has no host costs (the shipped profiles), the host's costs are fitted from the executed
+    prediction is redone; later the gaps are re-measured at intervals that double (to ``retime.RETIME_EVERY_MOST``) and the
+    prediction follows (the plan stays). With a ``hardware`` that has no host costs (the shipped profiles), the host's costs are fitted from the executed
     steps at the same points (``fitted_host_costs``). 0: keep the profiled timing. ``audit``: measure the memory really held,
     independently of the accounting, into ``report().measured_peak_bytes`` (on the CPU backend a finalizer per saved storage:
     slower). ``strict``: a step that leaves the profiled trace raises :class:`DivergenceError` where it leaves it, instead of

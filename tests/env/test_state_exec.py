@@ -8,8 +8,8 @@ import pytest
 
 from swapsched.budget import relative_scale
 from swapsched.env.simulator import simulate
-from swapsched.plan import SwapPlan
 from swapsched.env.state_parts import optimizer_rates
+from swapsched.plan import SwapPlan
 from swapsched.state import MEASURED_OPTIMIZER_RATES, StateGroup
 from swapsched.trace import STATE_GRADIENTS_BORN, Trace
 from tests.conftest import make_hw, make_trace

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from swapsched.runtime.retime import median_trace
-from tests.conftest import make_trace
+from swapsched.runtime.reports import StepReport
+from swapsched.runtime.retime import RETIME_EVERY_MOST, ExecutedSteps, median_trace
+from tests.conftest import make_hw, make_trace
 
 
 def _step(gap: float, size: int = 100):
@@ -39,3 +40,28 @@ def test_on_several_ranks_median_trace_keeps_each_gaps_most_other_bytes_over_the
     assert [e.other_bytes for e in median_trace(steps).events] == [1, 3, 2, 8]  # one rank, or DDP: the last step's
     two = median_trace([step([50, 50, 50, 50]), step([1, 3, 2, 8])], most_other=True)  # the last's, where there are two
     assert [e.other_bytes for e in two.events] == [1, 3, 2, 8]
+
+
+def test_executed_steps_re_time_after_the_first_interval_then_at_doubling_ones_until_a_new_trace():
+    trace = _step(1.0)
+
+    def executed(gap: float) -> StepReport:
+        return StepReport(step=0, mode="execute", step_s=5 * gap, stall_s=0.0, predicted_step_s=None, evicted_bytes=0,
+                          prefetched_bytes=0, on_demand_bytes=0, peak_device_bytes=0, budget_bytes=0, plan_followed=True,
+                          guard_evictions=0, kept_small=0, hook_s=0.0, gaps_s=(gap,) * 4, tail_s=gap)
+
+    steps = ExecutedSteps(2, make_hw(), fit_host=False)
+    due = [k for k in range(1, 31) if steps.add(executed(float(k)), trace) is not None]
+    assert due == [2, 6, 14, 30]  # after 2, then 4, 8 and 16 more
+    # each re-timing is the median of the steps since the last: steps 15-30 -> 22.5
+    steps = ExecutedSteps(2, make_hw(), fit_host=False)
+    for k in range(1, 15):
+        steps.add(executed(float(k)), trace)
+    out = [steps.add(executed(float(k)), trace) for k in range(15, 31)]
+    assert out[:-1] == [None] * 15 and out[-1] is not None and out[-1][0].gaps.tolist() == [22.5] * 4
+    steps.forget()  # a new trace: re-timed after 2 of its steps again
+    assert [steps.add(executed(1.0), trace) is not None for _ in range(2)] == [False, True]
+    # the interval stops doubling at RETIME_EVERY_MOST
+    long = ExecutedSteps(64, make_hw(), fit_host=False)
+    due = [k for k in range(1, 64 + 96 + 96 + 1) if long.add(executed(1.0), trace) is not None]
+    assert due == [64, 64 + RETIME_EVERY_MOST, 64 + 2 * RETIME_EVERY_MOST]
