@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
 from swapsched.errors import UserError
 from swapsched.runtime.backends import Backend, Ticket
@@ -209,7 +210,17 @@ class StateMover(DeviceStorages):
     def _charged(self, hook: Callable[..., Any], *args: Any) -> Any:
         """``hook(*args)``; in a profiling step (``timer`` set) its time is charged to the step's
         instruments, for its gaps to leave out (mode_time.py): its fetches there are synchronous,
-        unlike an executing step's, and the modes' own time inside it is charged already."""
+        unlike an executing step's, and the modes' own time inside it is charged already. Inside a
+        checkpointed block's recompute the hook runs outside the dispatch modes: selective
+        checkpointing's mode refuses any op its forward did not run, and the mover's own ops (a
+        fetch's buffer) are not the model's (R9 with R13)."""
+        if torch._C._len_torch_dispatch_stack() and any(
+                type(m).__module__ == "torch.utils.checkpoint" for m in _get_current_dispatch_mode_stack()):
+            with _disable_current_modes():
+                return self._charged_in(hook, *args)
+        return self._charged_in(hook, *args)
+
+    def _charged_in(self, hook: Callable[..., Any], *args: Any) -> Any:
         timer = self.timer
         if timer is None:
             return hook(*args)
