@@ -356,12 +356,14 @@ class _Method:
         return dt + time.perf_counter() - t0
 
     def warm(self) -> None:
-        """Steps until the method runs as measured: a runtime through its profiling steps (and
-        R9's second stage) to its first executed step; every method at least one step."""
+        """Steps until the method runs as measured: a runtime through its profiling steps, its
+        first re-timing and the plan it then keeps (R9's second stage, a plan on trial: its
+        ``settled``), to an executed step; every method at least one step."""
         self.step()
         if self.runtime is not None:
-            for _ in range(3 * self.runtime.profile_steps + 4):
-                if self.runtime.report().mode == "execute":
+            rt = self.runtime
+            for _ in range(8 * rt.profile_steps + 6 * max(rt.retime_steps, 1) + 8):
+                if rt.settled and rt.report().mode == "execute":
                     break
                 self.step()
 

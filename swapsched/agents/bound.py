@@ -6,8 +6,9 @@ tensor, with the copies' own latencies and the stalls they force.
 
 Formulation (indices are events; gap *j* is the compute before event *j*, R1):
 
-- ``G_j``: ideal start of gap *j* (sum of the earlier gaps, each with the hooks' own cost, as the
-  simulator charges it). ``S_j >= 0``: stall accumulated before gap *j* starts, non-decreasing in
+- ``G_j``: ideal start of gap *j* (sum of the earlier gaps, each with the hooks' own cost where
+  every plan bounded pays it: swap-only plans where some bytes must move, as the simulator
+  charges it; none where a block may be recomputed, whose members pay none). ``S_j >= 0``: stall accumulated before gap *j* starts, non-decreasing in
   *j* (stalls happen at events and are never undone). Gap *j* starts at ``G_j + S_j`` and ends at
   ``G_{j+1} + S_j``; event *j* completes at ``G_{j+1} + S_{j+1}``.
 - ``e[k, j]`` in {0, 1}: tensor *k* is off the device when gap *j* starts. Allowed only where
@@ -101,10 +102,10 @@ def lower_bound(trace: Trace, budget: int, hardware: Hardware, *, time_limit_s: 
     segments = trace.segments if recompute else ()
     floor = (joint_floor if segments else analytic_floor)(trace, budget, hardware)
     n = trace.n_events
-    gaps = trace.gaps + hardware.hook_cost_s
-    G = np.concatenate(([0.0], np.cumsum(gaps)))  # G[j] = ideal start of gap j; G[n] = end of the last
     demand = trace.static_bytes + trace.other_bytes + trace.resident_bytes_no_swap
     must = demand - budget
+    gaps = trace.gaps + (hardware.hook_cost_s if not segments and must.max(initial=0) > 0 else 0.0)
+    G = np.concatenate(([0.0], np.cumsum(gaps)))  # G[j] = ideal start of gap j; G[n] = end of the last
     # R4: the bytes of the tensor first packed at event j are allocated before gap j starts; those
     # instants are where memory is checked against the budget (swap-in buffers are checked too, at
     # times the model does not know, so they are left out: fewer constraints, still a bound)

@@ -23,19 +23,22 @@ def analytic_floor(trace: Trace, budget: int, hardware: Hardware) -> float:
     """
     if trace.n_events == 0:
         return trace.ideal_s
-    _, before, after, must = _floor_terms(trace, budget, hardware)
+    _, before, after, must = _floor_terms(trace, budget, hardware, swaps_only=True)
     bound = np.maximum(before, must / hardware.link_bytes_per_s("d2h")) + np.maximum(after, must / hardware.link_bytes_per_s("h2d"))
     return float(bound.max())
 
 
-def _floor_terms(trace: Trace, budget: int, hardware: Hardware) -> tuple[np.ndarray, ...]:
-    """Per gap *j*, what both floors start from: the gaps with the hooks' cost, the compute before
-    *j* and from *j* on, and ``must_j``, the bytes that must be off the device."""
-    gaps = trace.gaps + hardware.hook_cost_s
+def _floor_terms(trace: Trace, budget: int, hardware: Hardware, swaps_only: bool) -> tuple[np.ndarray, ...]:
+    """Per gap *j*, what both floors start from: the gaps, the compute before *j* and from *j* on,
+    and ``must_j``, the bytes that must be off the device. Each gap has the hooks' cost only where
+    every plan bounded pays it (the simulator's ``Simulation._hooked``): plans of swaps alone (``swaps_only``)
+    where some bytes must move; a plan that moves nothing, and a recomputed block's members, pay none."""
+    demand = trace.static_bytes + trace.other_bytes + trace.resident_bytes_no_swap
+    must = np.maximum(demand - budget, 0).astype(np.float64)
+    gaps = trace.gaps + (hardware.hook_cost_s if swaps_only and must.max(initial=0.0) > 0 else 0.0)
     before = np.concatenate(([0.0], np.cumsum(gaps)[:-1]))
     after = gaps.sum() + trace.tail_compute_s - before
-    demand = trace.static_bytes + trace.other_bytes + trace.resident_bytes_no_swap
-    return gaps, before, after, np.maximum(demand - budget, 0).astype(np.float64)
+    return gaps, before, after, must
 
 
 def joint_floor(trace: Trace, budget: int, hardware: Hardware) -> float:
@@ -55,7 +58,7 @@ def joint_floor(trace: Trace, budget: int, hardware: Hardware) -> float:
     segments = trace.segments
     if not segments or trace.n_events == 0:
         return analytic_floor(trace, budget, hardware)
-    gaps, before, after, must = _floor_terms(trace, budget, hardware)
+    gaps, before, after, must = _floor_terms(trace, budget, hardware, swaps_only=False)
     rel, b = trace.release, trace.tensor_bytes
     inv_d, inv_h = 1.0 / hardware.link_bytes_per_s("d2h"), 1.0 / hardware.link_bytes_per_s("h2d")
     # Knapsack items, two per block: its cheap members (what a selective recompute rebuilds, for

@@ -77,7 +77,9 @@ class Simulation:
         self.h2d_bytes = 0
         self.next_event = 0
         self.oom_event: int | None = None
+        # R6/R8: the runtime's hooks cost each event that passes them (``_hooked``, set as the step starts)
         self.hook = hardware.hook_cost_s
+        self.hook_at: list[float] = []
         # host costs of the copies: owed as they arise (an admission may happen in a drain) and
         # paid by the compute thread before it next computes or waits
         self.issue = hardware.copy_issue_s
@@ -335,9 +337,20 @@ class Simulation:
         self.host_debt = 0.0
 
     # ------------------------------------------------------------------ the event loop
+    def _hooked(self) -> list[float]:
+        """What the runtime's hooks cost each event: nothing where the plan moves nothing (the
+        runtime runs it without hooks), else the hooks' cost at every event. (A recomputed
+        block's members never pass the runtime's hooks, R9; charged all the same, see DESIGN
+        R6/R8 "the hooks' cost".)"""
+        tb, st = self.tb, self.st
+        moves = any(self.out_at) or (st is not None and any(w != "device" for w in st.where))
+        return [self.hook if moves else 0.0] * tb.n
+
     def run_until(self, stop: int) -> None:
         """Process events ``next_event .. stop-1`` (R4, R5)."""
         tb = self.tb
+        if not self.hook_at:
+            self.hook_at = self._hooked()
         stop = min(stop, tb.n)
         loc = self.loc
         while self.next_event < stop and self.oom_event is None:
@@ -351,7 +364,7 @@ class Simulation:
                 return
             if self.host_debt:
                 self._pay_host()
-            gap = tb.gaps[i] + self.hook
+            gap = tb.gaps[i] + self.hook_at[i]
             if self.record:
                 self._compute.append((self.t, self.t + gap))
             self.t += gap
@@ -418,8 +431,7 @@ class Simulation:
     def finish(self) -> SimResult:
         self.run_until(self.tb.n)
         oom = self.oom_event is not None
-        hooks = self.hook * self.tb.n
-        ideal = self.trace.ideal_s + hooks
+        ideal = self.trace.ideal_s  # plain training: no hook of the runtime's
         st = self.st
         if st is not None:
             ideal += st.ideal_step_s  # R15: the ideal step steps every group on the device

@@ -217,7 +217,9 @@ class StepReport:
     """What ``runtime.report()`` returns about the last step."""
 
     step: int
-    mode: str  # "profile" | "execute" | "diverged"
+    # "profile" | "execute" | "diverged" | "timing" (the plan's compute without hooks, unbudgeted on
+    # the emulated device, once before the first re-timing: DESIGN R1, "hooked gaps")
+    mode: str
     step_s: float  # on CUDA from a synchronized start to the device's end of the step
     stall_s: float  # compute waiting for copies: the host's waits, and on CUDA the device's (timing events)
     predicted_step_s: float | None
@@ -299,6 +301,8 @@ class StepReport:
              + (" (unhooked: the plan moves nothing and the hooks came off, so this is the plan's peak as simulated)"
                 if self.unhooked else "")
              if self.peak_device_bytes is not None else
+             "  timing step: the compute without hooks, not budgeted (the emulated device's memory is the host's)"
+             if self.mode == "timing" else
              "  unhooked: the plan moves nothing and the hooks came off; no peak could be simulated" if self.unhooked else
              "  profiling step: every saved tensor on the host, back on demand"
              + (" (a shape no plan was made for; it is planned now)" if self.new_shape else ""))

@@ -15,6 +15,7 @@ import numpy as np
 
 from swapsched.errors import UserError
 from swapsched.hardware import Hardware
+from swapsched.plan import SwapPlan
 from swapsched.trace import Trace
 
 if TYPE_CHECKING:
@@ -28,6 +29,8 @@ HOST_STEPS_KEPT = 64
 #: ``retime_steps`` after each (a re-timing simulates the plan again: 1.9 ms on gpt small, a tenth
 #: of its step, which every third step paid, RESULTS session 31), and a new trace starts it over
 RETIME_EVERY_MOST = 96
+#: Steps of the plan's compute run without hooks before the first re-timing (R1, "hooked gaps")
+UNHOOKED_STEPS = 2
 
 
 class ExecutedSteps:
@@ -42,19 +45,54 @@ class ExecutedSteps:
         self.given, self.fit_host = given, fit_host
         self._steps: list[StepReport] = []  # not yet used to re-time the trace
         self._host: deque[StepReport] = deque(maxlen=HOST_STEPS_KEPT)
+        self.retimings = 0
+        # the fastest step of those the last re-timing used, and as it would have run without hooks
+        self.fastest_s: float | None = None
+        self.fastest_unhooked_s: float | None = None
+        # R1, "hooked gaps": a step of the plan run without hooks (``times_compute``), and what the
+        # hooks cost the compute around them per event, found at the first re-timing after it
+        self.unhooked_s: list[float] = []
+        self.hook_gap_s: float | None = None
+
+    def times_compute(self, plan: SwapPlan | None, trace: Trace | None, allowed: bool) -> bool:
+        """Whether the next step runs ``plan``'s compute without hooks, timed (R1, "hooked gaps"):
+        ``UNHOOKED_STEPS`` steps just before the first re-timing (the first executed steps after
+        profiling run slower), where the runtime may (``allowed``: on the emulated device, whose
+        memory is the host's, with the model's blocks, none checkpointed yet, nothing watching the
+        step and no state mover that needs the hooks), ``trace`` has blocks a plan could recompute
+        instead (the plans that pass fewer events through the hooks), and the plan moves
+        activations (one that moves nothing runs without hooks anyway)."""
+        return (allowed and self.retimings == 0 and len(self.unhooked_s) < UNHOOKED_STEPS and len(self._steps) + 1 >= self.every
+                and plan is not None and bool(plan.evictions) and trace is not None and bool(trace.segments))
 
     def add(self, rep: StepReport, trace: Trace) -> tuple[Trace, Hardware | None] | None:
         """``rep`` ran ``trace``. Every ``every`` steps: the trace re-timed from them, and the
-        hardware with the host's costs fitted (None where they are not fitted); else None."""
+        hardware with the host's costs fitted (None where they are neither fitted nor measured
+        beside the hooks); else None. A step that timed the compute unhooked is kept for that."""
+        if rep.mode == "timing":
+            self.unhooked_s.append(rep.step_s)
+            return None
         if rep.gaps_s is not None:
             self._steps.append(rep)
             self._host.append(rep)
         if len(self._steps) < self.every:
             return None
         retimed = timed_by_execution(trace, self._steps)
+        if self.unhooked_s and self.hook_gap_s is None:  # the least of them: noise only adds
+            self.hook_gap_s = max(0.0, retimed.ideal_s - min(self.unhooked_s)) / max(retimed.n_events, 1)
+        # the fastest of these steps (noise and the first steps' one-off costs only add), and as it
+        # would have run without hooks: less the hooks' own time and what they cost the compute
+        self.fastest_s = min(r.measured_s for r in self._steps)
+        self.fastest_unhooked_s = (min(r.measured_s - (r.hook_s or 0.0) for r in self._steps)
+                                   - (self.hook_gap_s or 0.0) * trace.n_events)
         self._steps = []
         self.every = min(2 * self.every, max(RETIME_EVERY_MOST, self.first))
+        self.retimings += 1
         fitted = fitted_host_costs(self.given, list(self._host), retimed.n_events) if self.fit_host else None
+        if self.hook_gap_s:  # the gaps as the compute alone runs them; each hooked event pays the rest
+            retimed = retimed.with_timing([max(g - self.hook_gap_s, 0.0) for g in retimed.gaps.tolist()],
+                                          retimed.tail_compute_s, hook_gap_s=self.hook_gap_s)
+            fitted = replace(fitted or self.given, hook_cost_s=(fitted or self.given).hook_cost_s + self.hook_gap_s)
         return retimed, fitted
 
     def forget(self) -> None:

@@ -62,37 +62,39 @@ UNHOOK_AFTER = 2
 class PolicyRuntime(TwoStages):
     """Executes a swap plan in real training; see the module docstring.
 
-    ``budget``: ``"60%"`` of the profiled activation peak, or bytes (``"6GiB"``). ``policy``: the object that plans (anything
-    with ``plan(trace, budget, hardware) -> SwapPlan``; names such as ``"default"`` are resolved by ``swapsched.SwapRuntime``
-    or ``swapsched.get_policy``, one layer up); ``None`` plans nothing: every tensor stays until a plan is given with
-    ``use_plan``. ``hardware``: the profile the policy plans for (default: ``cpu-emulated`` on the CPU backend, ``h100-pcie5``
-    on CUDA; best: one written by ``swapsched calibrate``). ``backend``: ``"cuda"``, ``"cpu"`` or ``None`` (CUDA when
-    available). ``bandwidth``: throttle of the CPU backend's copy engines, bytes/s; without ``hardware`` the plan is made for
-    that link. ``min_bytes``: saved tensors smaller than this always stay (the plan's evictions of them are dropped before it
-    runs, which can leave the guard work to do; by default nothing is dropped, since policies already weigh each copy's
-    latency). ``model``/``optimizer``: counted in ``static_bytes`` (parameters, gradients, optimizer state), so that budgets
-    cover the whole device; without them the budget covers the saved activations alone. With both and a byte budget no plan of
-    the activations alone meets, the policy places the training state too and the runtime moves it (R13-R17,
-    ``state_mover.py``): the user's ``optimizer.step()`` steps host-placed groups on the host. With ``model`` the profiling
-    steps also record each saved tensor's module, so the policy may recompute blocks (R9): a plan that does runs those blocks
-    under ``torch.utils.checkpoint`` (see ``runtime/recompute.py``), profiles the steps again as they now run, and has the
-    policy plan the swaps of what the blocks leave saved. ``profile_steps``: steps run under ``save_on_cpu`` semantics before
-    planning; the trace takes each gap's median over them (the first step of a process pays one-off costs, allocator growth
-    and kernel selection, that later steps do not). ``retime_steps``: on the CPU backend, after this many executed steps the
-    trace's gaps are re-measured from them, the policy plans again on them (a plan given by ``use_plan`` stays) and the
-    prediction is redone; later the gaps are re-measured at intervals that double (to ``retime.RETIME_EVERY_MOST``) and the
-    prediction follows (the plan stays). With a ``hardware`` that has no host costs (the shipped profiles), the host's costs are fitted from the executed
-    steps at the same points (``fitted_host_costs``). 0: keep the profiled timing. ``audit``: measure the memory really held,
-    independently of the accounting, into ``report().measured_peak_bytes`` (on the CPU backend a finalizer per saved storage:
-    slower). ``strict``: a step that leaves the profiled trace raises :class:`DivergenceError` where it leaves it, instead of
-    finishing on demand and profiling again (``report().divergence`` says where either way). ``background_planning``: a shape
-    after the first one planned runs at once on a plan borrowed from its family (the one the simulator times fastest on its
-    trace), while the policy plans it on a thread; its plan is used from the first step that starts after it is ready
-    (:meth:`wait_for_plans` waits for them). False: the policy plans it between steps. ``disk``: R19, a directory on a local
-    drive where plans rest the optimizer state the ``host_budget`` cannot hold (``disk_budget`` bytes: ``with_disk``).
-    Only what the runtime owns is evicted. Storages the profiling steps find alive after autograd let go of them (the caller's
-    inputs and outputs, module buffers) stay resident; their bytes are counted once, in the trace's ``static_bytes``, and
-    reported as ``unowned_bytes``. Autocast's casts of parameters are made again where backward reads them (R12, casts.py).
+    ``budget``: ``"60%"`` of the profiled activation peak, or bytes (``"6GiB"``). ``policy``: the object that plans
+    (anything with ``plan(trace, budget, hardware) -> SwapPlan``; names such as ``"default"`` are resolved by
+    ``swapsched.SwapRuntime`` or ``swapsched.get_policy``, one layer up); ``None`` plans nothing: every tensor stays until a
+    plan is given with ``use_plan``. ``hardware``: the profile the policy plans for (default: ``cpu-emulated`` on the CPU
+    backend, ``h100-pcie5`` on CUDA; best: one written by ``swapsched calibrate``). ``backend``: ``"cuda"``, ``"cpu"`` or
+    ``None`` (CUDA when available). ``bandwidth``: throttle of the CPU backend's copy engines, bytes/s; without ``hardware``
+    the plan is made for that link. ``min_bytes``: saved tensors smaller than this always stay (the plan's evictions of them
+    are dropped before it runs, which can leave the guard work to do; by default nothing is dropped, since policies already
+    weigh each copy's latency). ``model``/``optimizer``: counted in ``static_bytes`` (parameters, gradients, optimizer
+    state), so that budgets cover the whole device; without them the budget covers the saved activations alone. With both
+    and a byte budget no plan of the activations alone meets, the policy places the training state too and the runtime moves
+    it (R13-R17, ``state_mover.py``): the user's ``optimizer.step()`` steps host-placed groups on the host. With ``model``
+    the profiling steps also record each saved tensor's module, so the policy may recompute blocks (R9): a plan that does
+    runs those blocks under ``torch.utils.checkpoint`` (see ``runtime/recompute.py``), profiles the steps again as they now
+    run, and has the policy plan the swaps of what the blocks leave saved. ``profile_steps``: steps run under
+    ``save_on_cpu`` semantics before planning; the trace takes each gap's median over them (the first step of a process pays
+    one-off costs, allocator growth and kernel selection, that later steps do not). ``retime_steps``: on the CPU backend,
+    executed steps re-time the trace after this many (the policy plans again on it; a plan given by ``use_plan`` stays),
+    then at intervals that double (the prediction follows); with a ``hardware`` that has no host costs (the shipped
+    profiles) they fit those too (``fitted_host_costs``). ``tune``: on the CPU backend, before the first re-timing two steps
+    run the compute without hooks, timed and unbudgeted (report mode ``"timing"``: what the hooks cost, DESIGN R1), and the
+    policy's plan on the re-timed steps is on trial against the plan before it: the faster measured one stays (False:
+    neither). 0: keep the profiled timing. ``audit``: measure the memory really held, independently of the accounting, into
+    ``report().measured_peak_bytes`` (on the CPU backend a finalizer per saved storage: slower). ``strict``: a step that
+    leaves the profiled trace raises :class:`DivergenceError` where it leaves it, instead of finishing on demand and
+    profiling again (``report().divergence`` says where either way). ``background_planning``: a shape after the first one
+    planned runs at once on a plan borrowed from its family (the one the simulator times fastest on its trace), while the
+    policy plans it on a thread; its plan is used from the first step that starts after it is ready (:meth:`wait_for_plans`
+    waits for them). False: the policy plans it between steps. ``disk``: R19, a directory on a local drive where plans rest
+    the optimizer state the ``host_budget`` cannot hold (``disk_budget`` bytes: ``with_disk``). Only what the runtime owns
+    is evicted. Storages the profiling steps find alive after autograd let go of them (the caller's inputs and outputs,
+    module buffers) stay resident; their bytes are counted once, in the trace's ``static_bytes``, and reported as
+    ``unowned_bytes``. Autocast's casts of parameters are made again where backward reads them (R12, casts.py).
     """
 
     def __init__(self, budget: str | int = "60%", policy: Policy | None = None, hardware: Hardware | str | None = None,
@@ -101,8 +103,8 @@ class PolicyRuntime(TwoStages):
                  profile_steps: int = 3, retime_steps: int = 3, audit: bool = False, strict: bool = False,
                  background_planning: bool = True, host_budget: str | int | None = None, unhook: bool = True,
                  quick_policy: Policy | None = None, disk: str | Path | None = None,
-                 disk_budget: str | int | None = None):
-        self.strict = bool(strict)
+                 disk_budget: str | int | None = None, tune: bool = True):
+        self.strict, self.tune = bool(strict), bool(tune)
         self.unhook = bool(unhook)  # a plan that moves nothing may run without hooks (may_unhook)
         # the budget in bytes per shape (budgets.py); "device" (CUDA) is resolved at the first step
         budgets = ShapeBudgets(budget)  # malformed: fails here
@@ -171,6 +173,7 @@ class PolicyRuntime(TwoStages):
         self._exec: StepExecution | None = None
         # the executing plan's trace was re-timed from executed steps (the trace's meta counts them)
         self._retimed = False
+        self._timing = False  # this step runs the plan's compute without hooks, timed (ExecutedSteps.times_compute)
 
     # ------------------------------------------------------------------ what the plans hold
     @property
@@ -233,6 +236,7 @@ class PolicyRuntime(TwoStages):
                           device_timed=not self.backend.emulated and self.retime_steps > 0 and self.trace is not None
                           and not self._retimed, layout=self.layout, host=self, state=self.mover,
                           gradients_born=self.state.counts_gradients_from_birth)
+        self._timing = self.phase is Phase.RETIME and self._times_compute()
         ex: StepExecution = ProfileStep(frame) if self.phase is Phase.PROFILE else ExecuteStep(frame)
         self._exec = ex
         mover = self.mover
@@ -258,10 +262,11 @@ class PolicyRuntime(TwoStages):
         self.backend.synchronize()
         step_s = time.perf_counter() - t0
         rep = ex.report(step_s)
+        if self._timing and rep.unhooked:  # R1: the compute alone, unbudgeted (the emulated device's memory is the host's)
+            rep = replace(rep, mode="timing", predicted_step_s=None, peak_device_bytes=None, plan_followed=False)
         if mover is not None and self.trace is not None:
             rep = replace(rep, state=mover.report(self.trace.state))
-        self._report = replace(rep, run=self._tally.add(rep, budget_bytes=self.budget_bytes, budget_spec=self.budget_spec,
-                                                        shapes=len(self.layouts)))
+        self._report = replace(rep, run=self._tally.add(rep, budget_bytes=self.budget_bytes, budget_spec=self.budget_spec, shapes=len(self.layouts)))
         t_after = time.perf_counter()
         self._after_step(ex)
         self._report = replace(self._report, planning_s=installing_s + ex.planning_s + time.perf_counter() - t_after)
@@ -273,13 +278,13 @@ class PolicyRuntime(TwoStages):
 
     def may_unhook(self, layout: PlanLayout) -> bool:
         """Whether a step of ``layout``'s shape may run without hooks once its first saved tensor
-        confirms the shape: its plan moves nothing, the trace was re-timed once (later re-timing
+        confirms the shape: its plan moves nothing and is not on trial, the trace was re-timed once (later re-timing
         only follows the host's costs, which such a step does not pay), nobody asked to watch
         (``audit``, ``strict``, ``unhook=False``: what measures the hooks themselves), it saves no cast of a weight (R12:
         unhooked, autograd would hold each to backward), and ``UNHOOK_AFTER`` steps of the shape ran it as planned."""
-        return (self.unhook and not self.audit and not self.strict and (self._retimed or not self.retime_steps) and not
+        return self._timing or (self.unhook and not self.audit and not self.strict and (self._retimed or not self.retime_steps) and not
                 layout.plan.evictions and not layout.plan.state and not layout.trace.meta.get("recasts")
-                and self.plans.followed(layout) >= UNHOOK_AFTER)
+                and self.plans.followed(layout) >= UNHOOK_AFTER and self._tried is None)
 
     def take_hooks_off(self) -> None:
         """Take the step's hooks off (from inside its first pack: they are the innermost ones)."""
@@ -291,7 +296,7 @@ class PolicyRuntime(TwoStages):
         if isinstance(ex, ExecuteStep) and ex.profile is None:
             if not rep.unhooked:
                 self.plans.note_followed(ex.layout, rep.plan_followed and rep.guard_evictions == 0 and not ex.diverged)
-            if not ex.diverged:
+            if not ex.diverged and rep.mode == "execute":
                 self.plans.note_times(ex.layout, rep)
         if isinstance(ex, ProfileStep):
             if ex.trace is not None:
@@ -339,9 +344,8 @@ class PolicyRuntime(TwoStages):
         on_every_rank(self.state.distributed, lambda: self._plan_profiled(profiled))
 
     def _after_new_shape(self, profiled: ProfileStep) -> None:
-        """A shape no plan was made for, profiled in the step that showed it: planned now, from
-        this one profile (the first steps' one-off costs are paid), and kept with the other
-        shapes' plans."""
+        """A shape no plan was made for, profiled in the step that showed it: planned now, from this one profile
+        (the first steps' one-off costs are paid), and kept with the other shapes' plans."""
         if profiled.trace is None:
             return
         trace = self.state.with_state(profiled.trace)
@@ -351,9 +355,8 @@ class PolicyRuntime(TwoStages):
         try:
             self.plans.budgets.of(trace)
         except BudgetError:
-            # refused: the step ran on the host (profiling), so nothing but its gradients is left
-            # of it; those are put back as they were, so that the model, the optimizer (it has not
-            # stepped) and this runtime are as if the step had never come
+            # refused: the step ran on the host (profiling), so only its gradients are left of it; put back, the model,
+            # the optimizer (it has not stepped) and this runtime are as if the step had never come
             self._grads.restore()
             raise
         self._grads.drop()
@@ -373,21 +376,18 @@ class PolicyRuntime(TwoStages):
         self._profile_again(steps=1)
 
     def _after_retime_step(self) -> None:
-        """Every ``retime_steps`` executed steps: the trace's gaps from them (and the host's costs,
-        where fitted); the first time the policy plans again on them, later only the prediction
-        follows."""
-        due = self._executed.add(present(self._report, "the report of the step that just ran"),
-                                 present(self.trace, "the trace of the executing plan"))
-        if due is None:
+        """At each re-timing (``ExecutedSteps``): the gaps and host costs as the steps ran; the policy may plan again."""
+        if (due := self._executed.add(present(self._report, "the last step's report"), present(self.trace, "the trace"))) is None:
             return
         retimed, fitted = due
         if fitted is not None:
             self.plans.hardware = fitted
+        if self._keep_the_faster():
+            return
         if not self._retimed and self._policy_planned:
-            self._plan_from(retimed, retimed=True)  # once: the policy plans again, on the compute as it runs
+            self._plan_again_on(retimed)
         else:
-            # the plan stays (a plan given by use_plan always does); its prediction follows the
-            # compute and the host's costs as the latest steps ran them
+            # the plan stays (use_plan's always does); its prediction follows the compute and host costs as they ran
             self.trace, self._retimed = retimed, True
             self._adopt(present(self.plan, "the executing plan"))
 

@@ -24,12 +24,18 @@ if TYPE_CHECKING:
     from swapsched.env.result import SimResult
     from swapsched.hardware import Hardware
     from swapsched.policy import Policy
+    from swapsched.runtime.backends import Backend
     from swapsched.runtime.plans import ShapePlans
     from swapsched.runtime.recompute import BlockCheckpoints
     from swapsched.runtime.retime import ExecutedSteps
     from swapsched.runtime.state_plans import RuntimeState
 
-__all__ = ["TwoStages"]
+__all__ = ["TwoStages", "KEEP_SLOWER"]
+
+#: How much slower than the plan before it the policy's plan on the re-timed trace may measure
+#: before the plan before comes back (``TwoStages._keep_the_faster``): the rounds' noise on this
+#: machine is a few percent
+KEEP_SLOWER = 0.03
 
 
 class TwoStages:
@@ -43,14 +49,22 @@ class TwoStages:
     plans: ShapePlans
     blocks: BlockCheckpoints | None
     profile_steps: int
+    retime_steps: int
+    tune: bool  # measure before committing: the compute without hooks, and the policy's re-plan on trial
+    unhook: bool
+    audit: bool
+    strict: bool
+    backend: Backend
     _profiled: int
     _profiles: list[tuple[Trace, dict[int, int]]]
     _executed: ExecutedSteps
     _policy_planned: bool
+    _retimed: bool
     _rebuilt: dict[str, int]
     _unwrapped_trace: Trace | None
     _unwrapped_first_sight: dict[int, int]
     _given: tuple[Trace, SwapPlan] | None
+    _tried: tuple[SwapPlan, float] | None = None  # the plan before the policy planned again, and its fastest step
     state: RuntimeState
     @property
     def policy(self) -> Policy | None:
@@ -156,6 +170,54 @@ class TwoStages:
         plan = self.policy.plan(unwrapped.with_segments(lambda sg: False), budget, self.hardware)
         self._policy_planned = True
         self._adopt(without_small(plan, unwrapped, self.min_bytes))
+        return True
+
+    def _times_compute(self) -> bool:
+        """Whether the next step runs the plan's compute without hooks (``ExecutedSteps.times_compute``):
+        on the emulated device, tuning, with the hooks free to come off (nothing watching, no state
+        mover) and the model's blocks, none checkpointed yet."""
+        return self._executed.times_compute(self.plan, self.trace, self.backend.emulated and self.tune and self.unhook and not (
+            self.audit or self.strict or self.state.mover is not None or self.blocks is None or self.blocks.names))
+
+    @property
+    def settled(self) -> bool:
+        """Whether the steps now run the plan the runtime keeps: re-timed from executed steps (the
+        policy planned again on them, or its plan stayed), with no plan on trial against the one
+        before (``_keep_the_faster``); without re-timing (``retime_steps=0``), planned."""
+        return self.layout is not None and (self._retimed or not self.retime_steps) and self._tried is None
+
+    def _plan_again_on(self, retimed: Trace) -> None:
+        """At a re-timing of a plan the policy made before any: it plans again on the compute as it
+        ran. At the run's first re-timing the plan before is kept with its measured step, for the
+        new plan's steps to be measured against (``_keep_the_faster``)."""
+        before, measured = self.plan, self._executed.fastest_s
+        self._plan_from(retimed, retimed=True)
+        # (a plan before that recomputes ran on other steps: R9's, not comparable this way)
+        if (self.tune and self._executed.retimings == 1 and before is not None and measured is not None and self.plan != before
+                and not (before.recompute or before.selective)):
+            self._tried = (before, measured)
+            self._executed.forget()  # on trial after as many steps as the first plan was (not the doubled interval)
+
+    def _keep_the_faster(self) -> bool:
+        """At a re-timing after the policy planned again on the compute as it ran (``_tried``: the
+        plan before, with its measured step): where the new plan's steps (R9's blocks checkpointed
+        and its swaps planned on what they save, if it recomputes) take longer than the plan before
+        took by more than ``KEEP_SLOWER``, the plan before is back, with no block checkpointed.
+        True where it is. *Why:* the simulator can rank two plans wrongly (a recompute's live cost
+        beyond its forward's: RESULTS session 31); what both measured is the answer."""
+        tried, self._tried = self._tried, None
+        plan, ran = self.plan, self._executed
+        if tried is None or plan is None or ran.fastest_s is None or ran.fastest_unhooked_s is None:
+            return False
+        before, before_s = tried
+        # a plan that moves nothing runs without hooks from its next steps on (may_unhook)
+        now_s = ran.fastest_unhooked_s if not (plan.evictions or plan.state) else ran.fastest_s
+        if now_s <= before_s * (1 + KEEP_SLOWER) or plan == before:
+            return False
+        if self.blocks is not None and self.blocks.names:
+            self._unwrap()  # the trace as the plan before ran, re-timed
+        self._policy_planned, self._retimed = False, True  # kept: later re-timings only follow its prediction
+        self._adopt(before)
         return True
 
     def _unwrap(self) -> None:

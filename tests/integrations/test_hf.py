@@ -30,7 +30,7 @@ def _trainer(tmp_path, name, accumulate=1, **args):
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_one_line_trains_bit_identically_and_swaps(tmp_path, accumulate):
     plain, swapped = _trainer(tmp_path, "plain", accumulate), _trainer(tmp_path, "swapped", accumulate)
-    runtime = swap_trainer(swapped, budget="60%", policy="min", backend="cpu", min_bytes=0)  # the one line
+    runtime = swap_trainer(swapped, budget="60%", policy="min", backend="cpu", min_bytes=0, tune=False)  # the one line
     plain.train()
     swapped.train()
     rep = runtime.report()

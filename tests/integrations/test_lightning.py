@@ -54,7 +54,7 @@ def _fit(callbacks, accumulate=1, compile_with=None):
 def test_one_callback_trains_bit_identically_and_swaps(accumulate):
     # every tensor swapped: with one batch a step, the step's fullest moment is AdamW's step inside
     # Lightning's closure (its temporaries, R3), where nothing saved is left to move
-    swap = SwapCallback(budget="100%", policy="swap-all", backend="cpu", min_bytes=0)
+    swap = SwapCallback(budget="100%", policy="swap-all", backend="cpu", min_bytes=0, tune=False)
     plain, swapped = _fit([], accumulate), _fit([swap], accumulate)
     rep = swap.runtime.report()
     assert rep.mode == "execute" and rep.evicted_bytes > 0 and rep.peak_device_bytes <= rep.budget_bytes

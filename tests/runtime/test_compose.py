@@ -25,7 +25,7 @@ def test_evaluation_under_no_grad_between_steps_changes_nothing():
             model(*x)
         return loss
 
-    rt = SwapRuntime(budget="50%", policy="min", backend="cpu", min_bytes=0, model=a.model)
+    rt = SwapRuntime(budget="50%", policy="min", backend="cpu", min_bytes=0, model=a.model, tune=False)
     try:
         assert [r.mode for r in train_together(a.model, b.model, rt, 7, run)] == ["profile"] * 3 + ["execute"] * 4
         assert rt.report().evicted_bytes > 0
@@ -45,7 +45,7 @@ def test_a_step_in_eval_mode_diverges_finishes_on_demand_and_says_where():
         loss.backward()
         return loss
 
-    rt = SwapRuntime(budget="60%", policy="min", backend="cpu", min_bytes=0, model=a.model, profile_steps=1)
+    rt = SwapRuntime(budget="60%", policy="min", backend="cpu", min_bytes=0, model=a.model, profile_steps=1, tune=False)
     try:
         reports = train_together(a.model, b.model, rt, 8, run)
         assert [r.mode for r in reports][3:] == ["execute", "diverged", "profile", "execute", "execute"]
@@ -85,7 +85,7 @@ def test_torch_compile_per_block_swaps_between_blocks_with_identical_gradients()
 def test_torch_compile_of_the_whole_model_is_refused_below_its_floor_with_what_to_do():
     a = build_model("mlp", "small", seed=1)
     model = torch.compile(a.model)
-    rt = SwapRuntime(budget="50%", policy="min", backend="cpu", min_bytes=0, model=a.model)
+    rt = SwapRuntime(budget="50%", policy="min", backend="cpu", min_bytes=0, model=a.model, tune=False)
     try:
         with pytest.raises(BudgetError, match="compile its blocks separately"):
             for _ in range(4):
@@ -172,7 +172,8 @@ def test_a_step_with_no_backward_diverges_at_its_end_and_training_goes_on_identi
             loss.backward()
         return loss
 
-    rt = SwapRuntime(budget="70%", policy="min", backend="cpu", min_bytes=0, model=a.model, profile_steps=1)
+    rt = SwapRuntime(budget="70%", policy="min", backend="cpu", min_bytes=0, model=a.model, profile_steps=1,
+                     tune=False)
     try:
         for m in (a.model, b.model):  # step 4 leaves no gradient to compare: start with zeros
             for p in m.parameters():

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from swapsched.plan import Eviction, SwapPlan
 from swapsched.runtime.reports import StepReport
 from swapsched.runtime.retime import RETIME_EVERY_MOST, ExecutedSteps, median_trace
 from tests.conftest import make_hw, make_trace
@@ -42,14 +45,19 @@ def test_on_several_ranks_median_trace_keeps_each_gaps_most_other_bytes_over_the
     assert [e.other_bytes for e in two.events] == [1, 3, 2, 8]
 
 
+def _executed(gap: float, mode: str = "execute") -> StepReport:
+    """A step of ``_step``'s trace that ran with ``gap`` s gaps and tail (5 gap s in all); a
+    "timing" step ran the compute without hooks (no gaps), in ``gap`` s."""
+    timing = mode == "timing"
+    return StepReport(step=0, mode=mode, step_s=gap if timing else 5 * gap, stall_s=0.0, predicted_step_s=None,
+                      evicted_bytes=0, prefetched_bytes=0, on_demand_bytes=0, peak_device_bytes=0, budget_bytes=0,
+                      plan_followed=not timing, guard_evictions=0, kept_small=0, hook_s=None if timing else 0.0,
+                      gaps_s=None if timing else (gap,) * 4, tail_s=None if timing else gap, unhooked=timing)
+
+
 def test_executed_steps_re_time_after_the_first_interval_then_at_doubling_ones_until_a_new_trace():
     trace = _step(1.0)
-
-    def executed(gap: float) -> StepReport:
-        return StepReport(step=0, mode="execute", step_s=5 * gap, stall_s=0.0, predicted_step_s=None, evicted_bytes=0,
-                          prefetched_bytes=0, on_demand_bytes=0, peak_device_bytes=0, budget_bytes=0, plan_followed=True,
-                          guard_evictions=0, kept_small=0, hook_s=0.0, gaps_s=(gap,) * 4, tail_s=gap)
-
+    executed = _executed
     steps = ExecutedSteps(2, make_hw(), fit_host=False)
     due = [k for k in range(1, 31) if steps.add(executed(float(k)), trace) is not None]
     assert due == [2, 6, 14, 30]  # after 2, then 4, 8 and 16 more
@@ -65,3 +73,38 @@ def test_executed_steps_re_time_after_the_first_interval_then_at_doubling_ones_u
     long = ExecutedSteps(64, make_hw(), fit_host=False)
     due = [k for k in range(1, 64 + 96 + 96 + 1) if long.add(executed(1.0), trace) is not None]
     assert due == [64, 64 + RETIME_EVERY_MOST, 64 + 2 * RETIME_EVERY_MOST]
+
+
+def test_steps_run_without_hooks_give_what_the_hooks_cost_the_compute_and_the_gaps_without_it():
+    # R1, "hooked gaps": the plan's steps ran with 1 s gaps and tail (5 s of compute under the
+    # hooks, 4 events); two steps of its compute without hooks took 3.4 and 3.0 s (the least
+    # counts). The hooks cost the compute (5 - 3) / 4 = 0.5 s an event: the gaps are 0.5 s each,
+    # and each event that passes the hooks pays 0.5 s more than the hooks' own time
+    trace = make_trace([100, 100], [("pack", 0, 1.0), ("pack", 1, 1.0), ("unpack", 1, 1.0), ("unpack", 0, 1.0)],
+                       tail=1.0, modules=["blk.0.ln", "blk.0.fc"])  # a block: a plan could recompute it
+    assert trace.segments
+    plan = SwapPlan.of(trace, "evict-t0", [Eviction(0, 0, 2)])
+    timing = _executed(3.4, mode="timing")
+
+    steps = ExecutedSteps(3, make_hw(), fit_host=False)
+    assert not steps.times_compute(plan, trace, allowed=True)  # just before the first re-timing, not at once
+    steps.add(_executed(1.0), trace)
+    assert not steps.times_compute(plan, trace, allowed=True)
+    steps.add(_executed(1.0), trace)
+    assert steps.times_compute(plan, trace, allowed=True)
+    assert not steps.times_compute(plan, trace, allowed=False)  # watched, a state mover, blocks checkpointed, CUDA
+    assert not steps.times_compute(SwapPlan.of(trace, "keep", []), trace, allowed=True)  # it runs without hooks anyway
+    assert not steps.times_compute(plan, trace.with_segments(lambda sg: False), allowed=True)  # nothing to recompute
+    assert steps.add(timing, trace) is None and steps.add(replace(timing, step_s=3.0), trace) is None
+    assert not steps.times_compute(plan, trace, allowed=True)  # two of them
+    retimed, hardware = steps.add(_executed(1.0), trace)  # type: ignore[misc]
+    assert steps.hook_gap_s == pytest.approx(0.5)
+    assert retimed.gaps.tolist() == pytest.approx([0.5] * 4) and retimed.tail_compute_s == pytest.approx(1.0)
+    assert hardware is not None and hardware.hook_cost_s == pytest.approx(0.5)
+    # the plan's steps measured 5 s each; without hooks they would have taken 5 - 4 x 0.5 = 3 s
+    assert steps.fastest_s == pytest.approx(5.0) and steps.fastest_unhooked_s == pytest.approx(3.0)
+    # once measured, it holds for later re-timings (the next after 6 steps); no more steps without hooks
+    for _ in range(6):
+        assert not steps.times_compute(plan, trace, allowed=True)
+        due = steps.add(_executed(1.0), trace)
+    assert due is not None and due[0].gaps.tolist() == pytest.approx([0.5] * 4)

@@ -432,7 +432,7 @@ def test_a_shape_refused_under_a_byte_budget_leaves_model_optimizer_and_runtime_
         model = Net()
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         losses = []
-        with SwapRuntime(budget=budget, policy="min", backend="cpu", model=model) as rt:
+        with SwapRuntime(budget=budget, policy="min", backend="cpu", model=model, tune=False) as rt:
             for i in range(6):
                 if long_batch and i == 4:
                     with pytest.raises(BudgetError, match="needs more"), rt.step():

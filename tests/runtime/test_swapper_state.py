@@ -126,7 +126,7 @@ def test_a_byte_budget_the_activations_meet_keeps_its_plan_when_a_step_begins_wi
     # that begins with gradients (accumulating) changes nothing there, and is not profiled again
     budget = floors["static"] + 2 * floors["room"]
     a, b, opt_a, opt_b = _pair()
-    with SwapRuntime(budget=budget, policy="default", model=a.model, optimizer=opt_a, backend="cpu") as rt:
+    with SwapRuntime(budget=budget, policy="default", model=a.model, optimizer=opt_a, backend="cpu", tune=False) as rt:
         for i in range(7):
             _step_both(rt, a, b, i)
             if i >= 3:
