@@ -9,7 +9,8 @@ profile, 1 GB/s emulated link, no calibration; ``--hardware``: a calibrated prof
 and optimizer (``sgd``, or ``adamw``: with a byte budget below the activations' floor the state
 moves, R13). The prediction is the one the runtime reports for its first executed step, made
 from the profiling steps alone (before any re-timing from executed steps); the measurement is the
-median of the executed steps that run that same plan (those before the first re-timing). Each
+median of the executed steps that run that same plan (those before the first re-timing), each with
+the optimizer's step after it where the prediction includes it (``StepReport.measured_s``). Each
 case runs ``--repeats`` times, one after another; the error is prediction / measurement - 1.
 Target (issue 55): within 10%. Writes JSON and prints a table.
 """
