@@ -19,6 +19,7 @@ for the trace (``RuntimeState.with_state``) and reports each step's.
 from __future__ import annotations
 
 import statistics
+import weakref
 from typing import Any
 
 import torch
@@ -41,13 +42,25 @@ class OptimizerSteps:
         self._start: Any = None  # the running step's first mark
         self._last: tuple[Any, Any] | None = None  # the latest step's marks, not yet read
         self._last_s: float | None = None
-        self._handles = [register_optimizer_step_pre_hook(self._pre), register_optimizer_step_post_hook(self._post)]
+        # the process-wide hooks hold this object weakly: a runtime dropped without close() leaves
+        # them doing nothing, not keeping its optimizer alive
+        me = weakref.ref(self)
 
-    def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        def pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            if (steps := me()) is not None:
+                steps._pre(optimizer)
+
+        def post(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            if (steps := me()) is not None:
+                steps._post(optimizer)
+
+        self._handles = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
+
+    def _pre(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer is self.optimizer:
             self._start = self.backend.mark()
 
-    def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _post(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer is self.optimizer and self._start is not None:
             self._last, self._start, self._last_s = (self._start, self.backend.mark()), None, None
 

@@ -61,6 +61,17 @@ def test_the_rate_is_the_parameters_over_the_steps_after_the_first(backend):
     assert steps.last_s() is None  # removed: no longer timed
 
 
+def test_steps_dropped_without_remove_keep_nothing_alive(backend):
+    import gc
+    import weakref
+
+    opt = Sleepy([torch.nn.Parameter(torch.zeros(10))], [0.0])
+    gone = weakref.ref(OptimizerSteps(opt, backend))  # never removed: its hooks stay registered
+    gc.collect()
+    assert gone() is None
+    opt.step()  # the hooks find nothing and do nothing
+
+
 def test_the_optimizers_own_hooks_are_inside_its_time_and_where_it_stepped_is_kept(backend):
     opt = Sleepy([torch.nn.Parameter(torch.zeros(100))], [0.0])
     opt.register_step_post_hook(lambda *a: time.sleep(0.1))  # as the state mover's copies back are
