@@ -8,7 +8,8 @@ Formulation (indices are events; gap *j* is the compute before event *j*, R1):
 
 - ``G_j``: ideal start of gap *j* (sum of the earlier gaps, each with the hooks' own cost where
   every plan bounded pays it: swap-only plans where some bytes must move, as the simulator
-  charges it; none where a block may be recomputed, whose members pay none). ``S_j >= 0``: stall accumulated before gap *j* starts, non-decreasing in
+  charges it; none where a block may be recomputed: such a plan may move nothing, and pay none).
+  ``S_j >= 0``: stall accumulated before gap *j* starts, non-decreasing in
   *j* (stalls happen at events and are never undone). Gap *j* starts at ``G_j + S_j`` and ends at
   ``G_{j+1} + S_j``; event *j* completes at ``G_{j+1} + S_{j+1}``.
 - ``e[k, j]`` in {0, 1}: tensor *k* is off the device when gap *j* starts. Allowed only where

@@ -31,8 +31,9 @@ def analytic_floor(trace: Trace, budget: int, hardware: Hardware) -> float:
 def _floor_terms(trace: Trace, budget: int, hardware: Hardware, swaps_only: bool) -> tuple[np.ndarray, ...]:
     """Per gap *j*, what both floors start from: the gaps, the compute before *j* and from *j* on,
     and ``must_j``, the bytes that must be off the device. Each gap has the hooks' cost only where
-    every plan bounded pays it (the simulator's ``Simulation._hooked``): plans of swaps alone (``swaps_only``)
-    where some bytes must move; a plan that moves nothing, and a recomputed block's members, pay none."""
+    every plan bounded pays it (the simulator's ``Simulation._hook_cost``): plans of swaps alone
+    (``swaps_only``) where some bytes must move; a plan that moves nothing pays none, and one that
+    recomputes blocks may move nothing."""
     demand = trace.static_bytes + trace.other_bytes + trace.resident_bytes_no_swap
     must = np.maximum(demand - budget, 0).astype(np.float64)
     gaps = trace.gaps + (hardware.hook_cost_s if swaps_only and must.max(initial=0.0) > 0 else 0.0)

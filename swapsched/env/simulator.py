@@ -77,9 +77,9 @@ class Simulation:
         self.h2d_bytes = 0
         self.next_event = 0
         self.oom_event: int | None = None
-        # R6/R8: the runtime's hooks cost each event that passes them (``_hooked``, set as the step starts)
+        # R6/R8: what the runtime's hooks cost each event (``_hook_cost``, set as the step starts)
         self.hook = hardware.hook_cost_s
-        self.hook_at: list[float] = []
+        self.hook_now: float | None = None
         # host costs of the copies: owed as they arise (an admission may happen in a drain) and
         # paid by the compute thread before it next computes or waits
         self.issue = hardware.copy_issue_s
@@ -337,20 +337,18 @@ class Simulation:
         self.host_debt = 0.0
 
     # ------------------------------------------------------------------ the event loop
-    def _hooked(self) -> list[float]:
+    def _hook_cost(self) -> float:
         """What the runtime's hooks cost each event: nothing where the plan moves nothing (the
-        runtime runs it without hooks), else the hooks' cost at every event. (A recomputed
-        block's members never pass the runtime's hooks, R9; charged all the same, see DESIGN
-        R6/R8 "the hooks' cost".)"""
-        tb, st = self.tb, self.st
-        moves = any(self.out_at) or (st is not None and any(w != "device" for w in st.where))
-        return [self.hook if moves else 0.0] * tb.n
+        runtime runs it without hooks). (A recomputed block's members never pass the runtime's
+        hooks, R9; charged all the same, see DESIGN R6/R8 "the hooks' cost".)"""
+        st = self.st
+        return self.hook if any(self.out_at) or (st is not None and any(w != "device" for w in st.where)) else 0.0
 
     def run_until(self, stop: int) -> None:
         """Process events ``next_event .. stop-1`` (R4, R5)."""
         tb = self.tb
-        if not self.hook_at:
-            self.hook_at = self._hooked()
+        if self.hook_now is None:
+            self.hook_now = self._hook_cost()
         stop = min(stop, tb.n)
         loc = self.loc
         while self.next_event < stop and self.oom_event is None:
@@ -364,7 +362,7 @@ class Simulation:
                 return
             if self.host_debt:
                 self._pay_host()
-            gap = tb.gaps[i] + self.hook_at[i]
+            gap = tb.gaps[i] + self.hook_now
             if self.record:
                 self._compute.append((self.t, self.t + gap))
             self.t += gap
