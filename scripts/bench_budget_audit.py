@@ -2,7 +2,7 @@
 accounted peak beside two meters, against the budget. ``audit`` is the runtime's own
 (``SwapRuntime(audit=True)``: the transient meter over each executing step, every storage an op
 makes, plus the state and the model's static bytes); ``device`` is ``swapsched run --compare``'s
-independent meter (``run.DeviceMeter``: every storage any op makes in the step, whoever holds it,
+independent meter (``device_meter.DeviceMeter``: every storage any op makes in the step, whoever holds it,
 plus the caller's batch, made before the step). Both see what backward holds beyond the saved
 tensors (R3). Each meter's figure is its largest over the executed steps. Writes JSON and prints
 a table; exits 1 if the device meter is over the budget by more than ``--tolerance`` anywhere.
@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from swapsched.budget import BudgetError, format_bytes
 from swapsched.deploy import SwapRuntime
-from swapsched.run import DeviceMeter
+from swapsched.device_meter import DeviceMeter
 from swapsched.zoo import build_model
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from swapsched.deploy import SwapRuntime
-from swapsched.run import DeviceMeter
+from swapsched.device_meter import DeviceMeter
 from swapsched.runtime.profiler import profile
 from swapsched.runtime.transients import RUNTIME_ALLOCATING, TransientMeter
 

@@ -1,17 +1,13 @@
 """runtime/two_stages.py, live on the CPU backend: after the first re-timing the policy's new plan
-is on trial against the plan before it, and the faster measured one stays (``_keep_the_faster``);
-a plan that recomputes blocks selectively runs with the training state moving (R9 with R13)."""
+is on trial against the plan before it, and the faster measured one stays (``_keep_the_faster``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from swapsched.agents.registry import get_policy
 from swapsched.deploy import SwapRuntime
 from swapsched.plan import SwapPlan
-from swapsched.runtime.profiler import profile
 from swapsched.runtime.two_stages import KEEP_SLOWER
 from swapsched.zoo import build_model
 
@@ -62,48 +58,3 @@ def test_a_new_plan_that_measures_faster_stays():
     assert [r.mode for r in reports].count("timing") == 2
     assert rt.plan is not None and rt.plan.policy == "no-swap" and rt.settled
     assert all(r.evicted_bytes == 0 for r in reports[-4:])
-
-
-class SelectiveFull:
-    """Checkpoint-selective's blocks with every group's state ``full`` (fetched for each use)."""
-
-    name = "selective-full"
-
-    def plan(self, trace: Any, budget: int, hardware: Any) -> SwapPlan:
-        p = get_policy("checkpoint-selective").plan(trace, budget, hardware)
-        return SwapPlan.of(trace, self.name, p.evictions, recompute=p.recompute, selective=p.selective,
-                           state={g.name: "full" for g in trace.state if not g.frozen}, host_step="after-backward")
-
-
-def test_selectively_checkpointed_blocks_run_with_the_state_fetched_for_each_use():
-    steps = 14
-    # the state mover's fetch in a block's recompute ran inside selective checkpointing's mode,
-    # which refuses any op its forward did not run: "aten.empty.memory_format encountered during
-    # backward but not found in storage" (run --compare, gpt small, AdamW at 40%)
-    a, b = build_model("gpt", "tiny", seed=3), build_model("gpt", "tiny", seed=3)
-    opt_a, opt_b = torch.optim.AdamW(a.model.parameters(), lr=1e-3), torch.optim.AdamW(b.model.parameters(), lr=1e-3)
-    # the budget test_swapper_state moves the state at: half the static bytes and twice the activations' floor
-    c = build_model("gpt", "tiny", seed=3)  # profiled apart: the profile leaves gradients on its model
-    trace = profile(c.model, c.inputs, c.loss_fn, name="gpt-tiny", state="adamw")
-    budget = trace.static_bytes // 2 + 2 * (trace.min_feasible_bytes - trace.static_bytes)
-    reports = []
-    with SwapRuntime(budget=budget, policy=SelectiveFull(), backend="cpu", model=a.model, optimizer=opt_a) as rt:
-        for i in range(steps):
-            with rt.step():
-                la = a.loss()
-                la.backward()
-            lb = b.loss()
-            lb.backward()
-            assert torch.equal(la, lb), f"step {i}: losses differ"
-            for opt in (opt_a, opt_b):
-                opt.step()
-                opt.zero_grad()
-            reports.append((rt.report(), rt.mover is not None))
-        # R9's second stage profiled the steps with the blocks checkpointed selectively and the
-        # state moving; those hold more than the budget, so the blocks then run whole (as
-        # test_recompute's test_a_selective_plan_that_holds_more_than_the_budget_... says)
-        assert any(r.selective_blocks and moving for r, moving in reports)
-        rep = reports[-1][0]
-        assert rep.mode == "execute" and rep.state is not None and {w for _, w in rep.state.placements} == {"full"}
-    for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True):
-        assert torch.equal(p, q)
