@@ -81,10 +81,10 @@ class PolicyRuntime(TwoStages):
     one-off costs, allocator growth and kernel selection, that later steps do not). ``retime_steps``: on the CPU backend,
     executed steps re-time the trace after this many (the policy plans again on it; a plan given by ``use_plan`` stays),
     then at intervals that double (the prediction follows); with a ``hardware`` that has no host costs (the shipped
-    profiles) they fit those too (``fitted_host_costs``). ``tune``: on the CPU backend, before the first re-timing two steps
-    run the compute without hooks, timed and unbudgeted (report mode ``"timing"``: what the hooks cost, DESIGN R1), and the
-    policy's plan on the re-timed steps is on trial against the plan before it: the faster measured one stays (False:
-    neither). 0: keep the profiled timing. ``audit``: measure the memory really held, independently of the accounting, into
+    profiles) they fit those too (``fitted_host_costs``); 0: keep the profiled timing. ``tune``: on the CPU backend, before
+    the first re-timing two steps run the compute without hooks, timed and unbudgeted (report mode ``"timing"``: what the
+    hooks cost, DESIGN R1), and the policy's plan on the re-timed steps is on trial against the plan before it: the faster
+    measured one stays (False: neither). ``audit``: measure the memory really held, independently of the accounting, into
     ``report().measured_peak_bytes`` (on the CPU backend a finalizer per saved storage: slower). ``strict``: a step that
     leaves the profiled trace raises :class:`DivergenceError` where it leaves it, instead of finishing on demand and
     profiling again (``report().divergence`` says where either way). ``background_planning``: a shape after the first one
