@@ -52,6 +52,10 @@ class Hardware:
     copy_issue_s: float = 0.0
     wait_resume_s: float = 0.0
     copy_host_s_per_byte: float = 0.0
+    # R13-R16: what the state mover's hooks cost the compute thread per step, per parameter tensor
+    # placed off the device (its module and gradient hooks, the copies they issue, its bookkeeping);
+    # fitted by the runtime from its own steps (0 for pure models)
+    state_hook_s: float = 0.0
     # R6: the copy streams. 2: one engine per direction (the hook runtime's two copy streams, full
     # duplex); 1: both directions on one stream in issue order (R10: torch's ``ao.offload`` /
     # ``ao.reload`` ops issue every copy on one transfer stream). Set by for_executor, not in YAML.
@@ -186,7 +190,7 @@ class Hardware:
             return self
         if executor == "compiled":
             return replace(self, hook_cost_s=0.0, copy_issue_s=0.0, wait_resume_s=0.0, copy_host_s_per_byte=0.0,
-                           copy_streams=1)
+                           state_hook_s=0.0, copy_streams=1)
         raise HardwareError(f"unknown executor {executor!r}; use one of {list(EXECUTORS)}")
 
     def peak_flops_for(self, dtype: str) -> float:
@@ -240,7 +244,7 @@ _POSITIVE = ("d2h_bytes_per_s", "h2d_bytes_per_s", "device_memory_bytes", "peak_
 #: Fields a run sets (the executor, the ranks on the node, the host budget), never a hardware file
 _PER_RUN = ("copy_streams", "ranks_per_host", "host_budget_bytes", "disk_budget_bytes")
 EXECUTORS = ("hooks", "compiled")  # R10: who executes a plan, see Hardware.for_executor
-HOST_COSTS = ("hook_cost_s", "copy_issue_s", "wait_resume_s", "copy_host_s_per_byte")  # optional, 0 = not measured
+HOST_COSTS = ("hook_cost_s", "copy_issue_s", "wait_resume_s", "copy_host_s_per_byte", "state_hook_s")  # optional, 0 = not measured
 _NUMBER_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
 
 

@@ -94,6 +94,9 @@ class StateGroup:
     #: trainable group of the same modules with ``FROZEN_SUFFIX``; placed ``device`` or ``full``
     #: (resting on the host, fetched for each use and let go after it: ``frozen_placement``).
     frozen: bool = False
+    #: The parameter tensors the group's bytes are in: each moves by a copy of its own, and each
+    #: copy costs the host ``copy_issue_s`` (R6/R8's host costs, charged by ``env/state_exec.py``)
+    tensors: int = 1
 
     @property
     def bytes(self) -> int:

@@ -20,7 +20,8 @@ FORMAT = "swapsched.trace"
 #: still loads, with no state: everything in ``static_bytes``, as it meant then. 3 adds
 #: ``world_size`` and each group's ``gather_bytes`` and ``reduce_bytes`` (a sharded step,
 #: swapsched/sharding.py); a version-2 file loads as one device's step. 4 adds a group's
-#: ``frozen`` (R13: parameters that do not train); a version-3 file's groups all train.
+#: ``frozen`` (R13: parameters that do not train); a version-3 file's groups all train. A
+#: group's optional ``tensors`` (its parameter tensors, a copy each) reads as 1 where absent.
 VERSION = 4
 READS = (1, 2, 3, 4)
 _GROUP_FIELDS = ("params", "param_bytes", "grad_bytes", "optim_bytes", "forward_at", "forward_end", "backward_at", "grad_at")
@@ -49,7 +50,7 @@ def trace_to_dict(trace: Trace) -> dict[str, Any]:
         "events": [ev(e) for e in trace.events],
         "state": [{"name": g.name, **{k: int(getattr(g, k)) for k in _GROUP_FIELDS},
                    **({"gather_bytes": g.gather_bytes, "reduce_bytes": g.reduce_bytes} if trace.world_size > 1 else {}),
-                   **({"frozen": True} if g.frozen else {})}
+                   **({"frozen": True} if g.frozen else {}), **({"tensors": g.tensors} if g.tensors != 1 else {})}
                   for g in trace.state],
         "world_size": trace.world_size,
     }
@@ -134,9 +135,10 @@ def trace_from_dict(data: Any, source: str = "<dict>") -> Trace:
         sharded = {x: f.number(g, x, f"{w}.{x}", integer=True, optional=True) or 0
                    for x in ("gather_bytes", "reduce_bytes")} if ver >= 3 else {}
         frozen = f.get(g, "frozen", f"{w}.frozen", bool, optional=True) if ver >= 4 else None
+        copies = f.number(g, "tensors", f"{w}.tensors", integer=True, optional=True)  # its parameter tensors
         state.append(StateGroup(name=f.get(g, "name", f"{w}.name", str),
                                 **{x: f.number(g, x, f"{w}.{x}", integer=True) for x in _GROUP_FIELDS}, **sharded,
-                                frozen=bool(frozen)))
+                                frozen=bool(frozen), tensors=1 if copies is None else max(int(copies), 1)))
     world = f.number(data, "world_size", "world_size", integer=True, optional=True) if ver >= 3 else None
     trace = object.__new__(Trace)
     fields: dict[str, Any] = dict(

@@ -82,9 +82,7 @@ class Simulation:
         self.hook_now: float | None = None
         # host costs of the copies: owed as they arise (an admission may happen in a drain) and
         # paid by the compute thread before it next computes or waits
-        self.issue = hardware.copy_issue_s
-        self.resume = hardware.wait_resume_s
-        self.per_byte = hardware.copy_host_s_per_byte
+        self.issue, self.resume, self.per_byte = hardware.copy_issue_s, hardware.wait_resume_s, hardware.copy_host_s_per_byte
         self.host_debt = 0.0
         self.host_s = 0.0
         self.engines = CopyEngines(hardware)  # R6, R10, R11
@@ -441,6 +439,8 @@ class Simulation:
                 self._compute.append((self.t - self.trace.tail_compute_s, self.t))
             if st is not None and not st.finish():
                 oom = True
+            elif self.host_debt:  # the state's copies and hooks after the tail (state_exec._copy)
+                self._pay_host()
         timeline = None
         if self.record:
             timeline = Timeline(tuple(self._mem), tuple(self._compute), tuple(self._d2h), tuple(self._h2d), tuple(self._stalls),

@@ -148,8 +148,11 @@ class StateExecution:
 
     # ------------------------------------------------------------------ copies and memory
     def _copy(self, direction: str, nbytes: int, at: float, group: int = -1) -> float:
-        """A state copy on the engine of ``direction`` (R6, FIFO behind what is queued); its end."""
+        """A state copy on the engine of ``direction`` (R6, FIFO behind what is queued); its end.
+        The host issues a copy per parameter tensor of the group, each costing it what an
+        activation's does (R6/R8's host costs), paid before the compute thread next computes or waits."""
         sim = self.sim
+        sim.host_debt += sim.issue * (self.groups[group].tensors if group >= 0 else 1) + nbytes * sim.per_byte
         start, end = sim.engines.span(direction == "d2h", at, nbytes)
         if direction == "d2h":
             sim.d2h_bytes += nbytes
@@ -324,6 +327,8 @@ class StateExecution:
     def _grad_complete(self, j: int) -> None:
         w = self.where[j]
         g = self.groups[j]
+        if w != "device":  # R6/R8 with R13: the mover's hooks' bookkeeping for the group's tensors this step
+            self.sim.host_debt += self.sim.hw.state_hook_s * g.tensors
         if g.frozen:  # no gradient and no step (R13): backward is done with its parameters
             if w == "full":
                 self.resident[j] = False

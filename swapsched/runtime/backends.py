@@ -106,6 +106,11 @@ class Backend:
     device_type = "cpu"
     emulated = True
     pool: HostPool  # the host buffers swapped tensors go to (R11's limit on them)
+    # what the executing step reads around each hook (R6/R8's host costs, retime.py): copies
+    # issued so far, whoever issued them (the activations' and the state mover's), and the host's
+    # seconds blocked in ``wait_host`` (a CUDA ``wait_for_use`` blocks the device, not the host)
+    issued: int = 0
+    waited_s: float = 0.0
 
     def synchronize(self) -> None:
         """Wait until the device has run everything queued (step boundaries only)."""
@@ -237,6 +242,7 @@ class CpuBackend(Backend):
 
     def copy_out_into(self, src: torch.Tensor, host: torch.Tensor) -> Ticket:
         t = Ticket(src.numel() * src.element_size(), src=src, dst=host, done_event=threading.Event())
+        self.issued += 1
 
         def copy() -> None:
             host.copy_(src)
@@ -247,6 +253,7 @@ class CpuBackend(Backend):
 
     def copy_in_into(self, host: torch.Tensor, dst: torch.Tensor, after: Ticket | None = None) -> Ticket:
         t = Ticket(host.numel() * host.element_size(), src=host, dst=dst, after=after, done_event=threading.Event())
+        self.issued += 1
         self.h2d.submit(t, lambda: dst.copy_(host))
         return t
 
@@ -254,8 +261,12 @@ class CpuBackend(Backend):
         return t.done_event.is_set()
 
     def wait_host(self, t: Ticket) -> None:
-        if not t.done_event.wait(self.copy_timeout_s):
-            raise CopyError(f"did not complete in {self.copy_timeout_s:g} s")
+        if not t.done_event.is_set():
+            t0 = time.perf_counter()
+            completed = t.done_event.wait(self.copy_timeout_s)
+            self.waited_s += time.perf_counter() - t0
+            if not completed:
+                raise CopyError(f"did not complete in {self.copy_timeout_s:g} s")
         if t.error is not None:
             raise CopyError(f"failed: {t.error}") from t.error
 
@@ -354,6 +365,7 @@ class CudaBackend(Backend):
             host.copy_(src, non_blocking=True)
         done = torch.cuda.Event()
         done.record(d2h_stream)
+        self.issued += 1
         # the ticket holds src until the copy is complete (the swapper frees it only then)
         return Ticket(src.numel() * src.element_size(), src=src, dst=host, done_event=done, device=device)
 
@@ -369,13 +381,16 @@ class CudaBackend(Backend):
             dst.copy_(host, non_blocking=True)
         done = torch.cuda.Event()
         done.record(h2d_stream)
+        self.issued += 1
         return Ticket(host.numel() * host.element_size(), src=host, dst=dst, after=after, done_event=done, device=device)
 
     def done(self, t: Ticket) -> bool:
         return t.done_event.query()
 
     def wait_host(self, t: Ticket) -> None:
+        t0 = time.perf_counter()
         t.done_event.synchronize()
+        self.waited_s += time.perf_counter() - t0
 
     def wait_for_use(self, t: Ticket) -> None:
         compute = torch.cuda.current_stream(t.device)

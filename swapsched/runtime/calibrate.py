@@ -41,7 +41,6 @@ from swapsched.hardware import DEFAULT_GPU_HARDWARE, Hardware, load_hardware
 from swapsched.plan import Eviction, SwapPlan, on_demand_plan
 from swapsched.runtime.backends import Backend, CpuBackend, CudaBackend, copy_wake_s
 from swapsched.runtime.disk_store import measure_disk
-from swapsched.runtime.retime import nonnegative_fit
 from swapsched.runtime.swapper import PolicyRuntime
 from swapsched.trace import Trace
 from swapsched.zoo import ModelCase, build_model
@@ -357,6 +356,16 @@ def calibrate_host(backend_name: str, bandwidth: float | None = None, rounds: in
     coef = nonnegative_fit(np.array(rows, dtype=np.float64), np.maximum(np.array(ys), 0.0))
     issue, per_byte, resume = (float(c) for c in coef)
     return HostCosts(max(med(hooks), 0.0), issue, per_byte, resume)
+
+
+def nonnegative_fit(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Costs ``c >= 0`` minimizing ``|a c - y|``: a cost the data would make negative is 0, and the
+    others are fitted without it (clipping an ordinary fit afterwards would leave them biased).
+    Columns are scaled first, since they differ by orders of magnitude (copies, bytes)."""
+    from scipy.optimize import nnls
+
+    scale = np.maximum(np.abs(a).max(axis=0), 1.0)
+    return np.asarray(nnls(a / scale, y)[0] / scale)
 
 
 #: R19: what ``calibrate --disk`` writes and reads back (large enough to pass a drive's DRAM cache)

@@ -41,7 +41,9 @@ class ExecuteStep(CopyingStep):
 
     __slots__ = ("layout", "out_at", "prefetch_at", "tensor_bytes", "frees", "expected", "work", "n_seen",
                  "first_sight", "gaps", "hook_s", "last_exit", "tail_s", "alloc", "other", "marks_in", "marks_out",
-                 "mark_start", "mark_end", "scale", "profile", "started", "untracked", "may_unhook", "unhooked")
+                 "mark_start", "mark_end", "scale", "profile", "started", "untracked", "may_unhook", "unhooked",
+                 "issued_start", "issued_at", "waited_at", "plain_hook_s", "plain_events", "mover_at", "mover_in",
+                 "mover_spent_start", "mover_waited_at", "state_host_s")
 
     def __init__(self, frame: StepFrame):
         super().__init__(frame)  # the copies' and the room's state (copies.py)
@@ -68,8 +70,23 @@ class ExecuteStep(CopyingStep):
         # compute is synchronous; the runtime re-times its trace from them (see PolicyRuntime).
         self.gaps: list[float] = []
         self.hook_s = 0.0
-        self.last_exit = time.perf_counter()
         self.tail_s = 0.0
+        # R6/R8's host costs apart (retime.fitted_host_costs): the hook time of the events that
+        # issued no copy and waited for none (the copies issued and the waits so far, as the last
+        # event's hook ended)
+        backend, mover = self.backend, frame.state
+        self.issued_start = self.issued_at = backend.issued
+        self.waited_at = backend.waited_s
+        self.plain_hook_s, self.plain_events = 0.0, 0
+        # the state mover's own time (R13-R16: its module and gradient hooks run between the
+        # step's hooks): taken out of the gap it fell in, as the hooks' own time is, and out of
+        # the hooks' (it works inside an unpack's too, ``at_unpack``: ``mover_in`` is its time as
+        # that hook started); its waits are stalls, the rest its host time (``finish``)
+        self.mover_spent_start = self.mover_at = mover.spent_s if mover is not None else 0.0
+        self.mover_waited_at = mover.waited_s if mover is not None else 0.0
+        self.mover_in: float | None = None
+        self.state_host_s: float | None = None
+        self.last_exit = time.perf_counter()
         # on a real device, for the steps the runtime re-times its trace from: a mark in the
         # compute order as each hook starts and ends (CUDA timing events), read after the step
         # (R1's gaps as the device ran them, where the profiling steps' synchronous copies
@@ -261,7 +278,10 @@ class ExecuteStep(CopyingStep):
         rec = p.rec
         state = self.frame.state
         if state is not None:  # backward reaches the state's groups by the trace's events (R14)
+            spent = state.spent_s
             state.at_unpack(self.i, p.tensor if rec is None else None)
+            if rec is not None:  # its time in this hook is the mover's, not the hook's (_end_event)
+                self.mover_in = spent
         if rec is None:
             assert p.tensor is not None, "a kept tensor is never let go"  # hot path: a plain assert narrows it
             return p.tensor
@@ -293,8 +313,22 @@ class ExecuteStep(CopyingStep):
         if self.marks_in is not None:
             self.marks_out.append(self.backend.mark())
         now = time.perf_counter()
-        self.gaps.append(t_in - self.last_exit)  # the compute since the previous event's hook
-        self.hook_s += now - t_in
+        gap = t_in - self.last_exit  # the compute since the previous event's hook
+        hook = now - t_in
+        mover = self.frame.state
+        if mover is not None:  # the mover's own time: in the gap, and in this hook (at_unpack)
+            at_in = mover.spent_s if self.mover_in is None else self.mover_in
+            gap -= at_in - self.mover_at
+            hook -= mover.spent_s - at_in
+            self.mover_at, self.mover_in = mover.spent_s, None
+        self.gaps.append(gap)
+        self.hook_s += hook
+        backend = self.backend
+        if backend.issued == self.issued_at and backend.waited_s == self.waited_at:
+            self.plain_hook_s += hook
+            self.plain_events += 1
+        else:
+            self.issued_at, self.waited_at = backend.issued, backend.waited_s
         self.last_exit = now
 
     def _make_resident(self, p: Packed, rec: Record) -> torch.Tensor:
@@ -377,6 +411,12 @@ class ExecuteStep(CopyingStep):
         if self.marks_in is not None:
             self.mark_end = self.backend.mark()
         self.hook_s -= self.stall_s
+        mover = self.frame.state
+        if mover is not None:  # its time in the tail; its waits in the step are stalls, the rest its host time
+            self.tail_s -= mover.spent_s - self.mover_at
+            waited = mover.waited_s - self.mover_waited_at
+            self.stall_s += waited
+            self.state_host_s = mover.spent_s - self.mover_spent_start - waited
         if not self.diverged and self.i != self.trace.n_events:
             self._diverge(f"the end of the step after {self.i} of {self.trace.n_events} events")
         self._settle()
@@ -425,7 +465,10 @@ class ExecuteStep(CopyingStep):
             plan_followed=not self.diverged and self.guard == 0 and self.peak <= self.budget,
             divergence=self.divergence,
             guard_evictions=self.guard, kept_small=int(self.layout.plan.meta.get("kept_small", 0)), cuda_peak_bytes=cuda_peak,
-            hook_s=self.hook_s, copies=self.copies, waits=self.waits,
+            hook_s=self.hook_s, copies=self.copies, waits=self.waits, plain_hook_s=self.plain_hook_s,
+            plain_events=self.plain_events, state_host_s=self.state_host_s,
+            state_tensors=len(self.frame.state.params) if self.frame.state is not None else 0,
+            state_copies=max(self.backend.issued - self.issued_start - self.copies, 0) if self.frame.state is not None else 0,
             gaps_s=gaps, tail_s=tail,
             measured_peak_bytes=self.measured_peak(), unowned_bytes=int(self.trace.meta.get("unowned_bytes", 0)),
             recomputed_blocks=self.frame.blocks.names if self.frame.blocks is not None else (),

@@ -108,14 +108,14 @@ def state_groups(model: nn.Module, trace: Trace, optimizer: str) -> tuple[StateG
             nb = local_of(p).untyped_storage().nbytes()  # a shard's own bytes (R18), not its wrapper's
             # a frozen parameter (a LoRA model's base weight): its own group, no gradient or state
             trains = p.requires_grad
-            acc = sizes.setdefault(group_name(mod_name) + ("" if trains else FROZEN_SUFFIX), [0, 0, 0, 0])
-            for i, v in enumerate((local_of(p).numel(), nb, nb if trains else 0, _optimizer_bytes(p, kind.name) if trains else 0)):
+            acc = sizes.setdefault(group_name(mod_name) + ("" if trains else FROZEN_SUFFIX), [0, 0, 0, 0, 0])
+            for i, v in enumerate((local_of(p).numel(), nb, nb if trains else 0, _optimizer_bytes(p, kind.name) if trains else 0, 1)):
                 acc[i] += v
     out = []
-    for name, (params, param_bytes, grad_bytes, optim_bytes) in sizes.items():
+    for name, (params, param_bytes, grad_bytes, optim_bytes, tensors) in sizes.items():
         fa, fe, ba, ga = trace.group_events(name)
         out.append(StateGroup(name, params, param_bytes, grad_bytes, optim_bytes, fa, fe, ba, ga,
-                              frozen=name.endswith(FROZEN_SUFFIX)))
+                              frozen=name.endswith(FROZEN_SUFFIX), tensors=tensors))
     return tuple(out)
 
 

@@ -236,6 +236,16 @@ class StepReport:
     cuda_peak_bytes: int | None = None
     hook_s: float | None = None  # the runtime's own time inside its hooks, waits left out
     copies: int = 0  # swap-outs and swap-ins issued
+    # of ``hook_s``: the events whose hooks issued no copy and waited for none, and their time
+    # (what a hook costs alone: retime.fitted_host_costs)
+    plain_hook_s: float = 0.0
+    plain_events: int = 0
+    # R13-R16, executed steps: the state mover's host time in the step (its hooks, waits left out:
+    # they are in ``stall_s``; not in ``hook_s`` or the gaps), the parameter tensors it moves, and
+    # the copies it issued in the step
+    state_host_s: float | None = None
+    state_tensors: int = 0
+    state_copies: int = 0
     waits: int = 0  # times compute waited for a copy that was not complete
     # CPU backend, executed steps: the compute before each event's hook and after the last one, on
     # the host clock (what ``timed_by_execution`` re-times a trace from)

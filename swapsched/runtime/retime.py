@@ -21,7 +21,7 @@ from swapsched.trace import Trace
 if TYPE_CHECKING:
     from swapsched.runtime.reports import StepReport
 
-__all__ = ["timed_by_execution", "median_trace", "fitted_host_costs", "nonnegative_fit", "ExecutedSteps", "RETIME_EVERY_MOST"]
+__all__ = ["timed_by_execution", "median_trace", "fitted_host_costs", "ExecutedSteps", "RETIME_EVERY_MOST"]
 
 #: Executed steps whose hook times the host's costs are fitted from (the latest ones)
 HOST_STEPS_KEPT = 64
@@ -123,29 +123,23 @@ def fitted_host_costs(hardware: Hardware, reports: list[StepReport], n_events: i
     """``hardware`` with the host's costs of the runtime fitted to executed steps (R6/R8's host
     costs), so that predictions need no calibration step.
 
-    Each step's time in the hooks (waits left out) is ``n_events * hook_cost_s + copies *
-    copy_issue_s + bytes * copy_host_s_per_byte``, fitted by non-negative least squares as
-    ``swapsched calibrate`` fits its workloads. Steps of one plan alone cannot tell the three apart:
-    then it is all per event, which every plan pays alike. (What a wait costs the compute after it
-    is in the gaps the same steps re-time.)"""
-    rows = [(n_events, r.copies, r.evicted_bytes + r.prefetched_bytes + r.on_demand_bytes) for r in reports]
-    y = np.array([max(r.hook_s or 0.0, 0.0) for r in reports], dtype=np.float64)
-    if not rows:
+    Each step's time in the hooks, waits left out, is ``n_events * hook_cost_s + copies *
+    copy_issue_s``: the events whose hooks issued no copy and waited for none give
+    ``hook_cost_s``, and what the step spent beyond ``n_events`` of them, over its copies,
+    ``copy_issue_s``. The state mover's host time (R13-R16), measured apart, is ``copy_issue_s``
+    for each copy it issued and ``state_hook_s`` for each parameter tensor it moves (its hooks'
+    bookkeeping). Each is the median over the steps, so the steps of one plan tell them apart. The per-byte cost stays as given (``calibrate`` measures it on copies
+    of other sizes). (What a wait costs the compute after it is in the gaps the same steps
+    re-time.)"""
+    plain = [r.plain_hook_s / r.plain_events for r in reports if r.plain_events]
+    if not plain:
         return hardware
-    if len({row[1:] for row in rows}) < 2:
-        return replace(hardware, hook_cost_s=float(np.median(y)) / max(n_events, 1))
-    hook, issue, per_byte = (float(c) for c in nonnegative_fit(np.array(rows, dtype=np.float64), y))
-    return replace(hardware, hook_cost_s=hook, copy_issue_s=issue, copy_host_s_per_byte=per_byte)
-
-
-def nonnegative_fit(a: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Costs ``c >= 0`` minimizing ``|a c - y|``: a cost the data would make negative is 0, and the
-    others are fitted without it (clipping an ordinary fit afterwards would leave them biased).
-    Columns are scaled first, since they differ by orders of magnitude (copies, bytes)."""
-    from scipy.optimize import nnls
-
-    scale = np.maximum(np.abs(a).max(axis=0), 1.0)
-    return np.asarray(nnls(a / scale, y)[0] / scale)
+    hook = float(np.median(plain))
+    copies = [max((r.hook_s or 0.0) - hook * n_events, 0.0) / r.copies for r in reports if r.copies]
+    issue = float(np.median(copies)) if copies else hardware.copy_issue_s
+    state = [max(r.state_host_s - issue * r.state_copies, 0.0) / r.state_tensors for r in reports
+             if r.state_host_s is not None and r.state_tensors]
+    return replace(hardware, hook_cost_s=hook, copy_issue_s=issue, state_hook_s=float(np.median(state)) if state else hardware.state_hook_s)
 
 
 def median_trace(traces: list[Trace], most_other: bool = False) -> Trace:

@@ -93,6 +93,10 @@ class StateMover(DeviceStorages):
         # the room a fetch may take now (the executing step's; None: no budget to wait for)
         self.room: Callable[[], int] | None = None
         self.timer: ModeTime | None = None  # a profiling step's instruments (_charged)
+        # the seconds spent in its hooks so far (module, gradient and unpack hooks, backward's end),
+        # and of them blocked in the backend's waits: an executing step takes them out of the
+        # compute gaps they fell in (R1), as the profiling steps' timer does (execute_step.py)
+        self.spent_s = self.waited_s = 0.0
         self._waiting: list[_Param] = []  # fetches waiting for room, in issue order (R6)
         # gradients on their way to the host, in issue order: (parameter, copy, host buffer)
         self._grad_outs: deque[tuple[_Param, Ticket, torch.Tensor]] = deque()
@@ -223,12 +227,22 @@ class StateMover(DeviceStorages):
     def _charged_in(self, hook: Callable[..., Any], *args: Any) -> Any:
         timer = self.timer
         if timer is None:
-            return hook(*args)
+            return self._timed(hook, *args)
         t0, modes = time.perf_counter(), timer.total_s()
+        try:
+            return self._timed(hook, *args)
+        finally:
+            timer.own_s += time.perf_counter() - t0 - (timer.total_s() - modes)
+
+    def _timed(self, hook: Callable[..., Any], *args: Any) -> Any:
+        """``hook(*args)``, its time added to ``spent_s`` and its waits to ``waited_s``."""
+        backend = self.backend
+        t0, waited = time.perf_counter(), backend.waited_s
         try:
             return hook(*args)
         finally:
-            timer.own_s += time.perf_counter() - t0 - (timer.total_s() - modes)
+            self.spent_s += time.perf_counter() - t0
+            self.waited_s += backend.waited_s - waited
 
     # ------------------------------------------------------------------ the step
     def begin_step(self) -> None:
@@ -315,9 +329,12 @@ class StateMover(DeviceStorages):
         it rather than swapped it). Backward reaches each group at its ``backward_at`` (R13): its
         parameters are waited for there and the next group's fetch is issued (R14); a kept tensor
         on a placed parameter's storage is fetched first whatever the events say (a step that left
-        its trace)."""
-        if not self.in_step:
-            return
+        its trace). Timed (``spent_s``), not charged to a profiling step's timer: it runs inside the
+        step's own hook, whose time the step leaves out already."""
+        if self.in_step:
+            self._timed(self._at_unpack, event, t)
+
+    def _at_unpack(self, event: int, t: torch.Tensor | None) -> None:
         if self._waiting:
             self._admit()
         if not self._backward:
@@ -348,7 +365,7 @@ class StateMover(DeviceStorages):
         rest (``_to_rest``), so what runs between backward and ``optimizer.step()`` (clipping,
         inside Lightning's closure too) sees every gradient where the user reads it."""
         self._backward = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._charged(self._backward_ends))
 
     def _backward_ends(self) -> None:
         if self._rest_after_reducer_queued(self._backward_ends):

@@ -229,3 +229,19 @@ def test_a_frozen_group_takes_no_placement_that_steps_or_copies_a_gradient():
     for where in ("param", "host-step", "stream", "stream-full"):
         with pytest.raises(PlanError, match="is frozen"):
             plan(t, **{"blk.0/frozen": where}).validate(t)
+
+
+def test_the_state_mover_costs_the_host_each_copy_and_its_hooks_per_tensor():
+    # R6/R8 with R13: blk.0 is 3 parameter tensors placed "param", at 0.1 s a copy issued and
+    # 0.05 s of the mover's hooks per tensor a step. Its copy out is issued after gap 0 (t 1):
+    # 0.3 s paid before gap 1; its fetch after gap 2 (t 3.3, landing at 4.3): 0.3 s before gap 3,
+    # which ends at 4.6, past the fetch (no stall); its gradient completes after the tail: 0.15 s.
+    # 4 s of compute and 0.75 s of the host's
+    t = two_groups()
+    t = replace(t, state=(replace(t.state[0], tensors=3), t.state[1]))
+    hw = replace(HW, copy_issue_s=0.1, state_hook_s=0.05)
+    r = simulate(t, plan(t, blk_0="param"), hw, 1000)
+    assert r.iteration_s == pytest.approx(4.75, abs=1e-6) and r.host_s == pytest.approx(0.75, abs=1e-6)
+    assert r.state is not None and r.state.stall_s == 0
+    # on the device, nothing moves and the mover costs nothing
+    assert simulate(t, plan(t), hw, 1000).iteration_s == pytest.approx(4.0, abs=1e-6)

@@ -309,7 +309,7 @@ def test_cpu_runtime_retimes_its_trace_from_executed_steps():
     reports.append(rep)
     assert rt.trace.meta["timed_by_execution"] == 2
     assert [(e.kind, e.tensor) for e in rt.trace.events] == [(e.kind, e.tensor) for e in profiled.events]
-    # uncalibrated hardware: the hooks' cost is fitted from the same two steps (one plan: all per event)
+    # uncalibrated hardware: the hooks' cost is fitted from the same two steps (no copy: every event is plain)
     n = rt.trace.n_events
     assert rt.hardware.hook_cost_s == pytest.approx(np.median([r.hook_s for r in reports[-2:]]) / n, rel=1e-12)
     # no-swap moves nothing: the runtime runs it without hooks, and its prediction pays none (R6/R8)
@@ -579,25 +579,30 @@ def test_the_runtime_closes_itself_as_a_context_manager_and_reports_the_run():
     assert run.overhead == run.median_step_s / run.plain_step_s - 1 and "run: 6 steps" in str(rt.report())
 
 
-def test_fitted_host_costs_recover_what_the_hooks_cost_by_hand():
+def test_fitted_host_costs_recover_what_the_hooks_and_the_state_mover_cost_by_hand():
     from swapsched.hardware import load_hardware
     from swapsched.runtime.retime import fitted_host_costs
     from swapsched.runtime.swapper import StepReport
 
-    def rep(copies, nbytes, hook_s):
-        return StepReport(step=1, mode="execute", step_s=1.0, stall_s=0.0, predicted_step_s=None, evicted_bytes=nbytes,
+    def rep(copies, hook_s, plain=(0.0, 0), state=(None, 0, 0)):
+        return StepReport(step=1, mode="execute", step_s=1.0, stall_s=0.0, predicted_step_s=None, evicted_bytes=0,
                           prefetched_bytes=0, on_demand_bytes=0, peak_device_bytes=0, budget_bytes=0,
-                          plan_followed=True, guard_evictions=0, kept_small=0, hook_s=hook_s, copies=copies)
+                          plan_followed=True, guard_evictions=0, kept_small=0, hook_s=hook_s, copies=copies,
+                          plain_hook_s=plain[0], plain_events=plain[1], state_host_s=state[0], state_tensors=state[1],
+                          state_copies=state[2])
 
     hw = load_hardware("cpu-emulated")
-    # 100 events at 10 us, 50 us per copy, 1 ns per byte: three plans tell the three costs apart
-    truth = [(c, b, 100 * 10e-6 + c * 50e-6 + b * 1e-9) for c, b in [(0, 0), (10, 1_000_000), (40, 200_000), (20, 3_000_000)]]
-    fit = fitted_host_costs(hw, [rep(*t) for t in truth], 100)
-    assert fit.hook_cost_s == pytest.approx(10e-6, rel=1e-6) and fit.copy_issue_s == pytest.approx(50e-6, rel=1e-6)
-    assert fit.copy_host_s_per_byte == pytest.approx(1e-9, rel=1e-6) and fit.d2h_bytes_per_s == hw.d2h_bytes_per_s
-    # one plan alone: everything per event, which every plan pays alike
-    one = fitted_host_costs(hw, [rep(10, 1_000_000, 3e-3), rep(10, 1_000_000, 5e-3)], 100)
-    assert one.hook_cost_s == pytest.approx(4e-5) and one.copy_issue_s == 0 and one.copy_host_s_per_byte == 0
+    # 100 events at 10 us (60 of them issued nothing: 0.6 ms), 50 us per copy; the mover moves 8
+    # tensors with 24 copies and 20 us of bookkeeping each: one plan's steps tell all three apart
+    step = rep(10, 100 * 10e-6 + 10 * 50e-6, (60 * 10e-6, 60), (24 * 50e-6 + 8 * 20e-6, 8, 24))
+    noisy = rep(10, 100 * 10e-6 + 10 * 70e-6, (60 * 12e-6, 60), (24 * 50e-6 + 8 * 30e-6, 8, 24))
+    fit = fitted_host_costs(hw, [step, step, noisy], 100)  # medians: the noisy step does not move them
+    assert fit.hook_cost_s == pytest.approx(10e-6) and fit.copy_issue_s == pytest.approx(50e-6)
+    assert fit.state_hook_s == pytest.approx(20e-6) and fit.copy_host_s_per_byte == hw.copy_host_s_per_byte
+    # no copies: the per-copy cost stays as given; no event that issued nothing: nothing is fitted
+    none = fitted_host_costs(hw, [rep(0, 1e-3, (1e-3, 100))], 100)
+    assert none.hook_cost_s == pytest.approx(1e-5) and none.copy_issue_s == hw.copy_issue_s and none.state_hook_s == 0
+    assert fitted_host_costs(hw, [rep(10, 3e-3)], 100) == hw
 
 
 def test_use_plan_below_the_floor_says_the_smallest_budget_in_the_runtimes_words():
