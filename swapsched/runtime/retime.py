@@ -49,19 +49,23 @@ class ExecutedSteps:
         # the fastest step of those the last re-timing used, and as it would have run without hooks
         self.fastest_s: float | None = None
         self.fastest_unhooked_s: float | None = None
-        # R1, "hooked gaps": a step of the plan run without hooks (``times_compute``), and what the
-        # hooks cost the compute around them per event, found at the first re-timing after it
+        # R1, "hooked gaps": a step of the plan's compute timed (``times_compute``), and what the
+        # hooks cost the compute around them per event, found at the first re-timing after it.
+        # ``per_copy``: timed with the state moving (hooks on, every activation kept): what the
+        # compute lost was the activations' copies', charged per copy
         self.unhooked_s: list[float] = []
         self.hook_gap_s: float | None = None
+        self.per_copy = False
+        self.copy_gap_s = 0.0
 
     def times_compute(self, plan: SwapPlan | None, trace: Trace | None, allowed: bool) -> bool:
-        """Whether the next step runs ``plan``'s compute without hooks, timed (R1, "hooked gaps"):
-        ``UNHOOKED_STEPS`` steps just before the first re-timing (the first executed steps after
-        profiling run slower), where the runtime may (``allowed``: on the emulated device, whose
-        memory is the host's, with the model's blocks, none checkpointed yet, nothing watching the
-        step and no state mover that needs the hooks), ``trace`` has blocks a plan could recompute
-        instead (the plans that pass fewer events through the hooks), and the plan moves
-        activations (one that moves nothing runs without hooks anyway)."""
+        """Whether the next step times ``plan``'s compute (R1, "hooked gaps"): without hooks, or
+        with the state moving, every activation kept. ``UNHOOKED_STEPS`` steps just before the
+        first re-timing (the first executed steps after profiling run slower), where the runtime
+        may (``allowed``: on the emulated device, whose memory is the host's, with the model's
+        blocks, none checkpointed yet, nothing watching the step), ``trace`` has blocks a plan
+        could recompute instead (the plans that pass fewer events through the hooks and copy
+        less), and the plan moves activations (one that moves nothing runs without hooks anyway)."""
         return (allowed and self.retimings == 0 and len(self.unhooked_s) < UNHOOKED_STEPS and len(self._steps) + 1 >= self.every
                 and plan is not None and bool(plan.evictions) and trace is not None and bool(trace.segments))
 
@@ -69,8 +73,9 @@ class ExecutedSteps:
         """``rep`` ran ``trace``. Every ``every`` steps: the trace re-timed from them, and the
         hardware with the host's costs fitted (None where they are neither fitted nor measured
         beside the hooks); else None. A step that timed the compute unhooked is kept for that."""
-        if rep.mode == "timing":
-            self.unhooked_s.append(rep.step_s)
+        if rep.mode == "timing":  # with the state moving, hooked: its compute is its gaps
+            self.per_copy = rep.gaps_s is not None
+            self.unhooked_s.append(rep.step_s if rep.gaps_s is None else sum(rep.gaps_s) + (rep.tail_s or 0.0))
             return None
         if rep.gaps_s is not None:
             self._steps.append(rep)
@@ -79,7 +84,10 @@ class ExecutedSteps:
             return None
         retimed = timed_by_execution(trace, self._steps)
         if self.unhooked_s and self.hook_gap_s is None:  # the least of them: noise only adds
-            self.hook_gap_s = max(0.0, retimed.ideal_s - min(self.unhooked_s)) / max(retimed.n_events, 1)
+            lost = max(0.0, retimed.ideal_s - min(self.unhooked_s))
+            self.hook_gap_s = lost / max(retimed.n_events, 1)
+            copies = float(np.median([r.copies for r in self._steps]))
+            self.copy_gap_s = lost / copies if self.per_copy and copies else 0.0
         # the fastest of these steps (noise and the first steps' one-off costs only add), and as it
         # would have run without hooks: less the hooks' own time and what they cost the compute
         self.fastest_s = min(r.measured_s for r in self._steps)
@@ -89,10 +97,12 @@ class ExecutedSteps:
         self.every = min(2 * self.every, max(RETIME_EVERY_MOST, self.first))
         self.retimings += 1
         fitted = fitted_host_costs(self.given, list(self._host), retimed.n_events) if self.fit_host else None
-        if self.hook_gap_s:  # the gaps as the compute alone runs them; each hooked event pays the rest
+        if self.hook_gap_s:  # the gaps as the compute alone runs them; each hooked event (each copy) pays the rest
             retimed = retimed.with_timing([max(g - self.hook_gap_s, 0.0) for g in retimed.gaps.tolist()],
                                           retimed.tail_compute_s, hook_gap_s=self.hook_gap_s)
-            fitted = replace(fitted or self.given, hook_cost_s=(fitted or self.given).hook_cost_s + self.hook_gap_s)
+            base = fitted or self.given
+            fitted = (replace(base, copy_issue_s=base.copy_issue_s + self.copy_gap_s) if self.per_copy
+                      else replace(base, hook_cost_s=base.hook_cost_s + self.hook_gap_s))
         return retimed, fitted
 
     def forget(self) -> None:

@@ -229,14 +229,14 @@ class PolicyRuntime(TwoStages):
         installing_s = time.perf_counter() - t_install
         if self.phase is Phase.PROFILE:
             self.state.profile_with_state_on_host(self.static_bytes, self.hardware.host_budget_bytes)
+        self._timing = self.phase is Phase.RETIME and self._times_compute()
         frame = StepFrame(backend=self.backend, hardware=self.hardware, model=self.model, static_bytes=self.static_bytes,
                           static_keys=self._static_keys, min_bytes=self.min_bytes, strict=self.strict, audit=self.audit,
                           step=self.steps, blocks=self.blocks, rebuilt=dict(self._rebuilt), held=self.state.held_by_others(),
                           # a real device marks its gaps until re-timed once (the emulated one's clock is free)
                           device_timed=not self.backend.emulated and self.retime_steps > 0 and self.trace is not None
-                          and not self._retimed, layout=self.layout, host=self, state=self.mover,
+                          and not self._retimed, layout=self._step_layout(), host=self, state=self.mover,
                           gradients_born=self.state.counts_gradients_from_birth)
-        self._timing = self.phase is Phase.RETIME and self._times_compute()
         ex: StepExecution = ProfileStep(frame) if self.phase is Phase.PROFILE else ExecuteStep(frame)
         self._exec = ex
         mover = self.mover
@@ -262,7 +262,7 @@ class PolicyRuntime(TwoStages):
         self.backend.synchronize()
         step_s = time.perf_counter() - t0
         rep = ex.report(step_s)
-        if self._timing and rep.unhooked:  # R1: the compute alone, unbudgeted (the emulated device's memory is the host's)
+        if self._timing and (rep.unhooked or mover is not None):  # R1: unbudgeted (the emulated device's memory is the host's)
             rep = replace(rep, mode="timing", predicted_step_s=None, peak_device_bytes=None, plan_followed=False)
         if mover is not None and self.trace is not None:
             rep = replace(rep, state=mover.report(self.trace.state))
@@ -282,7 +282,7 @@ class PolicyRuntime(TwoStages):
         only follows the host's costs, which such a step does not pay), nobody asked to watch
         (``audit``, ``strict``, ``unhook=False``: what measures the hooks themselves), it saves no cast of a weight (R12:
         unhooked, autograd would hold each to backward), and ``UNHOOK_AFTER`` steps of the shape ran it as planned."""
-        return self._timing or (self.unhook and not self.audit and not self.strict and (self._retimed or not self.retime_steps) and not
+        return (self._timing and self.mover is None) or (self.unhook and not self.audit and not self.strict and (self._retimed or not self.retime_steps) and not
                 layout.plan.evictions and not layout.plan.state and not layout.trace.meta.get("recasts")
                 and self.plans.followed(layout) >= UNHOOK_AFTER and self._tried is None)
 
@@ -310,7 +310,7 @@ class PolicyRuntime(TwoStages):
             self._after_new_shape(ex.profile)
         elif ex.diverged:
             self._after_divergence(ex)
-        elif ex.layout is not self.layout:  # another shape's, under its own plan: it re-times nothing of this one
+        elif ex.layout is not self.layout and not self._timing:  # another shape's plan: it re-times nothing of this one
             self.plans.note_other_shape(ex.layout, rep)
         elif self.phase is Phase.RETIME:
             self._after_retime_step()

@@ -11,11 +11,13 @@ this; the runtime supplies what it reads.
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from swapsched.budget import BudgetError, format_bytes
 from swapsched.errors import UserError, present
 from swapsched.plan import SwapPlan
+from swapsched.runtime.layout import lay_out
 from swapsched.runtime.plans import without_small
 from swapsched.runtime.retime import median_trace
 from swapsched.trace import Trace
@@ -36,6 +38,8 @@ __all__ = ["TwoStages", "KEEP_SLOWER"]
 #: before the plan before comes back (``TwoStages._keep_the_faster``): the rounds' noise on this
 #: machine is a few percent
 KEEP_SLOWER = 0.03
+#: The budget of a step that times the compute with the state moving (``_step_layout``): none
+UNBUDGETED = 1 << 62
 
 
 class TwoStages:
@@ -65,6 +69,7 @@ class TwoStages:
     _unwrapped_first_sight: dict[int, int]
     _given: tuple[Trace, SwapPlan] | None
     _tried: tuple[SwapPlan, float] | None = None  # the plan before the policy planned again, and its fastest step
+    _timing: bool
     state: RuntimeState
     @property
     def policy(self) -> Policy | None:
@@ -173,11 +178,22 @@ class TwoStages:
         return True
 
     def _times_compute(self) -> bool:
-        """Whether the next step runs the plan's compute without hooks (``ExecutedSteps.times_compute``):
-        on the emulated device, tuning, with the hooks free to come off (nothing watching, no state
-        mover) and the model's blocks, none checkpointed yet."""
+        """Whether the next step times the plan's compute (``ExecutedSteps.times_compute``): on the
+        emulated device, tuning, nothing watching, with the model's blocks, none checkpointed yet.
+        Without the hooks; with the state moving (its mover needs them), with the plan's state
+        and every activation kept (``_step_layout``)."""
         return self._executed.times_compute(self.plan, self.trace, self.backend.emulated and self.tune and self.unhook and not (
-            self.audit or self.strict or self.state.mover is not None or self.blocks is None or self.blocks.names))
+            self.audit or self.strict or self.blocks is None or self.blocks.names))
+
+    def _step_layout(self) -> Any:
+        """The layout the next step follows: the plan's; in a step that times the compute with the
+        state moving (R1, "hooked gaps"), its state placed as planned and every activation kept,
+        unbudgeted (the emulated device's memory is the host's), so that the gaps are the
+        compute without the activations' copies."""
+        if not (self._timing and self.state.mover is not None):
+            return self.layout
+        trace, plan = present(self.trace, "the plan's trace"), present(self.plan, "the plan")
+        return lay_out(trace, replace(plan, evictions=()), self.hardware, UNBUDGETED, first_sight=self.first_sight)
 
     @property
     def settled(self) -> bool:

@@ -92,7 +92,7 @@ def test_steps_run_without_hooks_give_what_the_hooks_cost_the_compute_and_the_ga
     assert not steps.times_compute(plan, trace, allowed=True)
     steps.add(_executed(1.0), trace)
     assert steps.times_compute(plan, trace, allowed=True)
-    assert not steps.times_compute(plan, trace, allowed=False)  # watched, a state mover, blocks checkpointed, CUDA
+    assert not steps.times_compute(plan, trace, allowed=False)  # watched, blocks checkpointed, CUDA
     assert not steps.times_compute(SwapPlan.of(trace, "keep", []), trace, allowed=True)  # it runs without hooks anyway
     assert not steps.times_compute(plan, trace.with_segments(lambda sg: False), allowed=True)  # nothing to recompute
     assert steps.add(timing, trace) is None and steps.add(replace(timing, step_s=3.0), trace) is None
@@ -108,3 +108,23 @@ def test_steps_run_without_hooks_give_what_the_hooks_cost_the_compute_and_the_ga
         assert not steps.times_compute(plan, trace, allowed=True)
         due = steps.add(_executed(1.0), trace)
     assert due is not None and due[0].gaps.tolist() == pytest.approx([0.5] * 4)
+
+
+def test_steps_timed_with_the_state_moving_charge_what_the_compute_lost_to_each_copy():
+    # R1, "hooked gaps", with the state moving: the timing steps keep the hooks (the mover needs
+    # them) and every activation, so their gaps are the compute without the activations' copies:
+    # 3.6 and 3.0 s in all (gaps and tail; the least counts). The plan's steps ran 5 s of compute
+    # with 4 copies each: the compute lost (5 - 3) / 4 = 0.5 s a copy, charged per copy (not per
+    # event: a plan that copies less, every block recomputed, loses less), the gaps 0.5 s each
+    trace = make_trace([100, 100], [("pack", 0, 1.0), ("pack", 1, 1.0), ("unpack", 1, 1.0), ("unpack", 0, 1.0)],
+                       tail=1.0, modules=["blk.0.ln", "blk.0.fc"])
+    hooked = replace(_executed(1.0), copies=4)
+    timing = replace(hooked, mode="timing", gaps_s=(0.65,) * 4, tail_s=1.0, plan_followed=False)
+    steps = ExecutedSteps(3, make_hw(), fit_host=False)
+    steps.add(hooked, trace)
+    steps.add(hooked, trace)
+    assert steps.add(timing, trace) is None and steps.add(replace(timing, gaps_s=(0.5,) * 4), trace) is None
+    retimed, hardware = steps.add(hooked, trace)  # type: ignore[misc]
+    assert steps.per_copy and steps.copy_gap_s == pytest.approx(0.5)
+    assert retimed.gaps.tolist() == pytest.approx([0.5] * 4) and retimed.tail_compute_s == pytest.approx(1.0)
+    assert hardware is not None and hardware.copy_issue_s == pytest.approx(0.5) and hardware.hook_cost_s == 0
