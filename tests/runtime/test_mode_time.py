@@ -49,8 +49,10 @@ def test_the_modes_charged_time_is_left_out_of_the_gaps() -> None:
     uncharged, ops = _recorded_compute(None)
     assert ops >= 10 and uncharged >= ops * SLEEP_S  # every op's sleep lands in a gap
     charged, _ = _recorded_compute(ModeTime())
-    # the sleeps are gone; what is left is the ops themselves and the entries' estimate (a few us)
-    assert charged < 0.2 * ops * SLEEP_S, (charged, ops)
+    # the sleeps are gone; what is left is the ops themselves and the entries' estimate: a few us
+    # an op alone, 3 ms on a loaded 2-core machine (CI, session 32: 91 ms for 31 ops), still well
+    # under half of what one sleep per op leaks
+    assert charged < 0.5 * ops * SLEEP_S, (charged, ops)
 
 
 def test_the_profiling_modes_charge_each_op_once_and_not_the_op_itself() -> None:
