@@ -28,7 +28,7 @@ Where each job lives (each imports only the modules below it: the contract in ``
   ``background.py``: the planner thread; ``recompute.py``: the checkpointed blocks (R9);
 - ``layout.py``: a plan laid out for the hooks; ``reports.py``: steps' and the run's records;
   ``stash.py``: what autograd keeps per saved tensor;
-- ``shapes.py``: families of shapes; ``backends.py``: the copy engines; ``profiler.py``: a whole
-  step profiled outside the runtime, and static bytes; ``recorder.py``: what the hooks record,
-  and storages' identity. ``calibrate.py`` and ``live_env.py`` sit on top.
+- ``shapes.py``: families of shapes; ``backends.py``: the copy engines (``host_pool.py``: their host
+  buffers); ``profiler.py``: a whole step profiled outside the runtime, and static bytes;
+  ``recorder.py``: what the hooks record, and storages' identity. ``calibrate.py`` and ``live_env.py`` sit on top.
 """

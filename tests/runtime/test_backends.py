@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from swapsched.deploy import SwapRuntime
-from swapsched.runtime.backends import CpuBackend, HostPool
+from swapsched.runtime.backends import CpuBackend
+from swapsched.runtime.host_pool import HostPool
 from swapsched.zoo import build_model
 from tests.conftest import step_reports
 
