@@ -23,7 +23,7 @@ def test_the_device_meter_counts_live_storages_at_their_peak():
 
 
 def test_the_device_meter_leaves_the_host_pools_buffers_out():
-    from swapsched.runtime.backends import HostPool
+    from swapsched.runtime.host_pool import HostPool
 
     model = torch.nn.Linear(2, 2)
     meter = DeviceMeter(model, None, "cpu")
