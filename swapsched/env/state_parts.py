@@ -47,7 +47,7 @@ from swapsched.plan import SwapPlan
 from swapsched.state import MEASURED_OPTIMIZER_RATES, OPTIMIZERS
 
 __all__ = ["STATIC_PARTS", "static_parts", "HOST_PARTS", "STREAM_IN_PARTS", "STREAM_OUT_PARTS", "state_split",
-           "keeps_gradient", "born_gradients_held", "resident_parts", "part_bytes", "stream_in_bytes", "one_ahead", "fetch_events", "by_event", "disk_parts", "STAGING_SLOTS", "optimizer_rates",
+           "keeps_gradient", "born_gradients_held", "host_gradients_coming", "resident_parts", "part_bytes", "stream_in_bytes", "one_ahead", "fetch_events", "by_event", "disk_parts", "STAGING_SLOTS", "optimizer_rates",
            "staging_bytes", "host_need", "Held", "held", "as_held"]
 
 #: The parts of a group the step's static bytes hold under each placement (module docstring)
@@ -143,6 +143,22 @@ def born_gradients_held(groups: tuple, where: list[str], n: int) -> np.ndarray:
     for g, w in zip(groups, where, strict=True):
         if keeps_gradient(w):
             held[min(g.backward_at, n):] += g.grad_bytes
+    return held
+
+
+def host_gradients_coming(groups: tuple, where: list[str], n: int) -> np.ndarray:
+    """R4 with R14: per gap (``n + 1``: the tail last), the gradients of groups whose placement
+    copies them to the host (``host-step``, ``full``, ``stream-full``) that are yet to be made,
+    each from the gap after its group's ``backward_at`` through the gap that makes it (the one
+    that ends at its ``grad_at``). The simulator allocates such a gradient at the event
+    ``backward_at``, waiting for room (``state_exec``); the executing runtime holds its room from
+    there, since autograd makes it unasked and the state mover counts it only once its hook sees
+    it complete."""
+    held = np.zeros(n + 1, dtype=np.int64)
+    for g, w in zip(groups, where, strict=True):
+        if w in ("host-step", "full", "stream-full"):
+            first = g.backward_at + 1
+            held[min(first, n):min(max(g.grad_at, first), n) + 1] += g.grad_bytes
     return held
 
 

@@ -121,8 +121,7 @@ class CopyingStep(StepExecution):
     def _make_room(self, need: int, now_tid: int | None) -> None:
         # a diverged step makes room too: the plan no longer describes it, but the budget still
         # holds, by the swap-outs in flight and then the guard
-        room = self.budget - self.static
-        while self.used + need > room:
+        while self.used + need > self.budget - self.static:  # the state's bytes may change it (below)
             if self.deaths:
                 self._count_deaths()
                 continue
@@ -140,6 +139,13 @@ class CopyingStep(StepExecution):
                 self.stall_s += time.perf_counter() - t0
                 self._retire_out(self.outs.popleft())
                 continue
+            state = self.frame.state
+            if state is not None:  # R4 waits for the state's copies out as for swap-outs (R14)
+                t0 = time.perf_counter()
+                landed = state.land_gradient()
+                self.stall_s += time.perf_counter() - t0
+                if landed:
+                    continue
             if not self._guard_evict(now_tid):
                 return  # nothing left to move: over budget, reported, never a crash
 

@@ -10,7 +10,7 @@ from typing import Any
 from swapsched.env.events import event_tables
 from swapsched.env.result import SimResult
 from swapsched.env.simulator import simulate
-from swapsched.env.state_parts import born_gradients_held, state_split
+from swapsched.env.state_parts import born_gradients_held, host_gradients_coming, state_split
 from swapsched.hardware import Hardware
 from swapsched.plan import SwapPlan
 from swapsched.runtime.shapes import first_bytes, structure
@@ -56,12 +56,16 @@ class PlanLayout:
 
     @cached_property
     def other_held(self) -> list[int]:
-        """Per gap, what it holds beyond the saved tensors (R3): the trace's other bytes, and the
-        gradients the step makes that the plan's placement keeps on the device (R13)."""
+        """Per gap, what it holds beyond the saved tensors (R3): the trace's other bytes, the
+        gradients the step makes that the plan's placement keeps on the device (R13), and the
+        room of those it copies to the host until they are made (R4 with R14)."""
         other = self.trace.other_bytes
-        if self.trace.state_gradients_born:
+        if self.trace.state:
+            n = self.trace.n_events
             where = [self.plan.placement().get(g.name, "device") for g in self.trace.state]
-            other = other + born_gradients_held(self.trace.state, where, self.trace.n_events)[: self.trace.n_events]
+            other = other + host_gradients_coming(self.trace.state, where, n)[:n]
+            if self.trace.state_gradients_born:
+                other = other + born_gradients_held(self.trace.state, where, n)[:n]
         return [int(b) for b in other]
 
     @property

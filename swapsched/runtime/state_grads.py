@@ -54,6 +54,16 @@ class GradientsToHost(StateAtRest):
         if self._reduced:
             self._sum_for_reducer(mp)
 
+    def land_gradient(self) -> bool:
+        """R4 with R14: the oldest gradient on its way to the host waited for, and its device
+        storage let go, where the executing step needs the room (the simulator frees it as its
+        copy lands); False where none is on its way."""
+        if not self._grad_outs:
+            return False
+        self.backend.wait_host(self._grad_outs[0][1])
+        self._collect_grads(wait=False)
+        return True
+
     def _collect_grads(self, wait: bool) -> None:
         """The gradients whose copies landed (all of them, with ``wait``) added to the host's, in
         the order they were copied out (one engine runs them in that order, R6)."""

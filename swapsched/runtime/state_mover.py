@@ -335,6 +335,10 @@ class StateMover(DeviceStorages):
             self._timed(self._at_unpack, event, t)
 
     def _at_unpack(self, event: int, t: torch.Tensor | None) -> None:
+        if self._grad_outs:
+            # gradients whose copies landed let go of their device storage before the next gap,
+            # as the simulator frees a copy out as it lands (R14), not at the next gradient's hook
+            self._collect_grads(wait=False)
         if self._waiting:
             self._admit()
         if not self._backward:

@@ -8,7 +8,7 @@ import pytest
 
 from swapsched.budget import relative_scale
 from swapsched.env.simulator import simulate
-from swapsched.env.state_parts import optimizer_rates
+from swapsched.env.state_parts import host_gradients_coming, optimizer_rates
 from swapsched.plan import SwapPlan
 from swapsched.state import MEASURED_OPTIMIZER_RATES, StateGroup
 from swapsched.trace import STATE_GRADIENTS_BORN, Trace
@@ -245,3 +245,14 @@ def test_the_state_mover_costs_the_host_each_copy_and_its_hooks_per_tensor():
     assert r.state is not None and r.state.stall_s == 0
     # on the device, nothing moves and the mover costs nothing
     assert simulate(t, plan(t), hw, 1000).iteration_s == pytest.approx(4.0, abs=1e-6)
+
+
+def test_the_room_of_a_host_placed_gradient_is_held_from_after_its_backward_to_the_gap_that_makes_it() -> None:
+    # R4 with R14, by hand: a group's gradient is made in the gap that ends at its grad_at; the
+    # simulator allocates it at the event backward_at; two host-placed groups whose windows touch
+    # (one's backward_at is the other's grad_at) never hold room at once; kept ones hold none here
+    groups = (StateGroup("a", 1, 4, 10, 8, 0, 1, 6, 8), StateGroup("b", 1, 4, 100, 8, 2, 3, 4, 6),
+              StateGroup("c", 1, 4, 1000, 8, 2, 3, 4, 6), StateGroup("d", 1, 4, 7, 8, 0, 1, 9, 9))
+    held = host_gradients_coming(groups, ["full", "host-step", "device", "stream-full"], 9)
+    assert held.tolist() == [0, 0, 0, 0, 0, 100, 100, 10, 10, 7]
+    assert not host_gradients_coming(groups, ["device", "stream", "param", "device"], 9).any()

@@ -56,7 +56,7 @@ def test_a_budget_below_the_static_bytes_moves_the_state_and_trains_bit_identica
     assert floors["movable"] <= budget < floors["activations"]
     a, b, opt_a, opt_b = _pair()
     assert static_bytes_of(a.model, opt_a) <= floors["static"]
-    steps = 10
+    steps, executed = 10, 0
     with SwapRuntime(budget=budget, policy="default", model=a.model, optimizer=opt_a, backend="cpu", audit=True) as rt:
         for i in range(steps):
             _step_both(rt, a, b, i)
@@ -73,9 +73,12 @@ def test_a_budget_below_the_static_bytes_moves_the_state_and_trains_bit_identica
                 assert rep.peak_device_bytes is not None and rep.peak_device_bytes <= budget, \
                     f"step {i}: {format_bytes(rep.peak_device_bytes or 0)} over {format_bytes(budget)}"
                 assert rep.measured_peak_bytes is not None and rep.measured_peak_bytes <= budget
-        assert rt.trace is not None and rt.trace.state, "the runtime's trace records the state"
-        assert rt.plan is not None and rt.plan.state
-        assert "state off the device" in str(rt.report())
+                # (read here: a re-timing may checkpoint blocks, and the steps after it are profiled again)
+                assert rt.trace is not None and rt.trace.state, "the runtime's trace records the state"
+                assert rt.plan is not None and rt.plan.state
+                assert "state off the device" in str(rt.report())
+                executed += 1
+        assert executed >= 3
     # closed: the state is back on the device, and every tensor equals the plain run's
     for (n, p), q in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
         assert torch.equal(p, q), n
@@ -111,8 +114,12 @@ def test_gradients_count_from_their_birth_with_the_state_moving_until_a_step_beg
                     getattr(g, part) for g in trace.state for part in static[where.get(g.name, "device")])
                 # in the last gap, beside what the trace measured: each kept gradient made by then
                 # (the token embedding's is made after the last saved tensor's unpack: in the tail)
+                # and the room of each host-placed gradient that gap makes (R4 with R14)
+                last = trace.n_events - 1
                 born = [g for g in kept if g.backward_at < trace.n_events]
-                assert born and layout.other_held[-1] - int(trace.other_bytes[-1]) == sum(g.grad_bytes for g in born)
+                coming = [g for g in trace.state if g not in kept and g.backward_at < last <= g.grad_at]
+                assert born and layout.other_held[-1] - int(trace.other_bytes[-1]) == sum(
+                    g.grad_bytes for g in born + coming)
             if i == 5:
                 assert rep.mode == "profile"
             if i != 4:  # step 5 adds into step 4's gradients, as the plain run does
@@ -274,3 +281,42 @@ def test_the_state_movers_host_time_is_kept_out_of_the_gaps_and_fitted_per_tenso
         assert sum(rep.gaps_s) + (rep.tail_s or 0.0) + (rep.hook_s or 0.0) + rep.state_host_s + rep.stall_s <= rep.step_s
         assert sum(rep.gaps_s) + (rep.tail_s or 0.0) <= rep.step_s - slept
         assert rt.hardware.state_hook_s >= 2e-3 * calls[0] / rep.state_tensors * 0.9
+
+
+class StreamedEnds:
+    """The first five groups ``stream-full``, the last six ``stream``, the middle ones kept: the
+    plan `default` chose under a host budget of a quarter of the state (test_state_disk.py)."""
+
+    name = "streamed-ends"
+
+    def plan(self, trace: Any, budget: int, hardware: Any) -> SwapPlan:
+        where = {g.name: "stream-full" if int(g.name) < 5 else "stream" for g in trace.state if int(g.name) < 5 or int(g.name) >= 10}
+        return SwapPlan.of(trace, self.name, (), state=where, host_step="after-backward")
+
+
+def test_a_host_placed_gradient_has_its_room_before_autograd_makes_it() -> None:
+    # a stream-full group's gradient is made by autograd, unasked, in the gap that completes it,
+    # while its parameter, the next group's fetched one and that gap's transients are there; the
+    # mover counted it only at its hook, and let the one before it go only at the next gradient's
+    # hook: the audit measured 4,309 B over the budget every step. Its room is now held from its
+    # group's backward on, waiting for the gradients on their way to the host (R4 with R14)
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.ReLU()) for _ in range(16)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(64, 128)
+    budget = int(0.6 * static_bytes_of(model, opt))
+    executed = 0
+    with SwapRuntime(budget=budget, policy=StreamedEnds(), model=model, optimizer=opt, backend="cpu", audit=True) as rt:
+        for _ in range(6):
+            with rt.step():
+                model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            rep = rt.report()
+            if rep.mode == "execute":
+                executed += 1
+                assert rep.peak_device_bytes is not None and rep.peak_device_bytes <= budget
+                assert rep.measured_peak_bytes is not None and rep.measured_peak_bytes <= budget, rep.measured_peak_bytes - budget
+    assert executed >= 2
