@@ -298,7 +298,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print(f"d2h {hw.d2h_bytes_per_s / 1e9:.3f} GB/s   h2d {hw.h2d_bytes_per_s / 1e9:.3f} GB/s   "
           f"latency {1e6 * hw.copy_latency_s:.1f} us (idle engine +{1e6 * hw.copy_wake_s:.1f})   hook {1e6 * hw.hook_cost_s:.2f} us/event   "
           f"copy issue {1e6 * hw.copy_issue_s:.1f} us   per byte {1e9 * hw.copy_host_s_per_byte:.3f} ns   "
-          f"wait resume {1e6 * hw.wait_resume_s:.1f} us")
+          f"wait resume {1e6 * hw.wait_resume_s:.1f} us   state mover {1e6 * hw.state_hook_s:.1f} us/tensor")
     if hw.collective_bytes_per_s is not None:
         print(f"collectives over {args.world_size} ranks: {hw.collective_bytes_per_s / 1e9:.3f} GB/s bus bandwidth, "
               f"latency {1e6 * hw.collective_latency_s:.1f} us")

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from swapsched.runtime.reports import StepReport
 
 __all__ = ["Calibration", "HostCosts", "calibrate_link", "calibrate_host", "calibrate", "execute_in_rounds",
-           "training_step", "host_optimizer_rate"]
+           "training_step", "host_optimizer_rate", "calibrate_state_hook"]
 
 SIZES = [2**16, 2**18, 2**20, 2**22, 2**24, 2**25]
 
@@ -88,6 +88,8 @@ def _provenance(backend_name: str) -> dict[str, str]:
         "copy_issue_s": f"{src}: step time added per copy issued (least squares, {work})",
         "wait_resume_s": f"{src}: step time added per wait for a copy (least squares, {work})",
         "copy_host_s_per_byte": f"{src}: step time added per byte copied (least squares, {work})",
+        "state_hook_s": f"{src}: the state mover's time per parameter tensor, beyond copy_issue_s per copy (median over "
+                        "executed steps of gpt-tiny, AdamW, every group full)",
         "host_optimizer_params_per_s": f"{src}: torch.optim.AdamW(fused=True) on the CPU, 16 x 1M fp32 parameters, "
                                        "median of 5 steps (R15)",
     }
@@ -239,6 +241,7 @@ class HostCosts:
     copy_issue_s: float  # per copy issued, either direction: in the hooks and in the compute around
     copy_host_s_per_byte: float  # per byte copied, in the compute around (copies on the compute's cores)
     wait_resume_s: float  # per wait for a copy, in the compute that follows
+    state_hook_s: float = 0.0  # per parameter tensor the state mover moves (R13-R16): its hooks' bookkeeping
 
 
 # Fixed calibration workloads, outside the sim2real benchmark's models: many small saved tensors
@@ -355,7 +358,47 @@ def calibrate_host(backend_name: str, bandwidth: float | None = None, rounds: in
             ys.append(med(med(net(r) for r in mv) - med(net(r) for r in kp) for mv, kp in zip(plan_rounds, keep, strict=False)))
     coef = nonnegative_fit(np.array(rows, dtype=np.float64), np.maximum(np.array(ys), 0.0))
     issue, per_byte, resume = (float(c) for c in coef)
-    return HostCosts(max(med(hooks), 0.0), issue, per_byte, resume)
+    return HostCosts(max(med(hooks), 0.0), issue, per_byte, resume, calibrate_state_hook(backend_name, bandwidth, issue))
+
+
+class _EveryGroupFull:
+    """The calibration's state plan: every trainable group ``full`` (FSDP2's CPU offload: fetched
+    for each use, the gradient copied out, the step on the host), no activation moved."""
+
+    name = "calibration-state-full"
+
+    def plan(self, trace: Trace, budget: int, hardware: Hardware) -> SwapPlan:
+        return SwapPlan.of(trace, self.name, (), state={g.name: "full" for g in trace.state if not g.frozen},
+                           host_step="after-backward")
+
+
+def calibrate_state_hook(backend_name: str, bandwidth: float | None, copy_issue_s: float, steps: int = 24) -> float:
+    """R13-R16's host cost: the state mover's time per parameter tensor it moves (its hooks'
+    bookkeeping), beyond ``copy_issue_s`` for each copy it issues. gpt-tiny under AdamW, every
+    group placed ``full`` under a budget below its static bytes; the median over the executed
+    steps, by the rule the runtime fits it with (``retime.state_hook_per_tensor``)."""
+    from swapsched.runtime.profiler import static_bytes_of
+    from swapsched.runtime.retime import state_hook_per_tensor
+
+    device = "cuda" if backend_name == "cuda" else "cpu"
+    case = build_model("gpt", "tiny", device=device)
+    opt = torch.optim.AdamW(case.model.parameters(), lr=1e-4)
+    rt = PolicyRuntime(budget=int(0.9 * static_bytes_of(case.model, opt)), policy=_EveryGroupFull(),
+                       backend=backend_name, model=case.model, optimizer=opt, bandwidth=bandwidth, tune=False)
+    reports = []
+    try:
+        for _ in range(rt.profile_steps + steps):
+            case.timed_step(rt.step)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if (r := rt.report()).mode == "execute":
+                reports.append(r)
+    finally:
+        rt.close()
+    per_tensor = state_hook_per_tensor(reports, copy_issue_s)
+    if per_tensor is None:
+        raise RuntimeError("calibrate_state_hook: no step executed the state plan")
+    return per_tensor
 
 
 def nonnegative_fit(a: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -407,7 +450,7 @@ def calibrate(backend_name: str = "cpu", bandwidth: float | None = None, name: s
         memory_bytes_per_s=ref.memory_bytes_per_s, bf16_peak_flops=ref.bf16_peak_flops, fp16_peak_flops=ref.fp16_peak_flops,
         kind=ref.kind, hook_cost_s=host.hook_cost_s,
         copy_issue_s=host.copy_issue_s, wait_resume_s=host.wait_resume_s, copy_host_s_per_byte=host.copy_host_s_per_byte,
-        host_optimizer_params_per_s=host_optimizer_rate(),
+        state_hook_s=host.state_hook_s, host_optimizer_params_per_s=host_optimizer_rate(),
     )
     provenance = _provenance(backend_name)
     if world_size > 1:

@@ -21,7 +21,7 @@ from swapsched.trace import Trace
 if TYPE_CHECKING:
     from swapsched.runtime.reports import StepReport
 
-__all__ = ["timed_by_execution", "median_trace", "fitted_host_costs", "ExecutedSteps", "RETIME_EVERY_MOST"]
+__all__ = ["timed_by_execution", "median_trace", "fitted_host_costs", "state_hook_per_tensor", "ExecutedSteps", "RETIME_EVERY_MOST"]
 
 #: Executed steps whose hook times the host's costs are fitted from (the latest ones)
 HOST_STEPS_KEPT = 64
@@ -147,9 +147,17 @@ def fitted_host_costs(hardware: Hardware, reports: list[StepReport], n_events: i
     hook = float(np.median(plain))
     copies = [max((r.hook_s or 0.0) - hook * n_events, 0.0) / r.copies for r in reports if r.copies]
     issue = float(np.median(copies)) if copies else hardware.copy_issue_s
-    state = [max(r.state_host_s - issue * r.state_copies, 0.0) / r.state_tensors for r in reports
+    state = state_hook_per_tensor(reports, issue)
+    return replace(hardware, hook_cost_s=hook, copy_issue_s=issue, state_hook_s=hardware.state_hook_s if state is None else state)
+
+
+def state_hook_per_tensor(reports: list[StepReport], copy_issue_s: float) -> float | None:
+    """The state mover's host time per parameter tensor it moves, beyond ``copy_issue_s`` for
+    each copy it issued (R13-R16's host cost, ``Hardware.state_hook_s``): the median over the
+    steps that moved the state; None where none did."""
+    state = [max(r.state_host_s - copy_issue_s * r.state_copies, 0.0) / r.state_tensors for r in reports
              if r.state_host_s is not None and r.state_tensors]
-    return replace(hardware, hook_cost_s=hook, copy_issue_s=issue, state_hook_s=float(np.median(state)) if state else hardware.state_hook_s)
+    return float(np.median(state)) if state else None
 
 
 def median_trace(traces: list[Trace], most_other: bool = False) -> Trace:

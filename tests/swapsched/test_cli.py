@@ -170,7 +170,8 @@ def test_calibrate_writes_a_loadable_profile(tmp_path):
     assert main(["calibrate", "--backend", "cpu", "--bandwidth", "2e9", "--out", str(out)]) == 0
     hw = load_hardware(out)
     assert 0.5e9 < hw.d2h_bytes_per_s < 4e9 and hw.hook_cost_s >= 0
-    assert hw.copy_issue_s >= 0 and hw.wait_resume_s >= 0
+    assert hw.copy_issue_s >= 0 and hw.wait_resume_s >= 0 and hw.state_hook_s >= 0
+    assert "state_hook_s:" in out.read_text()  # measured (R13-R16), with where it came from
     # R15: the host's AdamW, measured (a 2-core machine steps 1e8-1e10 parameters a second)
     assert hw.host_optimizer_params_per_s is not None and 1e7 < hw.host_optimizer_params_per_s < 1e11
     assert "measured by swapsched calibrate" in out.read_text() and "AdamW(fused=True)" in out.read_text()
