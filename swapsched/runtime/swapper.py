@@ -440,10 +440,6 @@ class PolicyRuntime(TwoStages):
         """What moves the training state where the adopted plan places it (``state_mover.py``)."""
         return self.state.mover
 
-    def _planned_on(self, trace: Trace) -> Trace:
-        """What the policy may plan on (``BlockCheckpoints.planned_on``; no block without a model)."""
-        return trace.with_segments(lambda sg: False) if self.blocks is None else self.blocks.planned_on(trace)
-
     def _take_trace(self, trace: Trace, retimed: bool = False) -> None:
         """``trace`` (profiled, or ``retimed`` by executed steps) is the one plans are made on
         from now, with the run's budget checked against it."""

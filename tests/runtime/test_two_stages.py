@@ -58,3 +58,30 @@ def test_a_new_plan_that_measures_faster_stays():
     assert [r.mode for r in reports].count("timing") == 2
     assert rt.plan is not None and rt.plan.policy == "no-swap" and rt.settled
     assert all(r.evicted_bytes == 0 for r in reports[-4:])
+
+
+class Recording(Scripted):
+    """``Scripted``, keeping whether each trace it was given had blocks it could checkpoint selectively."""
+
+    def __init__(self, *plans: str):
+        super().__init__(*plans)
+        self.selective_offered: list[bool] = []
+
+    def plan(self, trace: Any, budget: int, hardware: Any) -> SwapPlan:
+        self.selective_offered.append(any(sg.cheap for sg in trace.segments))
+        return super().plan(trace, budget, hardware)
+
+
+def test_a_selective_plan_that_loses_its_trial_is_followed_by_one_planned_without_selective_blocks():
+    # no-swap first; on the re-timed trace every block checkpointed selectively, whose swaps
+    # (planned on the steps as they then run) are swap-all's on a 2 MB/s link: it loses its trial
+    # and no-swap is back; then the policy plans once more with no block offered selectively
+    # (checkpoint-all here), and that plan is on trial against no-swap in turn
+    policy = Recording("no-swap", "checkpoint-selective", "swap-all", "checkpoint-all", "no-swap")
+    rt, reports = _steps(policy, 40)
+    assert policy.k >= 5, f"the policy planned {policy.k} times"
+    assert policy.selective_offered[1] and not policy.selective_offered[3], policy.selective_offered
+    assert any(r.selective_blocks for r in reports), "the selective plan never ran"
+    whole = [r for r in reports if r.recomputed_blocks and not r.selective_blocks]
+    assert whole and whole[-1].mode == "execute", "the plan without selective blocks never ran"
+    assert rt.settled and not policy.selective_offered[-1]
