@@ -156,7 +156,7 @@ def host_gradients_coming(groups: tuple, where: list[str], n: int) -> np.ndarray
     it complete."""
     held = np.zeros(n + 1, dtype=np.int64)
     for g, w in zip(groups, where, strict=True):
-        if w in ("host-step", "full", "stream-full"):
+        if not keeps_gradient(w):
             first = g.backward_at + 1
             held[min(first, n):min(max(g.grad_at, first), n) + 1] += g.grad_bytes
     return held
